@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random HF models saved to disk (with the SmolLM2 tokenizer), built once per session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    from tokenmill.transformers_utils.default_model import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-5)
+
+
+def _make_config(arch: str, vocab_size: int, bos: int, eos: int):
+    import transformers as tf
+    common = dict(TINY, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos)
+    if arch == "llama":
+        return tf.LlamaConfig(**common, tie_word_embeddings=False,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    if arch == "mistral":
+        return tf.MistralConfig(**common, sliding_window=None)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, smollm2_tokenizer):
+    """arch -> directory with config.json, model.safetensors and the SmolLM2 tokenizer (fp32 random weights)."""
+    import transformers as tf
+    cache: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch in cache:
+            return cache[arch]
+        tok = smollm2_tokenizer
+        cfg = _make_config(arch, len(tok), tok.bos_token_id or 0, tok.eos_token_id)
+        torch.manual_seed(1234)
+        model = tf.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+        d = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+        model.save_pretrained(d, safe_serialization=True)
+        tok.save_pretrained(d)
+        cache[arch] = d
+        return d
+
+    return make

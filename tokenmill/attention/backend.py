@@ -1,0 +1,50 @@
+"""The attention-backend interface and the per-step metadata every backend receives."""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's varlen batch: request i owns query tokens [query_start_loc[i], query_start_loc[i+1]) and attends
+    to the first seq_lens[i] positions of its context (cached prefix + the new tokens, causally), stored in the blocks
+    listed by block_table[i]. slot_mapping[t] is where token t's K/V go (block_id * block_size + offset)."""
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor        # [T] int64
+    query_start_loc: torch.Tensor     # [B + 1] int32
+    seq_lens: torch.Tensor            # [B] int32
+    block_table: torch.Tensor         # [B, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: np.ndarray   # host copies, for backends that loop or plan on the host
+    seq_lens_cpu: np.ndarray
+
+
+class AttentionBackend(abc.ABC):
+    """Stores K/V into the paged cache and computes attention for a varlen batch.
+
+    The cache of one layer is one tensor [2, num_blocks, block_size, num_kv_heads, head_size] (K then V). A backend
+    must write every token's K/V before any request reads it within the same call: a prefix hit may point at blocks
+    that another request of the same step is filling.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> out [T, Hq*D]."""

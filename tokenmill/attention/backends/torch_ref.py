@@ -1,0 +1,79 @@
+"""Pure-PyTorch paged attention: the CPU backend and the oracle the GPU kernels are checked against."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter K/V of each token into its slot. kv_cache [2, N, bs, H, D]; k, v [T, H, D]."""
+    _, n, bs, h, d = kv_cache.shape
+    flat = kv_cache.view(2, n * bs, h, d)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `length` cached K and V of one sequence: [length, H, D] each."""
+    _, _, bs, h, d = kv_cache.shape
+    nb = -(-length // bs)
+    blocks = kv_cache[:, block_ids[:nb].long()]  # [2, nb, bs, H, D]
+    kv = blocks.reshape(2, nb * bs, h, d)[:, :length]
+    return kv[0], kv[1]
+
+
+class TorchRefBackend(AttentionBackend):
+    """Straightforward and exact: decodes are batched into one padded attention, prefills run one request each."""
+
+    name = "TORCH_REF"
+
+    def forward(self, q, k, v, kv_cache, md: AttentionMetadata):
+        t = md.num_actual_tokens
+        q = q[:t].view(t, self.num_heads, self.head_size)
+        k = k[:t].view(t, self.num_kv_heads, self.head_size)
+        v = v[:t].view(t, self.num_kv_heads, self.head_size)
+        write_kv(kv_cache, k, v, md.slot_mapping[:t])
+        out = torch.empty_like(q)
+        qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
+        query_lens = qsl[1:] - qsl[:-1]
+        decode_rows = (query_lens == 1).nonzero()[0]
+        if len(decode_rows):
+            self._decode(q, kv_cache, md, decode_rows, out)
+        for i in (query_lens > 1).nonzero()[0]:
+            s, e = int(qsl[i]), int(qsl[i + 1])
+            out[s:e] = self._prefill(q[s:e], kv_cache, md.block_table[i], int(seq_lens[i]))
+        return out.view(t, self.num_heads * self.head_size)
+
+    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int):
+        ql = q.shape[0]
+        key, value = gather_kv(kv_cache, block_ids, seq_len)
+        group = self.num_heads // self.num_kv_heads
+        key = key.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)      # [Hq, L, D]
+        value = value.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        ctx = seq_len - ql
+        # Query i sits at position ctx + i and sees keys 0..ctx + i.
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= (ctx + torch.arange(ql, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), key, value, attn_mask=mask, scale=self.scale)
+        return o.transpose(0, 1)
+
+    def _decode(self, q, kv_cache, md: AttentionMetadata, rows, out) -> None:
+        dev = q.device
+        rows_t = torch.as_tensor(rows, device=dev)
+        lens = md.seq_lens_cpu[rows]
+        max_len = int(lens.max())
+        _, _, bs, h, d = kv_cache.shape
+        nb = -(-max_len // bs)
+        tables = md.block_table[rows_t, :nb].long()                  # [B, nb]
+        k = kv_cache[0][tables].reshape(len(rows), nb * bs, h, d)[:, :max_len].to(q.dtype)
+        v = kv_cache[1][tables].reshape(len(rows), nb * bs, h, d)[:, :max_len].to(q.dtype)
+        group = self.num_heads // self.num_kv_heads
+        token_idx = md.query_start_loc[rows_t].long()
+        qd = q[token_idx].view(len(rows), self.num_kv_heads, group, d)           # [B, Hkv, G, D]
+        scores = torch.einsum("bhgd,blhd->bhgl", qd.float(), k.float()) * self.scale
+        valid = torch.arange(max_len, device=dev)[None, :] < torch.as_tensor(lens, device=dev)[:, None]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        o = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+        out[token_idx] = o.reshape(len(rows), self.num_heads, d).to(out.dtype)

@@ -1,0 +1,31 @@
+"""Configuration: one dataclass per concern; `EngineArgs` builds them from flat keyword arguments or the CLI."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.config.cache import CacheConfig
+from tokenmill.config.device import DeviceConfig
+from tokenmill.config.load import LoadConfig
+from tokenmill.config.model import ModelConfig
+from tokenmill.config.parallel import ParallelConfig
+from tokenmill.config.scheduler import SchedulerConfig
+
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, LoadConfig, ParallelConfig, DeviceConfig)
+
+
+@dataclass
+class TokenmillConfig:
+    """Everything one engine needs, after validation and model-dependent defaults."""
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    load_config: LoadConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+
+    def __post_init__(self) -> None:
+        self.scheduler_config.finalize(self.model_config.max_model_len)
+
+
+__all__ = ["CacheConfig", "DeviceConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
+           "TokenmillConfig", "CONFIG_CLASSES"]

@@ -1,0 +1,124 @@
+"""Model configuration: which model, its dtype and context length. Resolving it reads the model's config."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenmill.config.utils import check_choices, check_range, config_field, not_supported_yet
+
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_DTYPE_MAP = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+              "float": torch.float32, "float32": torch.float32}
+
+
+def parse_human_int(value: Any, name: str) -> int | None:
+    """'32k' -> 32000, '1K' -> 1024 (vLLM: lower-case = powers of ten, upper-case = powers of two); 'auto'/-1 -> None."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        return None if value == -1 else value
+    s = str(value).strip()
+    if s.lower() == "auto" or s == "-1":
+        return None
+    mult = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+        if s and s[-1] in mult:
+            return int(float(s[:-1]) * mult[s[-1]])
+        return int(s)
+    except ValueError:
+        raise ValueError(f"Invalid value {value!r} for `{name}`: expected an integer such as 4096, 32k or 1K, "
+                         "or auto / -1.") from None
+
+
+@dataclass
+class ModelConfig:
+    """The model to run. `__post_init__` resolves it locally (never downloads) and reads its HF config."""
+    model: str | None = config_field(None, help="Model directory, .gguf file or locally cached HF repo id; "
+                                                "empty = the embedded SmolLM2-135M-Instruct.")
+    tokenizer: str | None = config_field(None, help="Tokenizer directory or id (default: the model's).")
+    tokenizer_mode: str = config_field("auto", help="auto/hf: fast tokenizer; slow: the Python one.",
+                                       choices=("auto", "hf", "slow", "mistral", "deepseek_v32"))
+    trust_remote_code: bool = config_field(False, help="Allow custom code from the model repository.")
+    dtype: str = config_field("auto", help="Weights and activations dtype. auto: the checkpoint's dtype on GPU "
+                                           "(fp32 checkpoints run in bf16); float32 on CPU.", choices=DTYPES)
+    seed: int = config_field(0, help="Global random seed (unseeded requests draw their seeds from it).")
+    revision: str | None = config_field(None, help="Model revision in the local HF cache.")
+    code_revision: str | None = config_field(None, help="Revision of the model code.")
+    tokenizer_revision: str | None = config_field(None, help="Tokenizer revision in the local HF cache.")
+    hf_config_path: str | None = config_field(None, help="Read the HF config from here instead of the model.")
+    max_model_len: int | None = config_field(None, help="Context length (prompt + output); default: the "
+                                                        "model's. Accepts 32k, 1K, auto.")
+    quantization: str | None = config_field(None, help="Weight quantization method (GGUF files are dequantized "
+                                                       "at load; others are not supported yet).")
+    enforce_eager: bool = config_field(False, help="Never use CUDA graphs.")
+    max_logprobs: int = config_field(20, help="Most logprobs a request may ask for (-1 = no limit).")
+    logprobs_mode: str = config_field("raw_logprobs", help="What logprobs report.",
+                                      choices=("raw_logprobs", "raw_logits", "processed_logprobs",
+                                               "processed_logits"))
+    disable_sliding_window: bool = config_field(False, help="Disable sliding-window attention.")
+    skip_tokenizer_init: bool = config_field(False, help="Load no tokenizer; prompts must be token ids.")
+    served_model_name: str | list[str] | None = config_field(None, help="Name(s) the API serves the model as.")
+    hf_overrides: dict = config_field(help="Values merged into the HF config.", default_factory=dict)
+    generation_config: str = config_field("auto", help="auto: the model's generation_config.json; vllm: none; "
+                                                       "or a folder holding one.")
+    override_generation_config: dict = config_field(help="Generation defaults to override.", default_factory=dict)
+    disable_cascade_attn: bool = config_field(True, help="Disable cascade attention.")
+    enable_prompt_embeds: bool = config_field(False, help="Accept prompt embeddings (not supported yet).")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        self.max_model_len = parse_human_int(self.max_model_len, "max_model_len")
+        check_range("max_model_len", self.max_model_len, 1)
+        if self.max_logprobs < -1:
+            raise ValueError(f"Invalid value {self.max_logprobs} for `max_logprobs`: must be -1 or >= 0.")
+        if self.tokenizer_mode in ("mistral", "deepseek_v32"):
+            raise not_supported_yet("tokenizer_mode", self.tokenizer_mode, "Use auto, hf or slow.")
+        if self.quantization not in (None, "gguf"):
+            raise not_supported_yet("quantization", self.quantization)
+        if self.enable_prompt_embeds:
+            raise not_supported_yet("enable_prompt_embeds", True)
+        self._resolve()
+
+    def _resolve(self) -> None:
+        from tokenmill.transformers_utils.config import get_hf_config, get_max_model_len
+        from tokenmill.transformers_utils.resolve import resolve_model
+        self.resolved = resolve_model(self.model, self.revision)
+        self.hf_config = get_hf_config(self.resolved, trust_remote_code=self.trust_remote_code,
+                                       revision=self.revision, hf_overrides=self.hf_overrides,
+                                       hf_config_path=self.hf_config_path)
+        archs = getattr(self.hf_config, "architectures", None) or []
+        self.architecture = archs[0] if archs else None
+        derived = get_max_model_len(self.hf_config)
+        if self.max_model_len is None:
+            self.max_model_len = derived
+        elif self.max_model_len > derived:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's maximum context "
+                             f"length ({derived}, from its config). Lower max_model_len.")
+        if self.served_model_name is None:
+            self.served_model_name = [self.model if self.model else "SmolLM2-135M-Instruct"]
+        elif isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.resolved.gguf_file is not None
+
+    def get_torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPE_MAP[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        cfg = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(cfg, str):
+            cfg = getattr(torch, cfg, None)
+        if cfg in (torch.float16, torch.bfloat16):
+            return cfg
+        return torch.bfloat16
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def get_text_config(self) -> Any:
+        get = getattr(self.hf_config, "get_text_config", None)
+        return get() if get else self.hf_config

@@ -1,0 +1,58 @@
+"""Scheduler configuration: the per-step token budget and batching policy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.config.utils import check_choices, check_range, config_field, not_supported_yet
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+@dataclass
+class SchedulerConfig:
+    """One token budget per step shared by prefill chunks and decodes."""
+    max_num_batched_tokens: int | None = config_field(
+        None, help=f"Most tokens processed in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; at least "
+                   "max_model_len when chunked prefill is off).")
+    max_num_seqs: int | None = config_field(None, help=f"Most requests in one step (default {DEFAULT_MAX_NUM_SEQS}).")
+    max_num_partial_prefills: int = config_field(1, help="Most requests partially prefilled at once.")
+    max_long_partial_prefills: int = config_field(1, help="Most long prompts partially prefilled at once.")
+    long_prefill_token_threshold: int = config_field(
+        0, help="A prompt longer than this is 'long'; its chunks are capped at this many tokens (0 = off).")
+    scheduling_policy: str = config_field("fcfs", help="fcfs: first come first served; priority: lower "
+                                                       "`priority` value first, then arrival time.",
+                                          choices=("fcfs", "priority"))
+    enable_chunked_prefill: bool | None = config_field(
+        None, help="Split long prompts into chunks that share steps with decodes (default on).")
+    async_scheduling: bool | None = config_field(
+        None, help="Overlap scheduling of the next step with the current one (GPU only).")
+    stream_interval: int = config_field(1, help="Send streamed output every N tokens.")
+    scheduler_cls: str | None = config_field(None, help="A custom scheduler class (not supported yet).")
+    disable_chunked_mm_input: bool = config_field(False, help="Never split multimodal items across steps.")
+
+    def finalize(self, max_model_len: int) -> None:
+        """Fill defaults that depend on the model, then check the combination."""
+        if self.enable_chunked_prefill is None:
+            self.enable_chunked_prefill = True
+        if self.max_num_seqs is None:
+            self.max_num_seqs = DEFAULT_MAX_NUM_SEQS
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                self.max_num_batched_tokens = max(self.max_num_batched_tokens, max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({max_model_len}) with chunked prefill disabled, so long prompts could never run. Raise "
+                "max_num_batched_tokens, lower max_model_len, or enable chunked prefill.")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        check_range("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_range("max_num_seqs", self.max_num_seqs, 1)
+        check_range("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        check_range("stream_interval", self.stream_interval, 1)
+        check_range("max_num_partial_prefills", self.max_num_partial_prefills, 1)
+        if self.scheduler_cls is not None:
+            raise not_supported_yet("scheduler_cls", self.scheduler_cls)

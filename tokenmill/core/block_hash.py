@@ -1,0 +1,53 @@
+"""Chained block hashes for automatic prefix caching.
+
+A full block's key is hash(parent block's key, the block's token ids). Chaining makes one key identify the whole
+prefix up to and including that block, so a lookup walks the request's keys until the first miss.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Callable
+
+_ROOT = b"tokenmill-root"
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _xxhash(data: bytes) -> bytes:
+    import xxhash
+    return xxhash.xxh3_128_digest(data)
+
+
+def get_hash_fn(algo: str) -> Callable[[bytes], bytes]:
+    if algo in ("sha256", "sha256_cbor"):
+        return _sha256
+    if algo in ("xxhash", "xxhash_cbor"):
+        return _xxhash
+    raise ValueError(f"Unknown prefix_caching_hash_algo {algo!r}; allowed: sha256, sha256_cbor, xxhash, xxhash_cbor.")
+
+
+def hash_block(hash_fn: Callable[[bytes], bytes], parent: bytes | None, token_ids: list[int]) -> bytes:
+    return hash_fn((parent or _ROOT) + array("q", token_ids).tobytes())
+
+
+class BlockHasher:
+    """Computes the keys of a request's blocks that became full since the last call."""
+
+    def __init__(self, block_size: int, algo: str) -> None:
+        self.block_size = block_size
+        self.hash_fn = get_hash_fn(algo)
+
+    def __call__(self, request) -> list[bytes]:
+        bs = self.block_size
+        start = len(request.block_hashes)
+        end = request.num_tokens // bs
+        parent = request.block_hashes[-1] if start else None
+        tokens = request.all_token_ids
+        new = []
+        for i in range(start, end):  # one iteration per *block* filled (at most one per decode step)
+            parent = hash_block(self.hash_fn, parent, tokens[i * bs:(i + 1) * bs])
+            new.append(parent)
+        return new

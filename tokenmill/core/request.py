@@ -1,0 +1,94 @@
+"""The engine core's view of one request: its tokens, progress and state."""
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+from tokenmill.engine.messages import EngineCoreRequest, FinishReason
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+                   RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+                   RequestStatus.FINISHED_ABORTED: FinishReason.ABORT}
+
+
+class Request:
+    """A request inside the engine core.
+
+    The single scheduling quantity is `num_computed_tokens` catching up with `num_tokens` (prompt + outputs):
+    prefill, chunked prefill, decode, prefix-cache hits and recompute after preemption are all that one rule.
+    `block_hashes` holds the chained hash of every full block of known tokens (kept up to date on append).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 arrival_time: float, priority: int = 0, max_model_len: int | None = None,
+                 block_hasher: Callable[["Request"], list[bytes]] | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 = not scheduled yet
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        limit = sampling_params.max_tokens
+        room = (max_model_len - self.num_prompt_tokens) if max_model_len is not None else None
+        if limit is None:
+            limit = max(room, 1) if room is not None else 2**31
+        self.max_tokens = limit
+        self.block_hashes: list[bytes] = []
+        self._block_hasher = block_hasher
+        if block_hasher is not None:
+            self.block_hashes.extend(block_hasher(self))
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int | None,
+                                 block_hasher: Callable[["Request"], list[bytes]] | None) -> "Request":
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, req.priority,
+                   max_model_len, block_hasher)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def get_finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def __lt__(self, other: "Request") -> bool:  # priority queue order: priority, then arrival
+        return (self.priority, self.arrival_time) < (other.priority, other.arrival_time)

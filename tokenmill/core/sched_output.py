@@ -1,0 +1,57 @@
+"""Messages between the scheduler and the model runner (one step's plan and its result)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.engine.messages import LogprobsLists
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: first scheduled, or resumed after preemption (recompute)."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds: only what changed since the last step."""
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended this step
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: which requests run, how many tokens each, and what the runner must forget."""
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished, aborted or preempted since the last step: drop their runner state
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The result of one step.
+
+    sampled_token_ids[i] belongs to req_ids[i]; it is empty for a request whose prefill chunk did not reach the end
+    of its known tokens (nothing is sampled then). logprobs rows follow req_ids too (rows of requests that sampled
+    nothing or did not ask are ignored). prompt_logprobs holds, per request that asked, the chunk computed this step.
+    """
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: LogprobsLists | None = None
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

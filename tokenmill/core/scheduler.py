@@ -1,0 +1,218 @@
+"""The scheduler: one token budget per step, running requests first, then waiting ones."""
+from __future__ import annotations
+
+from tokenmill.config import TokenmillConfig
+from tokenmill.core.block_hash import BlockHasher
+from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request_queue import make_queue
+from tokenmill.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput)
+from tokenmill.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsLists,
+                                       SchedulerStats)
+
+
+class Scheduler:
+    """Decides, each step, how many tokens of which requests to compute.
+
+    Every request has `num_computed_tokens` catching up with `num_tokens`; a step gives each scheduled request a
+    share of `max_num_batched_tokens`. Running requests go first (in order); when blocks run out the lowest-ranked
+    running request is preempted (its blocks freed, recomputed later). Waiting requests are admitted while budget,
+    `max_num_seqs` and blocks allow; a prompt that does not fit the budget is chunked across steps.
+    """
+
+    def __init__(self, config: TokenmillConfig, num_blocks: int) -> None:
+        sc, cc = config.scheduler_config, config.cache_config
+        self.max_num_batched_tokens: int = sc.max_num_batched_tokens
+        self.max_num_seqs: int = sc.max_num_seqs
+        self.chunked_prefill: bool = sc.enable_chunked_prefill
+        self.long_prefill_threshold = sc.long_prefill_token_threshold
+        self.policy = sc.scheduling_policy
+        self.max_model_len = config.model_config.max_model_len
+        self.block_size = cc.block_size
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.block_hasher = BlockHasher(cc.block_size, cc.prefix_caching_hash_algo) \
+            if cc.enable_prefix_caching else None
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(self.policy)
+        self.running: list[Request] = []
+        self._finished_since_last_step: set[str] = set()
+        self._num_preemptions = 0
+
+    # ----- admission -----
+    def check_request(self, prompt_len: int) -> None:
+        """Raise ValueError if a prompt could never be scheduled."""
+        if prompt_len > self.max_model_len:
+            raise ValueError(f"The prompt is {prompt_len} tokens long, more than max_model_len "
+                             f"({self.max_model_len}).")
+        if cdiv(prompt_len, self.block_size) > self.kv.num_blocks:
+            raise ValueError(f"The prompt needs {cdiv(prompt_len, self.block_size)} KV blocks but the cache has "
+                             f"only {self.kv.num_blocks}; give the KV cache more memory.")
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"Request id {req.request_id!r} is already running.")
+        self.check_request(len(req.prompt_token_ids))
+        request = Request.from_engine_core_request(req, self.max_model_len, self.block_hasher)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Finish (by default abort) requests wherever they are; unknown or finished ids are ignored."""
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        self._finished_since_last_step.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ----- one step -----
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        num_scheduled: dict[str, int] = {}
+        preempted_any = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_tokens_to_schedule(req, req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            new_block_ids = self.kv.allocate_slots(req, n)
+            while new_block_ids is None:
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted_any = True
+                if victim is req:
+                    break
+                new_block_ids = self.kv.allocate_slots(req, n)
+            if new_block_ids is None:
+                break  # `req` itself was preempted; it sat at the end, so nothing after it remains
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            num_scheduled[req.request_id] = n
+            budget -= n
+            i += 1
+
+        while (not preempted_any and len(self.waiting) and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting.peek()
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = self._num_tokens_to_schedule(req, num_hit, budget)
+            if n <= 0:
+                break
+            if not self.chunked_prefill and num_hit + n < req.num_tokens:
+                break  # the whole prompt must fit in one step
+            new_block_ids = self.kv.allocate_slots(req, n, hits)
+            if new_block_ids is None:
+                break
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            self.running.append(req)
+            new_reqs.append(NewRequestData(
+                req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
+                block_ids=new_block_ids, num_computed_tokens=num_hit))
+            num_scheduled[req.request_id] = n
+            budget -= n
+
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        finished = self._finished_since_last_step
+        self._finished_since_last_step = set()
+        return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+                               num_scheduled_tokens=num_scheduled,
+                               total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+                               finished_req_ids=finished)
+
+    def _num_tokens_to_schedule(self, req: Request, num_computed: int, budget: int) -> int:
+        n = req.num_tokens - num_computed
+        if 0 < self.long_prefill_threshold < n:
+            n = self.long_prefill_threshold
+        return min(n, budget, self.max_model_len - num_computed)
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        self._finished_since_last_step.add(req.request_id)  # the runner drops its state; resumed as new
+        self.waiting.prepend(req)
+
+    # ----- results -----
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        for row, (rid, token_ids) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            prompt_lp = out.prompt_logprobs.get(rid)
+            if not token_ids:
+                if prompt_lp is not None:
+                    outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_lp))
+                continue
+            req.append_output_token_ids(token_ids)
+            stopped = self._check_stop(req)
+            new_lp = None
+            if out.logprobs is not None and req.sampling_params.logprobs is not None:
+                new_lp = LogprobsLists([out.logprobs.token_ids[row]], [out.logprobs.logprobs[row]],
+                                       [out.logprobs.ranks[row]])
+            outputs.append(EngineCoreOutput(
+                rid, token_ids, new_logprobs=new_lp, new_prompt_logprobs=prompt_lp,
+                finish_reason=req.get_finish_reason() if stopped else None, stop_reason=req.stop_reason,
+                num_cached_tokens=max(req.num_cached_tokens, 0)))
+            if stopped:
+                self.running.remove(req)
+                self._free(req)
+        return EngineCoreOutputs(outputs=outputs)
+
+    def _check_stop(self, req: Request) -> bool:
+        params = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens:
+            if last in params.all_stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = None if last == params._eos_token_id and last not in params.stop_token_ids \
+                    else last
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # ----- introspection -----
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+                              kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_queries,
+                              prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self._num_preemptions)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()

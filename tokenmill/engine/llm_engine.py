@@ -1,0 +1,96 @@
+"""The synchronous engine: processor -> engine core (in-process) -> output processor."""
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.config import TokenmillConfig
+from tokenmill.config.engine_args import create_engine_config
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.processor import Processor, PromptType
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+# Generation-config keys that become default sampling parameters (HF name -> SamplingParams name).
+_GEN_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def load_tokenizer(config: TokenmillConfig):
+    mc = config.model_config
+    if mc.skip_tokenizer_init:
+        return None
+    from tokenmill.transformers_utils.tokenizer import get_tokenizer
+    return get_tokenizer(mc.resolved, tokenizer=mc.tokenizer, tokenizer_mode=mc.tokenizer_mode,
+                         trust_remote_code=mc.trust_remote_code, revision=mc.tokenizer_revision or mc.revision)
+
+
+def load_generation_config(config: TokenmillConfig) -> dict[str, Any]:
+    mc = config.model_config
+    if mc.generation_config == "vllm":
+        gen: dict[str, Any] = {}
+    else:
+        from tokenmill.transformers_utils.config import get_generation_config
+        from tokenmill.transformers_utils.resolve import resolve_model
+        resolved = mc.resolved if mc.generation_config == "auto" else resolve_model(mc.generation_config)
+        gen = dict(get_generation_config(resolved, mc.trust_remote_code) or {})
+    gen.update(mc.override_generation_config or {})
+    return gen
+
+
+class LLMEngine:
+    """Adds requests, steps the engine core, and turns its token-level outputs into RequestOutputs."""
+
+    def __init__(self, config: TokenmillConfig, log_stats: bool = False) -> None:
+        from tokenmill.transformers_utils.config import get_eos_token_ids
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.generation_config = load_generation_config(config)
+        eos = get_eos_token_ids(config.model_config.hf_config, self.generation_config, self.tokenizer)
+        self.processor = Processor(config, self.tokenizer, eos)
+        self.engine_core = EngineCore(config)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.log_stats = log_stats
+        self.last_stats = None
+
+    @classmethod
+    def from_engine_args(cls, log_stats: bool = False, **kwargs: Any) -> "LLMEngine":
+        return cls(create_engine_config(**kwargs), log_stats=log_stats)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM semantics: the model's generation_config.json supplies defaults (unless generation_config='vllm')."""
+        kwargs = {ours: self.generation_config[hf] for hf, ours in _GEN_DEFAULTS.items()
+                  if self.generation_config.get(hf) is not None}
+        return SamplingParams(**kwargs)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        text, reqs = self.processor.process(request_id, prompt, params, arrival_time, priority)
+        for i, req in enumerate(reqs):
+            self.engine_core.add_request(req)  # raises before anything is recorded if it can never fit
+        for i, req in enumerate(reqs):
+            self.output_processor.add_request(req, text, parent_id=request_id, index=i, n=len(reqs))
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine_core.abort_requests(self.output_processor.abort_requests(ids))
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        self.last_stats = outputs.scheduler_stats
+        result = self.output_processor.process_outputs(outputs.outputs)
+        if result.reqs_to_abort:
+            self.engine_core.abort_requests(result.reqs_to_abort)
+        return result.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()

@@ -1,0 +1,75 @@
+"""Typed messages between the front end (processor / output processor) and the engine core.
+
+They are msgspec structs so the same objects cross the ZMQ boundary in serving and are passed directly in-process
+for offline `LLM`.
+"""
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0    # a stop token, EOS or a stop string
+    LENGTH = 1  # max_tokens or max_model_len reached
+    ABORT = 2   # aborted by the client or the engine
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A tokenized, validated request handed to the engine core."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+
+
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Logprobs for a run of positions.
+
+    For each position i: token_ids[i][0] is the chosen (sampled or prompt) token and token_ids[i][1:] the top-N
+    tokens in descending order; logprobs[i] matches token_ids[i]; ranks[i] is the chosen token's rank (1 = best).
+    """
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step produced for one request."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    """A snapshot for logging and metrics."""
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0     # of which were found
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0

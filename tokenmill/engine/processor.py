@@ -1,0 +1,120 @@
+"""Turns user inputs (text or token ids + SamplingParams) into validated EngineCoreRequests."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tokenmill.config import TokenmillConfig
+from tokenmill.engine.messages import EngineCoreRequest
+from tokenmill.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class Processor:
+    """Tokenizes prompts and checks requests against the model (vocabulary, context length, logprob limits)."""
+
+    def __init__(self, config: TokenmillConfig, tokenizer: Any | None, eos_token_ids: list[int]) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = config.model_config.max_model_len
+        self.max_logprobs = config.model_config.max_logprobs
+        self.vocab_size = config.model_config.vocab_size
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.extra_eos_ids = eos_token_ids[1:]
+
+    # ----- prompts -----
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, prompt token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(list(prompt["prompt_token_ids"]))
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("A prompt dict needs a 'prompt' (text) or 'prompt_token_ids' key; got keys "
+                                 f"{sorted(prompt)}.")
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(list(prompt))
+        if not isinstance(prompt, str):
+            raise ValueError(f"A prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}.")
+        if self.tokenizer is None:
+            raise ValueError("skip_tokenizer_init=True: prompts must be given as token ids "
+                             "({'prompt_token_ids': [...]}).")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"Token id {t!r} is out of vocabulary (valid ids are 0..{self.vocab_size - 1}).")
+        return ids
+
+    # ----- params -----
+    def _check_params(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is None or self.max_logprobs == -1:
+                continue
+            asked = self.vocab_size if n == -1 else n
+            if asked > self.max_logprobs:
+                raise ValueError(f"Requested {name}={n} but at most {self.max_logprobs} are allowed "
+                                 "(raise max_logprobs to allow more).")
+        for name, ids in (("logit_bias", list((params.logit_bias or {}).keys())),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token ids outside the vocabulary "
+                                 f"(0..{self.vocab_size - 1}): {bad[:5]}.")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"SamplingParams.stop_token_ids has ids outside the vocabulary: {bad_stop[:5]}.")
+
+    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        if not params.bad_words:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer (skip_tokenizer_init is set).")
+        out: list[list[int]] = []
+        for word in params.bad_words:
+            # A word can start a text or follow a space; both spellings tokenize differently.
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    # ----- requests -----
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                arrival_time: float | None = None, priority: int = 0) -> tuple[str | None, list[EngineCoreRequest]]:
+        """Returns the prompt text and one EngineCoreRequest per sample (n > 1 fans out into n children)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
+            raise ValueError("A request priority was given but scheduling_policy is 'fcfs'; use "
+                             "scheduling_policy='priority'.")
+        text, ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-keep:]
+        if not ids:
+            raise ValueError("The prompt is empty; give at least one token.")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"The prompt is {len(ids)} tokens long, longer than the maximum model length of "
+                             f"{self.max_model_len} tokens. Shorten the prompt or raise max_model_len.")
+        self._check_params(params)
+        params = params.clone()
+        params.update_from_tokenizer(self.eos_token_id, self._bad_words_ids(params))
+        if not params.ignore_eos:
+            params.all_stop_token_ids.update(self.extra_eos_ids)
+        arrival = time.time() if arrival_time is None else arrival_time
+        if params.n == 1:
+            return text, [EngineCoreRequest(request_id, ids, params, arrival, priority)]
+        children = []
+        for i in range(params.n):
+            child = params.clone()
+            child.n = 1
+            child._all_stop_token_ids = set(params.all_stop_token_ids)
+            if params.seed is not None:
+                child.seed = params.seed + i  # distinct but reproducible samples
+            children.append(EngineCoreRequest(f"{i}_{request_id}", ids, child, arrival, priority))
+        return text, children

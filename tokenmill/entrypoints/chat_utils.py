@@ -1,0 +1,73 @@
+"""Rendering chat conversations through the tokenizer's chat template."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+Conversation = list[dict[str, Any]]
+
+
+def load_chat_template(template: str | None) -> str | None:
+    """A template given as a file path is read; otherwise the string is the template itself."""
+    if template is None:
+        return None
+    if len(template) < 4096 and os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in template and ("/" in template or template.endswith((".jinja", ".j2"))):
+        raise ValueError(f"chat_template {template!r} looks like a path but no such file exists.")
+    return template
+
+
+def _flatten_content(content: Any, content_format: str) -> Any:
+    """OpenAI-style content parts -> what the template expects ('string': joined text; 'openai': parts)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
+            texts.append(part.get("text", ""))
+        elif isinstance(part, dict):
+            raise ValueError(f"Message content part of type {part.get('type')!r} is not supported (text only).")
+    if content_format == "openai":
+        return [{"type": "text", "text": t} for t in texts]
+    return "\n".join(texts)
+
+
+def render_chat(tokenizer: Any, conversation: Conversation, *, chat_template: str | None = None,
+                content_format: str = "auto", add_generation_prompt: bool = True,
+                continue_final_message: bool = False, tools: list[dict] | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """Returns the prompt text. Raises ValueError for malformed conversations or a missing template."""
+    if tokenizer is None:
+        raise ValueError("Chat needs a tokenizer (skip_tokenizer_init is set).")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true.")
+    if content_format not in ("auto", "string", "openai"):
+        raise ValueError(f"Invalid chat template content format {content_format!r}; allowed: auto, string, openai.")
+    template = load_chat_template(chat_template)
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("The tokenizer has no chat template; pass chat_template (a file or a Jinja string).")
+    fmt = "string" if content_format == "auto" else content_format
+    msgs = []
+    for m in conversation:
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"Each chat message needs a 'role'; got {m!r}.")
+        m = dict(m)
+        if "content" in m and m["content"] is not None:
+            m["content"] = _flatten_content(m["content"], fmt)
+        msgs.append(m)
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in ("conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools"):
+        if reserved in kwargs:
+            raise ValueError(f"chat_template_kwargs may not set {reserved!r}.")
+    try:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, tools=tools,
+                                             chat_template=template, **kwargs)
+    except ValueError:
+        raise
+    except Exception as e:  # jinja errors (raise_exception in templates, undefined values)
+        raise ValueError(f"The chat template failed to render: {e}") from e

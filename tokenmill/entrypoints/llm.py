@@ -1,0 +1,134 @@
+"""The offline `LLM` class: vLLM's Python API over the in-process engine."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.chat_utils import Conversation, render_chat
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """Generate text for batches of prompts, as `vllm.LLM` does.
+
+    `LLM()` with no model loads the embedded SmolLM2-135M-Instruct. Keyword arguments are engine arguments (the
+    fields of the config dataclasses, vLLM's names); an unknown one raises TypeError naming it.
+    """
+
+    def __init__(self, model: str | None = None, *, hf_token: Any = None, disable_log_stats: bool = True,
+                 **kwargs: Any) -> None:
+        if hf_token not in (None, False):
+            raise ValueError("hf_token: tokenmill never downloads from the hub; download the model first and pass "
+                             "its directory.")
+        self.llm_engine = LLMEngine.from_engine_args(log_stats=not disable_log_stats, model=model, **kwargs)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.get_default_sampling_params()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    # ----- generation -----
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: Any = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order. prompts: a str, a dict, a list of token ids, or a list of
+        those."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA is not supported yet by tokenmill.")
+        prompt_list = self._as_prompt_list(prompts)
+        params = self._params_for(prompt_list, sampling_params)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts.")
+        return self._run(prompt_list, params, priority, use_tqdm)
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: Any = None) -> list[RequestOutput]:
+        """Render each conversation with the chat template, then generate. Accepts one conversation or a list."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA is not supported yet by tokenmill.")
+        if not messages:
+            raise ValueError("messages is empty.")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in convs:
+            text = render_chat(tok, conv, chat_template=chat_template, content_format=chat_template_content_format,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               chat_template_kwargs=chat_template_kwargs)
+            # The template already carries BOS and other special tokens.
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ----- helpers -----
+    @staticmethod
+    def _as_prompt_list(prompts: Any) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)):
+            if not prompts:
+                raise ValueError("prompts is empty.")
+            if all(isinstance(p, int) for p in prompts):
+                return [list(prompts)]  # a single prompt given as token ids
+            return list(prompts)
+        raise ValueError(f"prompts must be a str, dict, token-id list or a list of those; got {type(prompts).__name__}.")
+
+    def _params_for(self, prompts: list, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        sp = list(sampling_params)
+        if len(sp) != len(prompts):
+            raise ValueError(f"Got {len(sp)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt.")
+        return sp
+
+    def _run(self, prompts: list, params: list[SamplingParams], priority: list[int] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                sp = sp.clone()
+                sp.output_kind = RequestOutputKind.FINAL_ONLY
+                rid = str(next(self._counter))
+                engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)  # leave nothing half-added behind
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
+        in_toks = out_toks = 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            in_toks += len(out.prompt_token_ids or [])
+                            out_toks += sum(len(o.token_ids) for o in out.outputs)
+                            elapsed = bar.format_dict["elapsed"] or 1e-9
+                            bar.set_postfix_str(f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
+                                                f"output: {out_toks / elapsed:.2f} toks/s")
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,25 @@
+"""RMSNorm with an optional fused residual add (computed in fp32 like HF, then cast back)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

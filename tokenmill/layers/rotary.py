@@ -1,0 +1,67 @@
+"""Rotary position embeddings with a precomputed cos/sin table.
+
+Inverse frequencies come from transformers' own RoPE initialisers (default, linear, dynamic, yarn, llama3,
+longrope...), so every scaling type a HF config can name matches HF exactly; the table is built once in fp32.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def compute_inv_freq(hf_config, head_dim: int, max_model_len: int) -> tuple[torch.Tensor, float, int]:
+    """Returns (inv_freq [rotary_dim / 2], attention scaling applied to cos/sin, rotary_dim)."""
+    from tokenmill.transformers_utils.config import get_rope_params
+    params = get_rope_params(hf_config)
+    rope_type = params.get("rope_type", "default")
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0
+    rotary_dim = int(head_dim * partial)
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        return 1.0 / (base ** exps), 1.0, rotary_dim
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"Unsupported rope type {rope_type!r}; supported: default, "
+                         f"{', '.join(ROPE_INIT_FUNCTIONS)}.")
+    fn = ROPE_INIT_FUNCTIONS[rope_type]
+    if rope_type == "dynamic" and max_model_len > hf_config.max_position_embeddings:
+        # HF rescales per call with the live length; a paged cache needs one table, so scale for the longest.
+        inv_freq, scaling = fn(hf_config, torch.device("cpu"), seq_len=max_model_len)
+    else:
+        inv_freq, scaling = fn(hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling), rotary_dim
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE (neox layout: the two halves of the rotary dims rotate together) to q and k in place of a copy."""
+
+    def __init__(self, inv_freq: torch.Tensor, head_dim: int, rotary_dim: int, max_position: int,
+                 scaling: float = 1.0, is_neox_style: bool = True) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.is_neox_style = is_neox_style
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = t[:, None] * inv_freq[None, :]
+        self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        x = x.view(t, -1, self.head_dim)
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        if self.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        if rest.shape[-1]:
+            out = torch.cat((out, rest), dim=-1)
+        return out.reshape(t, -1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
+        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,175 @@
+"""Llama-family decoders: Llama / Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+One implementation with two switches keeps the three architectures from drifting apart.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.attention.layer import Attention
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.layernorm import RMSNorm
+from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear, VocabEmbedding, default_weight_loader
+from tokenmill.layers.rotary import RotaryEmbedding, compute_inv_freq
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, max_model_len: int, backend_cls: type, biases: tuple[bool, bool],
+                 qk_norm: bool) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        qkv_bias, o_bias = biases
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+        inv_freq, scaling, rotary_dim = compute_inv_freq(cfg, self.head_dim, max_model_len)
+        max_pos = max(max_model_len, getattr(cfg, "max_position_embeddings", max_model_len))
+        self.rotary_emb = RotaryEmbedding(inv_freq, self.head_dim, rotary_dim, max_pos, scaling)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(layer_idx, self.num_heads, self.head_dim, self.num_kv_heads,
+                              self.head_dim ** -0.5, backend_cls)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Unsupported hidden_act {act!r} (only silu).")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, max_model_len: int, backend_cls: type, biases: tuple[bool, bool],
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, max_model_len, backend_cls, biases, qk_norm)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, max_model_len: int, backend_cls: type, biases: tuple[bool, bool],
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, max_model_len, backend_cls, biases, qk_norm)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. `forward` returns final hidden states; `compute_logits` projects selected rows."""
+
+    qk_norm = False
+    # checkpoint name fragment -> (fused parameter name fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, hf_config, max_model_len: int, backend_cls: type) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, max_model_len, backend_cls, self.attention_biases(hf_config),
+                                self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+
+    @staticmethod
+    def attention_biases(cfg) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj): Llama and Qwen3 configs say `attention_bias` for all four."""
+        b = bool(getattr(cfg, "attention_bias", False))
+        return b, b
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.lm_head.weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters; returns the parameter names that were loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # the embedding is the head
+            shard = None
+            for ckpt, (fused, shard_id) in self.packed_modules_mapping.items():
+                if f".{ckpt}." in name:
+                    name, shard = name.replace(f".{ckpt}.", f".{fused}."), shard_id
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(self).__name__}; is this the right architecture?")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor.to(param.dtype), shard)
+            loaded.add(name)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(cfg) -> tuple[bool, bool]:
+        return True, False  # Qwen2 always has q/k/v biases and never an o_proj bias
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,78 @@
+"""Builds a model from the config and fills its weights (safetensors, GGUF or dummy)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from tokenmill.config import TokenmillConfig
+from tokenmill.logger import init_logger
+from tokenmill.models.registry import get_model_class
+
+logger = init_logger(__name__)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _check_sliding_window(config: TokenmillConfig) -> None:
+    cfg = config.model_config.hf_config
+    window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "model_type", "") in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+        window = None
+    mlen = config.model_config.max_model_len
+    if window and mlen > window and not config.model_config.disable_sliding_window:
+        raise ValueError(f"This model uses sliding-window attention (window {window}), which tokenmill does not "
+                         f"implement yet; max_model_len {mlen} exceeds the window. Pass max_model_len <= {window} "
+                         "(full attention is then exact).")
+
+
+def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type) -> nn.Module:
+    mc, lc = config.model_config, config.load_config
+    cls = get_model_class(mc.architecture)
+    _check_sliding_window(config)
+    dtype = mc.get_torch_dtype(device)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(mc.hf_config, mc.max_model_len, backend_cls)
+    model.eval()
+    fmt = lc.load_format
+    if fmt == "dummy":
+        _load_dummy(model, mc.seed)
+    else:
+        if fmt == "gguf" and not mc.is_gguf:
+            raise ValueError("load_format='gguf' needs a .gguf model file.")
+        if mc.is_gguf:
+            from tokenmill.models.weight_utils import iter_gguf_weights
+            import os
+            weights = iter_gguf_weights(os.path.join(mc.resolved.path, mc.resolved.gguf_file), mc.hf_config,
+                                        use_tqdm=lc.use_tqdm_on_load)
+        else:
+            from tokenmill.models.weight_utils import iter_safetensors_weights
+            weights = iter_safetensors_weights(mc.resolved.path, use_tqdm=lc.use_tqdm_on_load)
+        with torch.no_grad():
+            loaded = model.load_weights(weights)
+        expected = {n for n, _ in model.named_parameters()}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"The checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:5]}.")
+    logger.info("Loaded %s (%s, %.1f M parameters, %s) on %s", mc.architecture, fmt,
+                sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
+    return model
+
+
+def _load_dummy(model: nn.Module, seed: int) -> None:
+    from tokenmill.models.weight_utils import dummy_weight_init
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                dummy_weight_init(p.data, seed)

@@ -1,0 +1,23 @@
+"""HF architecture name -> model class, imported lazily."""
+from __future__ import annotations
+
+import importlib
+
+_MODELS = {
+    "LlamaForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("tokenmill.models.llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("tokenmill.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("tokenmill.models.llama", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str | None) -> type:
+    if architecture not in _MODELS:
+        raise ValueError(f"Model architecture {architecture!r} is not supported by tokenmill. Supported "
+                         f"architectures: {', '.join(supported_architectures())}.")
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,188 @@
+"""vLLM-compatible sampling parameters.
+
+`SamplingParams` is a msgspec struct so it crosses the engine-core process boundary as-is. Every field is
+validated on construction: a bad value raises ValueError naming the field and what is allowed. Checks that
+need the model (vocabulary size, max_logprobs, max_model_len) happen in `engine/processor.py`.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+from typing import Any
+
+import msgspec
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """How outputs are reported while a request runs."""
+    CUMULATIVE = 0  # every output holds everything produced so far
+    DELTA = 1       # every output holds only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True):
+    """Sampling parameters for one request, with vLLM's names, defaults and meanings.
+
+    temperature 0 means greedy decoding; top_k 0 or -1 means no top-k; logprobs / prompt_logprobs of N return the
+    N most likely tokens per position (plus the chosen one), -1 means the whole vocabulary.
+    """
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Any | None = None
+    extra_args: dict[str, Any] | None = None
+
+    # Filled by the engine, not by users.
+    _all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
+    _bad_words_token_ids: list[list[int]] | None = None
+    _eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
+        if isinstance(self.logprobs, bool):
+            self.logprobs = 1 if self.logprobs else None
+        if isinstance(self.prompt_logprobs, bool):
+            self.prompt_logprobs = 1 if self.prompt_logprobs else None
+        self._verify()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: the filters cannot change the argmax, so turn them off (vLLM does the same).
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        if self.top_k == -1:
+            self.top_k = 0
+        self._all_stop_token_ids = set(self.stop_token_ids)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> "SamplingParams":
+        """Build from keyword arguments, dropping the ones that are None (protocol layers use this)."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def _verify(self) -> None:
+        def bad(field: str, allowed: str, value: Any) -> ValueError:
+            return ValueError(f"SamplingParams.{field} must be {allowed}, got {value!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1", self.n)
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad("best_of", f"unset or equal to n ({self.n}); beam-style best_of is not supported",
+                      self.best_of)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise bad(name, "in [-2, 2]", v)
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "> 0", self.repetition_penalty)
+        if not self.temperature >= 0.0:
+            raise bad("temperature", ">= 0", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]", self.top_p)
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "-1, 0 (both disable it) or a positive integer", self.top_k)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]", self.min_p)
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "an integer or None", self.seed)
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 (or None for as many as fit)", self.max_tokens)
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < -1):
+                raise bad(name, "None, -1 (whole vocabulary) or an integer >= 0", v)
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int)
+                or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
+            raise bad("truncate_prompt_tokens", "None, -1 (max_model_len) or an integer >= 1",
+                      self.truncate_prompt_tokens)
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad("stop", "non-empty strings", self.stop)
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "non-negative integers", self.stop_token_ids)
+        if self.stop and not self.detokenize:
+            raise bad("stop", "empty when detokenize=False (stop strings need text)", self.stop)
+        if self.allowed_token_ids is not None:
+            if len(self.allowed_token_ids) == 0:
+                raise bad("allowed_token_ids", "a non-empty list of token ids", self.allowed_token_ids)
+            if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "non-negative integers", self.allowed_token_ids)
+        if self.logit_bias and any(k < 0 for k in self.logit_bias):
+            raise bad("logit_bias", "keyed by non-negative token ids", self.logit_bias)
+        if self.structured_outputs is not None:
+            raise ValueError("SamplingParams.structured_outputs is not supported yet by tokenmill.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)
+
+    # ----- derived properties used by the engine -----
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _GREEDY_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return self._all_stop_token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        return self._bad_words_token_ids
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy: the engine fills private fields per request and must not touch the caller's object."""
+        return copy.deepcopy(self)
+
+    def update_from_tokenizer(self, eos_token_id: int | None, bad_words_ids: list[list[int]] | None) -> None:
+        """Called by the processor once the tokenizer is known: adds EOS to the stop set and stores bad words."""
+        self._eos_token_id = eos_token_id
+        if eos_token_id is not None and not self.ignore_eos:
+            self._all_stop_token_ids.add(eos_token_id)
+        self._bad_words_token_ids = bad_words_ids or None
+
+    def __repr__(self) -> str:
+        fields = {f: getattr(self, f) for f in self.__struct_fields__ if not f.startswith("_")}
+        return "SamplingParams(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"

@@ -1,0 +1,178 @@
+"""The model runner: turns a SchedulerOutput into model inputs, runs the forward pass and samples."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill import envs
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.registry import get_attention_backend
+from tokenmill.config import TokenmillConfig
+from tokenmill.core.kv_cache_manager import cdiv
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.engine.messages import LogprobsLists
+from tokenmill.forward_context import set_forward_context
+from tokenmill.layers.sampler import Sampler, compute_prompt_logprobs
+from tokenmill.models.loader import load_model
+from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.sampling_state import SamplingState
+
+_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Owns the model, its KV cache and the persistent per-request input state.
+
+    Per step: forget finished requests, add new ones, append new blocks, build flat inputs with numpy gathers, run
+    the model, sample the requests whose known tokens are all computed, and append the sampled ids. The only
+    device->host sync is the one that returns sampled ids.
+    """
+
+    def __init__(self, config: TokenmillConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        self.dtype = mc.get_torch_dtype(device)
+        self.kv_dtype = _KV_DTYPES.get(cc.kv_cache_dtype, self.dtype)
+        self.block_size = cc.block_size
+        self.max_model_len = mc.max_model_len
+        self.max_num_reqs = sc.max_num_seqs
+        self.vocab_size = mc.vocab_size
+        self.backend_cls = get_attention_backend(envs.TOKENMILL_ATTENTION_BACKEND, device)
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler()
+        self.batch: InputBatch | None = None
+        self.sampling: SamplingState | None = None
+        self.prompt_logprobs: dict[str, int] = {}
+
+    # ----- set-up -----
+    def load_model(self) -> None:
+        self.model = load_model(self.config, self.device, self.backend_cls)
+        text = self.config.model_config.get_text_config()
+        self.num_layers = text.num_hidden_layers
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+    def kv_cache_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = self.backend_cls.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                          for _ in range(self.num_layers)]
+        self.batch = InputBatch(self.max_num_reqs, self.max_model_len, cdiv(self.max_model_len, self.block_size))
+        self.sampling = SamplingState(self.max_num_reqs, self.vocab_size, self.device,
+                                      global_seed=self.config.model_config.seed,
+                                      logprobs_mode=self.config.model_config.logprobs_mode)
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int) -> None:
+        """A forward over `num_tokens` dummy tokens without a KV cache, to measure peak activation memory."""
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with set_forward_context(None, []):
+            hidden = self.model(ids, ids)
+            self.model.compute_logits(hidden[-min(num_tokens, self.max_num_reqs):])
+
+    # ----- one step -----
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        b = self.batch
+        for rid in sched.finished_req_ids:
+            row = b.remove(rid)
+            if row is not None:
+                self.sampling.remove_request(row)
+            self.prompt_logprobs.pop(rid, None)
+        for new in sched.scheduled_new_reqs:
+            row = b.add(new.req_id, new.prompt_token_ids, new.output_token_ids, new.block_ids,
+                        new.num_computed_tokens)
+            self.sampling.add_request(row, new.sampling_params)
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompt_logprobs[new.req_id] = new.sampling_params.prompt_logprobs
+        c = sched.scheduled_cached_reqs
+        for rid, blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+            row = b.req_id_to_row[rid]
+            b.append_blocks(row, blocks)
+            b.num_computed_tokens[row] = num_computed
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        b, dev = self.batch, self.device
+        req_ids = list(sched.num_scheduled_tokens)
+        rows = np.fromiter((b.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        n_sched = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        computed = b.num_computed_tokens[rows].astype(np.int64)
+        cu = np.cumsum(n_sched)
+        total = int(cu[-1])
+        req_of_token = np.repeat(np.arange(len(rows)), n_sched)
+        positions = computed[req_of_token] + (np.arange(total) - np.repeat(cu - n_sched, n_sched))
+        token_rows = rows[req_of_token]
+        input_ids = b.token_ids[token_rows, positions]
+        slots = b.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size \
+            + positions % self.block_size
+        seq_lens = computed + n_sched
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        qsl[1:] = cu
+        max_blocks = int(cdiv(int(seq_lens.max()), self.block_size))
+        md = AttentionMetadata(
+            num_actual_tokens=total,
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+            block_table=torch.from_numpy(b.block_table[rows, :max_blocks]).to(dev, non_blocking=True),
+            max_query_len=int(n_sched.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev, non_blocking=True)
+        pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+        with set_forward_context(md, self.kv_caches):
+            hidden = self.model(ids_t, pos_t)
+
+        # Requests whose every known token is now computed get a new token.
+        do_sample = seq_lens >= b.num_tokens[rows]
+        sample_idx = np.nonzero(do_sample)[0]
+        prompt_lp = self._prompt_logprobs(req_ids, rows, computed, n_sched, qsl, hidden)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs = None
+        if len(sample_idx):
+            logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sample_idx] - 1).to(dev)])
+            srows = rows[sample_idx]
+            meta = self.sampling.make_metadata(srows, b.token_ids, b.num_prompt_tokens, b.num_tokens)
+            out = self.sampler(logits, meta)
+            ids = out.sampled_token_ids.tolist()
+            b.token_ids[srows, b.num_tokens[srows]] = ids
+            b.num_tokens[srows] += 1
+            for j, i in enumerate(sample_idx):
+                sampled[i] = [ids[j]]
+            if out.logprobs is not None:
+                lp = out.logprobs.tolists()
+                # Scatter rows back to batch order; rows that sampled nothing get empty placeholders.
+                full_ids: list[list[int]] = [[] for _ in req_ids]
+                full_lp: list[list[float]] = [[] for _ in req_ids]
+                full_rank = [0] * len(req_ids)
+                for j, i in enumerate(sample_idx):
+                    full_ids[i], full_lp[i], full_rank[i] = lp.token_ids[j], lp.logprobs[j], lp.ranks[j]
+                logprobs = LogprobsLists(full_ids, full_lp, full_rank)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs=prompt_lp)
+
+    def _prompt_logprobs(self, req_ids, rows, computed, n_sched, qsl, hidden) -> dict[str, LogprobsLists]:
+        """Logprobs of the prompt tokens covered by this step's chunk (position p scores prompt token p + 1)."""
+        if not self.prompt_logprobs:
+            return {}
+        b, out = self.batch, {}
+        for i, rid in enumerate(req_ids):
+            n = self.prompt_logprobs.get(rid)
+            if n is None:
+                continue
+            row, start = rows[i], int(computed[i])
+            end = min(start + int(n_sched[i]), int(b.num_prompt_tokens[row]) - 1)
+            if end <= start:
+                continue
+            h = hidden[int(qsl[i]):int(qsl[i]) + (end - start)]
+            targets = torch.from_numpy(b.token_ids[row, start + 1:end + 1].astype(np.int64)).to(self.device)
+            lp = compute_prompt_logprobs(self.model.compute_logits(h), targets, n)
+            out[rid] = lp.tolists()
+        return out

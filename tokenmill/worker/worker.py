@@ -1,0 +1,78 @@
+"""A worker: one device, one model runner; sizes the KV cache from the memory it is allowed to use."""
+from __future__ import annotations
+
+import torch
+
+from tokenmill import envs
+from tokenmill.config import TokenmillConfig
+from tokenmill.core.kv_cache_manager import cdiv
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.logger import init_logger
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+GiB = 1 << 30
+
+
+class Worker:
+    def __init__(self, config: TokenmillConfig) -> None:
+        self.config = config
+        self.device = config.device_config.torch_device
+        if self.device.type == "cpu" and envs.TOKENMILL_CPU_NUM_THREADS > 0:
+            torch.set_num_threads(envs.TOKENMILL_CPU_NUM_THREADS)
+        torch.manual_seed(config.model_config.seed)
+        self.runner = ModelRunner(config, self.device)
+
+    def load_model(self) -> None:
+        self.runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit the allowed KV memory; raises with the numbers if max_model_len cannot fit."""
+        cc, mc, sc = self.config.cache_config, self.config.model_config, self.config.scheduler_config
+        per_block = self.runner.kv_cache_bytes_per_block()
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+            source = "num_gpu_blocks_override"
+        elif cc.kv_cache_memory_bytes is not None:
+            num_blocks = cc.kv_cache_memory_bytes // per_block
+            source = f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes}"
+        elif self.device.type == "cpu":
+            # Never claim all RAM: a fixed budget, and no more than max_num_seqs full-length requests need.
+            budget = envs.TOKENMILL_CPU_KVCACHE_SPACE_GIB * GiB
+            need = sc.max_num_seqs * cdiv(mc.max_model_len, cc.block_size)
+            num_blocks = min(budget // per_block, need)
+            source = f"TOKENMILL_CPU_KVCACHE_SPACE_GIB={envs.TOKENMILL_CPU_KVCACHE_SPACE_GIB}"
+        else:
+            num_blocks = self._profile_gpu_blocks(per_block)
+            source = f"gpu_memory_utilization={cc.gpu_memory_utilization}"
+        need_one = cdiv(mc.max_model_len, cc.block_size)
+        if num_blocks < need_one:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks ({num_blocks * cc.block_size} tokens, from {source}) but "
+                f"one request of max_model_len={mc.max_model_len} needs {need_one} blocks "
+                f"({need_one * per_block / GiB:.2f} GiB). Lower max_model_len or give the KV cache more memory "
+                "(gpu_memory_utilization / kv_cache_memory_bytes).")
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max concurrency at max_model_len %d: %.1fx",
+                    num_blocks, cc.block_size, num_blocks * per_block / GiB, mc.max_model_len,
+                    num_blocks / need_one)
+        return int(num_blocks)
+
+    def _profile_gpu_blocks(self, per_block: int) -> int:
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.runner.profile_run(sc.max_num_batched_tokens)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        non_torch = (total - free) - torch.cuda.memory_reserved()
+        available = total * cc.gpu_memory_utilization - peak - non_torch
+        logger.info("Memory: weights+activations peak %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
+                    peak / GiB, non_torch / GiB, available / GiB)
+        return max(int(available // per_block), 0)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)
