@@ -87,7 +87,11 @@ class ModelConfig:
                                        revision=self.revision, hf_overrides=self.hf_overrides,
                                        hf_config_path=self.hf_config_path)
         archs = getattr(self.hf_config, "architectures", None) or []
-        self.architecture = archs[0] if archs else None
+        if archs:
+            self.architecture = archs[0]
+        else:  # GGUF-derived configs name only a model_type
+            from tokenmill.models.registry import architecture_for_model_type
+            self.architecture = architecture_for_model_type(getattr(self.hf_config, "model_type", None))
         derived = get_max_model_len(self.hf_config)
         if self.max_model_len is None:
             self.max_model_len = derived

@@ -10,6 +10,13 @@ _MODELS = {
     "Qwen3ForCausalLM": ("tokenmill.models.llama", "Qwen3ForCausalLM"),
 }
 
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
+
+
+def architecture_for_model_type(model_type: str | None) -> str | None:
+    return _MODEL_TYPES.get(model_type or "")
+
 
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
