@@ -92,7 +92,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         if self.top_k == -1:
             self.top_k = 0
-        self._all_stop_token_ids = set(self.stop_token_ids)
+        # Union, not assignment: msgspec re-runs __post_init__ when decoding a struct the engine already filled.
+        self._all_stop_token_ids = set(self._all_stop_token_ids) | set(self.stop_token_ids)
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> "SamplingParams":

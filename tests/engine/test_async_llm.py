@@ -1,0 +1,96 @@
+"""AsyncLLM over a real engine-core process: streams, concurrency, cancellation, engine death."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tokenmill.engine.protocol import EngineDeadError
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+async def collect(eng, prompt, rid, kind, **kw):
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, output_kind=kind, **kw)
+    text, ids, last = "", [], None
+    async for out in eng.generate(prompt, sp, rid):
+        c = out.outputs[0]
+        if kind == RequestOutputKind.DELTA:
+            text += c.text
+            ids += c.token_ids
+        last = out
+    if kind != RequestOutputKind.DELTA:
+        text, ids = last.outputs[0].text, last.outputs[0].token_ids
+    return text, ids, last
+
+
+def test_stream_equals_final_and_concurrency(model_dir):
+    from tokenmill.engine.async_llm import AsyncLLM
+
+    async def main():
+        eng = AsyncLLM.from_engine_args(model=model_dir, max_model_len=256, log_stats=False)
+        try:
+            prompts = [f"Request number {i} says" for i in range(12)]
+            seq = [await collect(eng, p, f"s{i}", RequestOutputKind.FINAL_ONLY) for i, p in enumerate(prompts)]
+            par = await asyncio.gather(*[collect(eng, p, f"p{i}", RequestOutputKind.DELTA)
+                                         for i, p in enumerate(prompts)])
+            assert [s[:2] for s in seq] == [p[:2] for p in par]
+            assert all(p[2].finished for p in par)
+            # Cancelling a consumer aborts the request and frees its blocks.
+            sp = SamplingParams(max_tokens=500, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            agen = eng.generate("cancel me", sp, "c1")
+            async for _ in agen:
+                break
+            await agen.aclose()
+            task = asyncio.create_task(collect(eng, "cancel me too", "c2", RequestOutputKind.FINAL_ONLY))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                st = eng.last_stats()
+                if st is not None and st.kv_cache_usage == 0 and st.num_running_reqs == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert eng.last_stats().kv_cache_usage == 0
+            with pytest.raises(ValueError, match="maximum model length"):
+                await collect(eng, {"prompt_token_ids": [1] * 300}, "too-long", RequestOutputKind.FINAL_ONLY)
+            assert await eng.reset_prefix_cache() in (True, False)
+        finally:
+            eng.shutdown()
+
+    run(main())
+
+
+def test_engine_death_is_reported(model_dir):
+    from tokenmill.engine.async_llm import AsyncLLM
+
+    async def main():
+        eng = AsyncLLM.from_engine_args(model=model_dir, max_model_len=256, log_stats=False)
+        try:
+            sp = SamplingParams(max_tokens=10_000 // 50, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            agen = eng.generate("doomed", sp, "d1")
+            await agen.__anext__()
+            os.kill(eng.engine_core_pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                async for _ in agen:
+                    pass
+            assert eng.errored
+            with pytest.raises(EngineDeadError):
+                await eng.check_health()
+        finally:
+            eng.shutdown()
+
+    run(main())

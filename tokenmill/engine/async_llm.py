@@ -1,0 +1,138 @@
+"""AsyncLLM: the serving engine. Tokenizing and detokenizing happen here; the engine core runs in its own process."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from tokenmill.config import TokenmillConfig
+from tokenmill.config.engine_args import create_engine_config
+from tokenmill.engine.core_client import AsyncMPClient
+from tokenmill.engine.llm_engine import _GEN_DEFAULTS, load_generation_config, load_tokenizer
+from tokenmill.engine.messages import SchedulerStats
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.processor import Processor, PromptType
+from tokenmill.engine.protocol import EngineClient, EngineDeadError
+from tokenmill.logger import init_logger
+from tokenmill.metrics.loggers import StatLogger
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+class AsyncLLM(EngineClient):
+    """Per-request async streams over one engine-core process.
+
+    One background task drains the core's outputs, detokenizes them and routes each to its request's queue. A
+    request whose consumer goes away (client disconnect, cancelled task) is aborted in the core, freeing its blocks.
+    """
+
+    def __init__(self, config: TokenmillConfig, log_stats: bool = True, log_interval_s: float | None = 10.0) -> None:
+        from tokenmill.transformers_utils.config import get_eos_token_ids
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.generation_config = load_generation_config(config)
+        eos = get_eos_token_ids(config.model_config.hf_config, self.generation_config, self.tokenizer)
+        self.processor = Processor(config, self.tokenizer, eos)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
+        self.client = AsyncMPClient(config)
+        self.num_blocks = self.client.num_blocks
+        self.stat_logger = StatLogger(config.model_config.served_model_name[0],
+                                      log_interval_s if log_stats else None)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._output_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_engine_args(cls, log_stats: bool = True, **kwargs: Any) -> "AsyncLLM":
+        return cls(create_engine_config(**kwargs), log_stats=log_stats)
+
+    @property
+    def engine_core_pid(self) -> int | None:
+        return self.client.pid
+
+    @property
+    def errored(self) -> bool:
+        return not self.client.is_alive()
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise EngineDeadError(self.client.dead_error or "the engine core process is not running")
+
+    def get_default_sampling_params(self) -> dict[str, Any]:
+        return {ours: self.generation_config[hf] for hf, ours in _GEN_DEFAULTS.items()
+                if self.generation_config.get(hf) is not None}
+
+    def last_stats(self) -> SchedulerStats | None:
+        return self.stat_logger.last
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.client.call_utility("reset_prefix_cache")
+
+    # ----- requests -----
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        self._ensure_output_task()
+        if self.errored:
+            raise EngineDeadError(self.client.dead_error or "the engine core is not running")
+        if request_id in self._queues:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        text, reqs = self.processor.process(request_id, prompt, sampling_params, priority=priority)
+        self._check_fits(len(reqs[0].prompt_token_ids))
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        for i, r in enumerate(reqs):
+            self.output_processor.add_request(r, text, parent_id=request_id, index=i, n=len(reqs), queue=queue)
+        finished = False
+        try:
+            await self.client.add_requests(reqs)
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                if finished:
+                    self.stat_logger.record_finished(out.metrics)
+                yield out
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # cancelled, disconnected or failed: free the request's blocks in the core
+                self.client.abort_nowait(self.output_processor.abort_requests(request_id))
+
+    def _check_fits(self, prompt_len: int) -> None:
+        bs = self.config.cache_config.block_size
+        need = -(-prompt_len // bs)
+        if need > self.num_blocks:
+            raise ValueError(f"The prompt needs {need} KV blocks but the cache has only {self.num_blocks}.")
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        await self.client.abort(self.output_processor.abort_requests(ids))
+
+    # ----- background output handling -----
+    def _ensure_output_task(self) -> None:
+        if self._output_task is None or self._output_task.done():
+            self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                outs = await self.client.get_output()
+                result = self.output_processor.process_outputs(outs.outputs)
+                if result.reqs_to_abort:
+                    await self.client.abort(result.reqs_to_abort)
+                self.stat_logger.record_step(outs.scheduler_stats, result.iteration_stats)
+        except EngineDeadError as e:
+            for q in list(self._queues.values()):
+                q.put_nowait(e)
+        except Exception as e:  # a bug here must not leave requests hanging
+            logger.exception("Output handler failed")
+            self.client._mark_dead(f"output handler failed: {e!r}")
+            for q in list(self._queues.values()):
+                q.put_nowait(EngineDeadError(str(e)))
+
+    def shutdown(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self.client.shutdown()
