@@ -4,13 +4,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.config.cache import CacheConfig
+from tokenmill.config.compilation import CompilationConfig
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.load import LoadConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.parallel import ParallelConfig
 from tokenmill.config.scheduler import SchedulerConfig
 
-CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, LoadConfig, ParallelConfig, DeviceConfig)
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, LoadConfig, ParallelConfig, DeviceConfig,
+                  CompilationConfig)
 
 
 @dataclass
@@ -22,10 +24,11 @@ class TokenmillConfig:
     load_config: LoadConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    compilation_config: CompilationConfig
 
     def __post_init__(self) -> None:
         self.scheduler_config.finalize(self.model_config.max_model_len)
 
 
-__all__ = ["CacheConfig", "DeviceConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
+__all__ = ["CacheConfig", "CompilationConfig", "DeviceConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
            "TokenmillConfig", "CONFIG_CLASSES"]

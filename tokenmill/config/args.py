@@ -171,8 +171,6 @@ NOT_YET_SUPPORTED: dict[str, NotYetSupported] = {
     "preemption_mode": _n("str", None, "Preemption by recompute or swap (vLLM 0.7).", ok=("recompute",)),
     "num_lookahead_slots": _n("int", 0, "Lookahead slots for speculative decoding (vLLM 0.7)."),
     # compilation, kernels and whole-engine configs
-    "cudagraph_capture_sizes": _n("list", None, "Batch sizes to capture CUDA graphs for."),
-    "max_cudagraph_capture_size": _n("int", None, "Largest CUDA graph batch size."),
     "ir_op_priority": _n("json", None, "vLLM IR op priorities."),
     "enable_flashinfer_autotune": _n("bool", None, "Autotune FlashInfer kernels."),
     "moe_backend": _n("str", "auto", "MoE kernel backend."),

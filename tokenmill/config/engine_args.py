@@ -41,8 +41,9 @@ def create_engine_config(**kwargs: Any) -> TokenmillConfig:
             raise TypeError(f"Unknown engine argument `{name}`.{hint}")
         per_cls[cls][name] = value
     configs = {cls: cls(**per_cls[cls]) for cls in CONFIG_CLASSES}
-    from tokenmill.config import (CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
-                                  SchedulerConfig)
+    from tokenmill.config import (CacheConfig, CompilationConfig, DeviceConfig, LoadConfig, ModelConfig,
+                                  ParallelConfig, SchedulerConfig)
     return TokenmillConfig(model_config=configs[ModelConfig], cache_config=configs[CacheConfig],
                            scheduler_config=configs[SchedulerConfig], load_config=configs[LoadConfig],
-                           parallel_config=configs[ParallelConfig], device_config=configs[DeviceConfig])
+                           parallel_config=configs[ParallelConfig], device_config=configs[DeviceConfig],
+                           compilation_config=configs[CompilationConfig])

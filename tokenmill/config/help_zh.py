@@ -106,6 +106,7 @@ GROUP_DOCS_EN = {
     "ParallelConfig": "How the model is spread over devices (one device for now; the options exist so vLLM "
                       "command lines parse).",
     "DeviceConfig": "Which device runs the model.",
+    "CompilationConfig": "CUDA graphs for decode steps (GPU only).",
     "FrontendConfig": "The OpenAI-compatible HTTP server: socket, CORS, authentication, TLS, chat templates, tools "
                       "and logging.",
     "NotYetSupported": "vLLM options that tokenmill accepts only with their default value, so existing command "
@@ -186,6 +187,7 @@ GROUP_TITLES_ZH = {
     "LoadConfig": "LoadConfig（权重加载）",
     "ParallelConfig": "ParallelConfig（并行）",
     "DeviceConfig": "DeviceConfig（设备）",
+    "CompilationConfig": "CompilationConfig（CUDA Graph）",
     "FrontendConfig": "FrontendConfig（API 服务前端）",
     "NotYetSupported": "NotYetSupported（暂不支持的 vLLM 选项）",
 }
@@ -198,6 +200,7 @@ GROUP_DOCS_ZH = {
     "LoadConfig": "权重从哪里读、以什么格式读。",
     "ParallelConfig": "模型如何分布到多个设备上（目前只支持单卡，这些选项是为了兼容 vLLM 的命令行）。",
     "DeviceConfig": "用哪种设备运行模型。",
+    "CompilationConfig": "解码步骤使用的 CUDA Graph（仅 GPU）。",
     "FrontendConfig": "兼容 OpenAI 的 HTTP 服务：监听地址、跨域、鉴权、TLS、聊天模板、工具调用与日志。",
     "NotYetSupported": "tokenmill 还做不到的 vLLM 选项：为了让现有命令行能直接解析，这些选项可以写，但只能取默认值；"
                        "写成其他值会直接报错，而不是悄悄忽略。",
@@ -477,8 +480,8 @@ HELP_ZH: dict[str, str] = {
     "preemption_mode": "抢占方式：recompute 或 swap（vLLM 0.7 的选项）；tokenmill 固定为 recompute。",
     "num_lookahead_slots": "推测解码用的前瞻槽位（vLLM 0.7 的选项）。",
     # NotYetSupported: compilation, kernels and whole-engine configs
-    "cudagraph_capture_sizes": "为哪些批大小捕获 CUDA Graph。",
-    "max_cudagraph_capture_size": "捕获 CUDA Graph 的最大批大小。",
+    "cudagraph_capture_sizes": "为哪些解码批大小捕获 CUDA Graph（默认 1、2、4、8，之后按 8 或 16 递增到上限）。",
+    "max_cudagraph_capture_size": "捕获 CUDA Graph 的最大解码批大小（默认 min(max_num_seqs, 512)）。",
     "ir_op_priority": "vLLM IR 算子的优先级。",
     "enable_flashinfer_autotune": "为 FlashInfer 内核做自动调优。",
     "moe_backend": "MoE 专家计算使用的内核后端。",

@@ -66,6 +66,18 @@ class ModelRunner:
         self.sampling = SamplingState(self.max_num_reqs, self.vocab_size, self.device,
                                       global_seed=self.config.model_config.seed,
                                       logprobs_mode=self.config.model_config.logprobs_mode)
+        self.cuda_graphs = None
+        if self.use_cuda_graphs():
+            from tokenmill.worker.cuda_graph import CudaGraphRunner
+            sizes = self.config.compilation_config.capture_sizes(self.max_num_reqs)
+            self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, sizes, self.max_model_len,
+                                               cdiv(self.max_model_len, self.block_size), self.device)
+            self.cuda_graphs.capture()
+
+    def use_cuda_graphs(self) -> bool:
+        """Graphs need a device, a backend without host-side planning per step, and enforce_eager off."""
+        return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
+                and getattr(self.backend_cls, "supports_cuda_graphs", False))
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
@@ -117,27 +129,36 @@ class ModelRunner:
         qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         qsl[1:] = cu
         max_blocks = int(cdiv(int(seq_lens.max()), self.block_size))
-        md = AttentionMetadata(
-            num_actual_tokens=total,
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
-            block_table=torch.from_numpy(b.block_table[rows, :max_blocks]).to(dev, non_blocking=True),
-            max_query_len=int(n_sched.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-        ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev, non_blocking=True)
-        pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
-        with set_forward_context(md, self.kv_caches):
-            hidden = self.model(ids_t, pos_t)
-
-        # Requests whose every known token is now computed get a new token.
         do_sample = seq_lens >= b.num_tokens[rows]
         sample_idx = np.nonzero(do_sample)[0]
-        prompt_lp = self._prompt_logprobs(req_ids, rows, computed, n_sched, qsl, hidden)
         sampled: list[list[int]] = [[] for _ in req_ids]
+        prompt_lp: dict[str, LogprobsLists] = {}
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(len(rows), total):
+            # One token per request: the graph returns every row's logits (a 1-token chunk that does not end
+            # its prompt samples nothing, so keep only the rows that do).
+            logits = self.cuda_graphs.run(input_ids, positions, slots, seq_lens,
+                                          b.block_table[rows, :max_blocks])
+            if len(sample_idx) != len(rows):
+                logits = logits[torch.from_numpy(sample_idx).to(dev)]
+        else:
+            md = AttentionMetadata(
+                num_actual_tokens=total,
+                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+                query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
+                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
+                block_table=torch.from_numpy(b.block_table[rows, :max_blocks]).to(dev, non_blocking=True),
+                max_query_len=int(n_sched.max()), max_seq_len=int(seq_lens.max()),
+                query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+            ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev, non_blocking=True)
+            pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+            with set_forward_context(md, self.kv_caches):
+                hidden = self.model(ids_t, pos_t)
+            prompt_lp = self._prompt_logprobs(req_ids, rows, computed, n_sched, qsl, hidden)
+            logits = None
+            if len(sample_idx):
+                logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sample_idx] - 1).to(dev)])
         logprobs = None
         if len(sample_idx):
-            logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sample_idx] - 1).to(dev)])
             srows = rows[sample_idx]
             meta = self.sampling.make_metadata(srows, b.token_ids, b.num_prompt_tokens, b.num_tokens)
             out = self.sampler(logits, meta)
