@@ -21,8 +21,8 @@ def model_dir(tiny_model_factory):
     return tiny_model_factory("llama")
 
 
-async def collect(eng, prompt, rid, kind, **kw):
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, output_kind=kind, **kw)
+async def collect(eng, prompt, rid, kind, max_tokens=16, **kw):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind, **kw)
     text, ids, last = "", [], None
     async for out in eng.generate(prompt, sp, rid):
         c = out.outputs[0]
@@ -53,7 +53,8 @@ def test_stream_equals_final_and_concurrency(model_dir):
             async for _ in agen:
                 break
             await agen.aclose()
-            task = asyncio.create_task(collect(eng, "cancel me too", "c2", RequestOutputKind.FINAL_ONLY))
+            task = asyncio.create_task(collect(eng, "cancel me too", "c2", RequestOutputKind.FINAL_ONLY,
+                                                max_tokens=200))
             await asyncio.sleep(0.2)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

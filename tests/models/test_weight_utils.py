@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from tokenmill.models.weight_utils import (
+    _read_gguf_metadata_slow,
     dummy_weight_init,
     iter_gguf_weights,
     iter_safetensors_weights,
+    read_gguf_metadata,
     unpermute_qk_rows,
 )
 from tokenmill.transformers_utils.default_model import default_model_path
@@ -25,8 +27,9 @@ except FileNotFoundError:
     HAVE_DEFAULT = False
 
 
-def _hf_gguf_state_dict(gguf_path: str) -> dict[str, torch.Tensor]:
-    """What transformers loads from a GGUF file, as a float32 state dict (tied lm_head included)."""
+def _hf_gguf_state_dict(gguf_path: str, config=None) -> dict[str, torch.Tensor]:
+    """What transformers loads from a GGUF file, as a float32 state dict (tied lm_head included). `config` replaces
+    the one transformers would derive from the GGUF metadata."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory, name = os.path.split(gguf_path)
@@ -36,7 +39,7 @@ def _hf_gguf_state_dict(gguf_path: str) -> dict[str, torch.Tensor]:
         # Same conversion from_pretrained runs, minus the model materialization that needs accelerate.
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-        config = AutoConfig.from_pretrained(directory, gguf_file=name)
+        config = config or AutoConfig.from_pretrained(directory, gguf_file=name)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)["tensors"]
@@ -44,7 +47,7 @@ def _hf_gguf_state_dict(gguf_path: str) -> dict[str, torch.Tensor]:
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
         assert set(tensors) == set(model.state_dict())
         return {k: v.float() for k, v in tensors.items()}
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config, dtype=torch.float32)
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
@@ -67,6 +70,9 @@ def test_gguf_smollm2_matches_transformers():
     ref = _hf_gguf_state_dict(r.gguf_path)
     assert config.tie_word_embeddings and "lm_head.weight" not in ours
     _assert_same(ours, ref, tied=True)
+    meta = read_gguf_metadata(r.gguf_path)
+    assert meta["general.architecture"] == "llama" and meta["tokenizer.ggml.eos_token_id"] == 2
+    assert len(meta["tokenizer.ggml.tokens"]) == 49152 and meta["tokenizer.ggml.tokens"][2] == "<|im_end|>"
 
 
 
@@ -135,6 +141,10 @@ def _write_gguf(path: str, arch: str, model) -> dict[str, torch.Tensor]:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(cfg.vocab_size)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)  # convert_hf_to_gguf writes these when the HF config has head_dim
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     expected = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -171,10 +181,24 @@ def test_gguf_tiny_architectures(tmp_path, arch, tie):
         assert "model.layers.1.self_attn.q_proj.bias" in ours
     if arch == "qwen3":
         assert "model.layers.1.self_attn.k_norm.weight" in ours
-    # and transformers' own GGUF loader agrees on the same file
-    _assert_same(ours, _hf_gguf_state_dict(path), tied=tie)
+    # and transformers' own GGUF loader agrees on the same file (given the true config: transformers reads no
+    # head_dim for qwen3 GGUFs and would assume 128; tokenmill's get_hf_config corrects that, tested below)
+    _assert_same(ours, _hf_gguf_state_dict(path, model.config), tied=tie)
+    # the fast metadata reader agrees with gguf.GGUFReader
+    assert read_gguf_metadata(path) == _read_gguf_metadata_slow(path, None)
+    assert read_gguf_metadata(path, {f"{arch}.attention.head_count_kv"}) == {f"{arch}.attention.head_count_kv": 2}
     # the head counts can come from the GGUF metadata when no config is given
     assert all(torch.equal(t, ours[n]) for n, t in iter_gguf_weights(path, None, use_tqdm=False))
+
+
+def test_gguf_config_head_dim(tmp_path, monkeypatch):
+    from tokenmill.transformers_utils.config import get_hf_config
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    model = _tiny_model("qwen3", False)
+    _write_gguf(str(tmp_path / "q3.gguf"), "qwen3", model)
+    config = get_hf_config(resolve_model(str(tmp_path / "q3.gguf")))
+    assert (config.model_type, config.head_dim, config.num_key_value_heads) == ("qwen3", 16, 2)
 
 
 def test_unpermute_inverts_llamacpp_permute():

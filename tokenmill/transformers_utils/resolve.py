@@ -174,11 +174,13 @@ def cached_from_gguf(gguf_path: str, kind: str, build: Callable[[str], None], lo
     cache degrades to building into a temporary directory every time (with a warning), never to an error.
     """
     target = gguf_cache_dir(gguf_path, kind)
+    corrupt = False
     if target is not None and os.path.isfile(os.path.join(target, _COMPLETE)):
         try:
             return load(target)
         except Exception as e:  # a corrupt entry: rebuild it below
             logger.warning("Ignoring unreadable cache entry %s (%s); rebuilding it.", target, e)
+            corrupt = True
     if target is None:
         with tempfile.TemporaryDirectory(prefix="tokenmill-") as tmp:
             build(tmp)
@@ -196,7 +198,9 @@ def cached_from_gguf(gguf_path: str, kind: str, build: Callable[[str], None], lo
         build(tmp)
         with open(os.path.join(tmp, _COMPLETE), "w") as f:
             f.write(os.path.abspath(gguf_path) + "\n")
-        if os.path.isdir(target):
+        # Replace only a corrupt or unfinished entry: a complete one was just written by a concurrent process
+        # (the API server and the engine core load the same model), and it may be reading it right now.
+        if os.path.isdir(target) and (corrupt or not os.path.isfile(os.path.join(target, _COMPLETE))):
             shutil.rmtree(target, ignore_errors=True)
         try:
             os.rename(tmp, target)

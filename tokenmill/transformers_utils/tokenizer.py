@@ -36,22 +36,19 @@ def _check_mode(tokenizer_mode: str) -> None:
         )
 
 
-def _gguf_special_tokens(gguf_path: str) -> dict[str, str]:
-    """The special tokens the GGUF metadata names, as {attribute: token text}."""
-    import gguf
+def _gguf_special_tokens(gguf_path: str, tok) -> dict[str, str]:
+    """The special tokens the GGUF metadata names, as {attribute: token text} (texts looked up in `tok`, whose
+    vocabulary is the GGUF's token list)."""
+    from tokenmill.models.weight_utils import read_gguf_metadata
 
-    reader = gguf.GGUFReader(gguf_path)
-    tokens_field = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens_field is None:
-        return {}
+    metadata = read_gguf_metadata(gguf_path, frozenset(_GGUF_SPECIAL_TOKENS))
     out = {}
     for key, attr in _GGUF_SPECIAL_TOKENS.items():
-        field = reader.fields.get(key)
-        if field is None:
-            continue
-        token_id = int(field.parts[field.data[0]][0])
-        if 0 <= token_id < len(tokens_field.data):
-            out[attr] = bytes(tokens_field.parts[tokens_field.data[token_id]]).decode("utf-8", errors="replace")
+        token_id = metadata.get(key)
+        if isinstance(token_id, int) and 0 <= token_id < len(tok):
+            text = tok.convert_ids_to_tokens(token_id)
+            if isinstance(text, str):
+                out[attr] = text
     return out
 
 
@@ -64,7 +61,7 @@ def _build_gguf_tokenizer(resolved: ResolvedModel, use_fast: bool, directory: st
     )
     # transformers' converter does not always honour the GGUF's special-token ids (5.17 makes SmolLM2's
     # <|im_start|> its EOS; the GGUF says <|im_end|>). The GGUF metadata is the authority.
-    for attr, text in _gguf_special_tokens(resolved.gguf_path).items():
+    for attr, text in _gguf_special_tokens(resolved.gguf_path, tok).items():
         if getattr(tok, attr, None) != text:
             logger.debug("GGUF tokenizer: setting %s to %r (transformers gave %r)", attr, text, getattr(tok, attr))
             setattr(tok, attr, text)
@@ -104,7 +101,8 @@ def get_tokenizer(
             source.path, use_fast=use_fast, trust_remote_code=trust_remote_code, local_files_only=True
         )
     if not use_fast and getattr(tok, "is_fast", False):
-        logger.info("tokenizer_mode='slow': transformers has no slow tokenizer for %s; using the fast one.", source.name)
+        logger.info("tokenizer_mode='slow': transformers has no slow tokenizer for %s; using the fast one.",
+                    source.name)
     if use_fast and not getattr(tok, "is_fast", True):
         logger.warning("Using a slow (pure Python) tokenizer for %s; detokenization will be slower.", source.name)
     return tok
