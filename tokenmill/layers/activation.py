@@ -10,5 +10,8 @@ class SiluAndMul(nn.Module):
     """x = [gate, up] along the last dim -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from tokenmill.kernels.triton_norm_rope_act import silu_and_mul
+            return silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

@@ -62,6 +62,10 @@ class RotaryEmbedding(nn.Module):
         return out.reshape(t, -1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if q.is_cuda:  # in place on the q/k views of the fused qkv output
+            from tokenmill.kernels.triton_norm_rope_act import rotary_embedding
+            return rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim,
+                                    self.rotary_dim, self.is_neox_style)
         cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
         sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -19,9 +19,11 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> t
     """The first `length` cached K and V of one sequence: [length, H, D] each."""
     _, _, bs, h, d = kv_cache.shape
     nb = -(-length // bs)
-    blocks = kv_cache[:, block_ids[:nb].long()]  # [2, nb, bs, H, D]
-    kv = blocks.reshape(2, nb * bs, h, d)[:, :length]
-    return kv[0], kv[1]
+    ids = block_ids[:nb].long()
+    # index_select is several times faster than advanced indexing on CPU
+    key = kv_cache[0].index_select(0, ids).view(nb * bs, h, d)[:length]
+    value = kv_cache[1].index_select(0, ids).view(nb * bs, h, d)[:length]
+    return key, value
 
 
 class TorchRefBackend(AttentionBackend):
@@ -65,15 +67,15 @@ class TorchRefBackend(AttentionBackend):
         max_len = int(lens.max())
         _, _, bs, h, d = kv_cache.shape
         nb = -(-max_len // bs)
-        tables = md.block_table[rows_t, :nb].long()                  # [B, nb]
-        k = kv_cache[0][tables].reshape(len(rows), nb * bs, h, d)[:, :max_len].to(q.dtype)
-        v = kv_cache[1][tables].reshape(len(rows), nb * bs, h, d)[:, :max_len].to(q.dtype)
+        ids = md.block_table[rows_t, :nb].long().reshape(-1)                   # [B * nb]
+        b = len(rows)
+        k = kv_cache[0].index_select(0, ids).view(b, nb * bs, h, d)[:, :max_len].to(q.dtype)
+        v = kv_cache[1].index_select(0, ids).view(b, nb * bs, h, d)[:, :max_len].to(q.dtype)
         group = self.num_heads // self.num_kv_heads
         token_idx = md.query_start_loc[rows_t].long()
-        qd = q[token_idx].view(len(rows), self.num_kv_heads, group, d)           # [B, Hkv, G, D]
-        scores = torch.einsum("bhgd,blhd->bhgl", qd.float(), k.float()) * self.scale
+        qd = q[token_idx].view(b, self.num_kv_heads, group, d).float()          # [B, Hkv, G, D]
+        scores = torch.matmul(qd, k.float().permute(0, 2, 3, 1)) * self.scale   # [B, Hkv, G, L]
         valid = torch.arange(max_len, device=dev)[None, :] < torch.as_tensor(lens, device=dev)[:, None]
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        o = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
-        out[token_idx] = o.reshape(len(rows), self.num_heads, d).to(out.dtype)
+        o = torch.matmul(scores.softmax(dim=-1), v.float().permute(0, 2, 1, 3))  # [B, Hkv, G, D]
+        out[token_idx] = o.reshape(b, self.num_heads, d).to(out.dtype)
