@@ -1,0 +1,50 @@
+"""Triton paged attention: store K/V, then prefill/chunked rows through the varlen prefill kernel and query_len-1
+rows through the split-K decode kernel (a batch may mix both; each kernel skips the other's rows on the device).
+
+Host-side planning reads only host values of the metadata (max_query_len, max_seq_len, query_start_loc_cpu), never
+device tensors, so there is no sync; a pure-decode step (max_query_len <= 1) does no host work beyond the launches.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.kernels.triton_decode_attention import decode_attention, decode_config, decode_num_splits
+from tokenmill.kernels.triton_kv_store import store_kv
+from tokenmill.kernels.triton_prefill_attention import prefill_attention
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "TRITON"
+    supports_cuda_graphs = True  # pure-decode steps plan nothing on the host
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__(num_heads, head_size, num_kv_heads, scale)
+        # Fixed split count for the decode kernel (set it before capturing CUDA graphs: a captured launch keeps the
+        # count it was captured with); None = a heuristic from the batch size and md.max_seq_len per call.
+        self.decode_num_splits: int | None = None
+
+    def forward(self, q, k, v, kv_cache, md: AttentionMetadata):
+        t = md.num_actual_tokens
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        q = q[:t].view(t, hq, d)
+        k = k[:t].view(t, hkv, d)
+        v = v[:t].view(t, hkv, d)
+        store_kv(k, v, kv_cache, md.slot_mapping[:t])
+        out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+        kc, vc = kv_cache[0], kv_cache[1]
+        has_decode = True
+        if md.max_query_len > 1:
+            qsl = md.query_start_loc_cpu
+            has_decode = bool((np.diff(qsl) == 1).any())
+            prefill_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
+                              num_tokens=t, skip_single=has_decode, max_query_len=md.max_query_len)
+        if has_decode:
+            splits = self.decode_num_splits
+            if splits is None:
+                splits = decode_num_splits(md.seq_lens.shape[0], hkv, md.max_seq_len, q.device,
+                                           block_n=decode_config(d, hq // hkv, q.dtype)[0])
+            decode_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
+                             num_splits=splits)
+        return out.view(t, hq * d)

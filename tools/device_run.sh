@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (see docs/benchmarks.md). Usage: tools/device_run.sh check|bench-small|bench-full
+# Expects the carried folder .devcarry/ (msgspec + gguf wheels, a saved copy of the SmolLM2 tokenizer).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/*.whl >/dev/null 2>&1
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 TOKENMILL_TEST_TOKENIZER_DIR="$PWD/.devcarry/tokenizer"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+mode=${1:-check}
+bench() { echo "=== $*"; python3 -m tokenmill.benchmarks."$@" 2>&1 | grep -vE "Processed prompts|^INFO .*(Loaded|Captured)"; }
+case "$mode" in
+  check)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/layers tests/gpu -x 2>&1 | tail -25
+    ;;
+  bench-small)
+    bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
+      --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"
+    bench throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
+      --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json"
+    ;;
+  bench-full)
+    bench latency --model llama-3-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
+      --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_llama8b.json"
+    bench throughput --model llama-3-8b --num-prompts 256 --input-len 562 --output-len 562 \
+      --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --output-json "$OUT/tp_llama8b.json"
+    bench throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
+      --random-range-ratio 0.82 --max-model-len 2048 --backend hf --output-json "$OUT/tp_qwen3_hf.json"
+    ;;
+esac
