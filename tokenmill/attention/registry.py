@@ -7,6 +7,7 @@ import torch
 
 _BACKENDS = {
     "TORCH_REF": ("tokenmill.attention.backends.torch_ref", "TorchRefBackend"),
+    "TRITON": ("tokenmill.attention.backends.triton_attn", "TritonAttentionBackend"),
 }
 
 
@@ -16,7 +17,8 @@ def supported_backends() -> list[str]:
 
 def get_attention_backend(name: str | None, device: torch.device) -> type:
     if not name:
-        name = "TORCH_REF"
+        # Triton kernels on CUDA; the pure-torch reference everywhere else (CPU).
+        name = "TRITON" if torch.device(device).type == "cuda" else "TORCH_REF"
     key = name.upper()
     if key not in _BACKENDS:
         raise ValueError(f"Unknown attention backend {name!r}; available: {', '.join(_BACKENDS)}.")

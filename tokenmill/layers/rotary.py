@@ -42,8 +42,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.is_neox_style = is_neox_style
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = t[:, None] * inv_freq[None, :]
+        t = torch.arange(max_position, dtype=torch.float32)  # on the default device (the model's, at build time)
+        freqs = t[:, None] * inv_freq.to(t.device)[None, :]
         self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
 
