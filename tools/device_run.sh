@@ -13,8 +13,11 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 mode=${1:-check}
 bench() { echo "=== $*"; python3 -m tokenmill.benchmarks."$@" 2>&1 | grep -vE "Processed prompts|^INFO .*(Loaded|Captured)"; }
 case "$mode" in
+  check+bench-small)
+    "$0" check; "$0" bench-small
+    ;;
   check)
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/layers tests/gpu -x 2>&1 | tail -25
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/layers tests/gpu 2>&1 | tail -25
     ;;
   bench-small)
     bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \

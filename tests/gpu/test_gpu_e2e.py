@@ -35,14 +35,15 @@ def test_greedy_matches_hf_on_cuda(tiny_model_factory, arch, dtype):
     ref, margins = _hf_greedy(d, getattr(torch, dtype), PROMPTS, n)
     llm = LLM(d, dtype=dtype, max_model_len=256, num_gpu_blocks_override=256)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-    # bf16 ties are real: only compare prompts whose greedy margins exceed the dtype's noise.
-    min_margin = 0.0 if dtype == "float32" else 0.1
+    # bf16 near-ties are real (different kernels round differently): compare the prompts whose every greedy step
+    # has a top-1/top-2 logit gap above bf16 noise; fp32 must match everywhere.
+    min_margin = 0.0 if dtype == "float32" else 0.05
     checked = 0
     for o, r, m in zip(outs, ref, margins):
         if m > min_margin:
             assert o.outputs[0].token_ids == r
             checked += 1
-    assert checked >= 2
+    assert checked >= (len(PROMPTS) if dtype == "float32" else 1)
 
 
 def test_cuda_graphs_equal_eager(tiny_model_factory):
