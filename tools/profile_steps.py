@@ -1,7 +1,9 @@
-"""Where does a decode step's time go? Runs on the GPU machine: bs-1 decode and a batch-256 decode, with
-torch.profiler tables of CPU and CUDA time. Usage: python3 tools/profile_steps.py qwen3-0.6b"""
+"""Where does a decode step's time go? Runs on the GPU machine: per-component wall times (with a device sync at
+each boundary) for decode at batch 1 and 256, then a torch.profiler CUDA table.
+Usage: python3 tools/profile_steps.py qwen3-0.6b"""
 from __future__ import annotations
 
+import collections
 import sys
 import time
 
@@ -10,30 +12,67 @@ from torch.profiler import ProfilerActivity, profile
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.benchmarks.offline_common import shipped_model_dir
+from tokenmill.sampling_params import RequestOutputKind
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
 llm = LLM(shipped_model_dir(name), load_format="dummy", skip_tokenizer_init=True, max_model_len=2048)
 eng = llm.llm_engine
-for bs, steps in ((1, 64), (256, 32)):
-    sp = SamplingParams(temperature=0.6, max_tokens=10_000 // 10, ignore_eos=True, detokenize=False)
+core = eng.engine_core
+sched, ex = core.scheduler, core.executor
+runner = ex.worker.runner
+
+
+def timed(obj, attr, key, T):
+    fn = getattr(obj, attr)
+
+    def wrapper(*a, **k):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        r = fn(*a, **k)
+        torch.cuda.synchronize()
+        T[key] += time.perf_counter() - t
+        return r
+    setattr(obj, attr, wrapper)
+    return fn
+
+
+for bs, steps in ((1, 64), (256, 24)):
+    sp = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True, detokenize=False,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(bs):
         eng.add_request(f"{bs}-{i}", {"prompt_token_ids": list(range(100 + i, 228 + i))}, sp)
-    while any(r.num_computed_tokens < r.num_prompt_tokens
-              for r in eng.engine_core.scheduler.requests.values()):
-        eng.step()
-    for _ in range(8):
+    for _ in range(12):
         eng.step()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
     torch.cuda.synchronize()
-    print(f"batch {bs}: {1000 * (time.perf_counter() - t) / steps:.3f} ms per decode step (wall)")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(8):
+    print(f"batch {bs}: {1000 * (time.perf_counter() - t) / steps:.3f} ms per decode step (wall, uninstrumented)")
+    T = collections.defaultdict(float)
+    saved = [(runner.sampler, "forward", timed(runner.sampler, "forward", "sampler", T)),
+             (runner.sampling, "make_metadata", timed(runner.sampling, "make_metadata", "make_metadata", T))]
+    if runner.cuda_graphs is not None:
+        saved.append((runner.cuda_graphs, "run", timed(runner.cuda_graphs, "run", "graph_run", T)))
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        so = sched.schedule()
+        t1 = time.perf_counter()
+        out = ex.execute_model(so)
+        t2 = time.perf_counter()
+        outs = sched.update_from_output(so, out)
+        t3 = time.perf_counter()
+        eng.output_processor.process_outputs(outs.outputs)
+        t4 = time.perf_counter()
+        for k, dt in (("schedule", t1 - t0), ("execute_model", t2 - t1), ("update", t3 - t2), ("outproc", t4 - t3)):
+            T[k] += dt
+    for obj, attr, fn in saved:
+        setattr(obj, attr, fn)
+    print("  " + ", ".join(f"{k} {1000 * v / steps:.3f}" for k, v in T.items()) + " (ms per step)")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
             eng.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=50))
     eng.abort_request([f"{bs}-{i}" for i in range(bs)])
     eng.step()

@@ -1,0 +1,166 @@
+"""A fake EngineClient for protocol tests: it "generates" the prompt's tokens again, cyclically, one per step."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tokenmill.engine.protocol import EngineClient, EngineDeadError
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+
+class FakeEngine(EngineClient):
+    """Sequence j of a request emits prompt_ids[(k + j) % len] at step k; finishes with "length" at max_tokens, or
+    "stop" when the token is in stop_token_ids. Logprobs: the chosen token -0.5 (rank 1) plus ids 1..N at -1-i."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int = 256, max_logprobs: int = 20,
+                 names: list[str] | None = None, defaults: dict | None = None, step_delay: float = 0.0):
+        self.config = SimpleNamespace(model_config=SimpleNamespace(
+            max_model_len=max_model_len, served_model_name=names or ["fake-model", "fake-alias"],
+            max_logprobs=max_logprobs, model="/models/fake", vocab_size=len(tokenizer)))
+        self.tokenizer = tokenizer
+        self.defaults = defaults or {}
+        self.step_delay = step_delay
+        self.dead = False
+        self.calls: list[tuple[dict, SamplingParams, str, int]] = []
+        self.running: set[str] = set()
+        self.closed: list[str] = []
+        self.aborted: list[str] = []
+
+    def _text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    def _logprobs(self, tid: int, n: int) -> dict[int, Logprob]:
+        d = {tid: Logprob(-0.5, 1, self._text(tid))}
+        for i in range(n):
+            if i + 1 not in d:
+                d[i + 1] = Logprob(-1.0 - i, i + 2, self._text(i + 1))
+        return d
+
+    async def generate(self, prompt, sampling_params, request_id, priority=0):
+        if self.dead:
+            raise EngineDeadError("fake engine is dead")
+        ids = list(prompt["prompt_token_ids"])
+        if any(t >= self.config.model_config.vocab_size for t in ids):
+            raise ValueError("Token id out of vocabulary")
+        if len(ids) > self.config.model_config.max_model_len:
+            raise ValueError("prompt too long")
+        p = sampling_params
+        self.calls.append((prompt, p, request_id, priority))
+        self.running.add(request_id)
+        finished_ok = False
+        try:
+            n, max_tokens = p.n, p.max_tokens
+            gen = [[] for _ in range(n)]
+            done = [None] * n
+            stop_reason: list[Any] = [None] * n
+            prompt_lps = None
+            if p.prompt_logprobs is not None:
+                prompt_lps = [None] + [self._logprobs(t, p.prompt_logprobs) for t in ids[1:]]
+            sent = [0] * n
+            reported = [False] * n
+            k = 0
+            while not all(done):
+                if self.step_delay:
+                    await asyncio.sleep(self.step_delay)
+                else:
+                    await asyncio.sleep(0)
+                if self.dead:
+                    raise EngineDeadError("fake engine died")
+                for j in range(n):
+                    if done[j]:
+                        continue
+                    tid = ids[(k + j) % len(ids)]
+                    gen[j].append(tid)
+                    if tid in p.stop_token_ids:
+                        done[j], stop_reason[j] = "stop", tid
+                    elif len(gen[j]) >= max_tokens:
+                        done[j] = "length"
+                k += 1
+                if p.output_kind == RequestOutputKind.DELTA:
+                    outs = []
+                    for j in range(n):
+                        new = gen[j][sent[j]:]
+                        if reported[j] or (not new and not done[j]):
+                            continue
+                        sent[j] = len(gen[j])
+                        reported[j] = done[j] is not None
+                        outs.append(self._out(j, new, p, done[j], stop_reason[j]))
+                    yield RequestOutput(request_id, prompt.get("prompt"), ids, prompt_lps if k == 1 else None, outs,
+                                        all(done), num_cached_tokens=0)
+            if p.output_kind != RequestOutputKind.DELTA:
+                outs = [self._out(j, gen[j], p, done[j], stop_reason[j]) for j in range(n)]
+                yield RequestOutput(request_id, prompt.get("prompt"), ids, prompt_lps, outs, True,
+                                    num_cached_tokens=0)
+            finished_ok = True
+        finally:
+            self.running.discard(request_id)
+            self.closed.append(request_id)
+            if not finished_ok:
+                self.aborted.append(request_id)
+
+    def _out(self, j, tokens, p, done, stop_reason):
+        lps = [self._logprobs(t, p.logprobs) for t in tokens] if p.logprobs is not None else None
+        return CompletionOutput(index=j, text=self.tokenizer.decode(tokens), token_ids=list(tokens),
+                                cumulative_logprob=None, logprobs=lps, finish_reason=done,
+                                stop_reason=stop_reason)
+
+    async def abort(self, request_id):
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.aborted.extend(ids)
+
+    @property
+    def errored(self) -> bool:
+        return self.dead
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise EngineDeadError("dead")
+
+    def get_default_sampling_params(self) -> dict:
+        return dict(self.defaults)
+
+    def last_stats(self):
+        return None
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_engine(smollm2_tokenizer):
+    return FakeEngine(smollm2_tokenizer)
+
+
+@pytest.fixture
+def make_client(smollm2_tokenizer):
+    """(engine kwargs, FrontendConfig kwargs) -> (TestClient, FakeEngine)."""
+    from fastapi.testclient import TestClient
+
+    from tokenmill.config.frontend import FrontendConfig
+    from tokenmill.entrypoints.openai.api_server import build_app
+
+    clients = []
+
+    def make(engine: FakeEngine | None = None, **frontend_kwargs):
+        engine = engine or FakeEngine(smollm2_tokenizer)
+        app = build_app(engine, FrontendConfig(**frontend_kwargs))
+        client = TestClient(app, raise_server_exceptions=False)
+        clients.append(client)
+        return client, engine
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+@pytest.fixture
+def client(make_client):
+    c, _ = make_client()
+    return c

@@ -1,0 +1,492 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, frontend_config)` and `run_server(engine_kwargs, frontend)`.
+
+`python -m tokenmill.entrypoints.openai.api_server --model ...` works like vLLM's module entry point.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import importlib
+import inspect
+import os
+import signal
+import sys
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+import tokenmill
+from tokenmill.config.frontend import FrontendConfig
+from tokenmill.engine.protocol import EngineClient, EngineDeadError
+from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                   TokenizeRequest)
+from tokenmill.entrypoints.openai.serving_chat import ChatRenderer, OpenAIServingChat
+from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenmill.entrypoints.openai.serving_engine import (GENERATED_REQUEST_ID, RequestTracker, ServingError,
+                                                         SSEStream, error_body)
+from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
+from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
+WATCHDOG_INTERVAL_S = 0.5
+
+
+def _error(message: str, status: int, param: str | None = None, err_type: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, err_type), status_code=status)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# middleware (plain ASGI, so streaming and disconnect detection pass through untouched)
+# ----------------------------------------------------------------------------------------------------------------
+def _route_path(scope: dict) -> str:
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+class APIKeyMiddleware:
+    """Every /v1/* request must carry `Authorization: Bearer <one of the keys>` (compared in constant time)."""
+
+    def __init__(self, app: Any, api_keys: list[str]) -> None:
+        self.app = app
+        self.digests = [hashlib.sha256(f"Bearer {k}".encode()).digest() for k in api_keys]
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS" \
+                or not _route_path(scope).startswith("/v1"):
+            return await self.app(scope, receive, send)
+        given = hashlib.sha256(Headers(scope=scope).get("authorization", "").encode()).digest()
+        ok = False
+        for digest in self.digests:  # fixed-length digests, no early exit: timing reveals nothing about keys
+            ok |= hmac.compare_digest(given, digest)
+        if not ok:
+            response = _error("Unauthorized: missing or invalid API key (send 'Authorization: Bearer <key>').",
+                              401, None, "AuthenticationError")
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """Echoes the client's X-Request-Id, or generates one (which then also names the completion, unless the body
+    gives a request_id)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = Headers(scope=scope).get("x-request-id")
+        if not request_id:
+            request_id = uuid.uuid4().hex
+            scope = dict(scope)
+            scope[GENERATED_REQUEST_ID] = request_id
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append("X-Request-Id", request_id)
+            await send(message)
+        await self.app(scope, receive, send_with_id)
+
+
+class HeaderCountMiddleware:
+    """--h11-max-header-count: requests with more headers get a 431."""
+
+    def __init__(self, app: Any, max_headers: int) -> None:
+        self.app = app
+        self.max_headers = max_headers
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and len(scope.get("headers", ())) > self.max_headers:
+            response = _error(f"Too many request headers (at most {self.max_headers}).", 431)
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _add_user_middleware(app: FastAPI, path: str) -> None:
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"--middleware {path!r} must be an import path like 'package.module.Name'.")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"Cannot import --middleware {path!r}: {e}") from None
+    if inspect.isclass(obj):
+        app.add_middleware(obj)
+    elif inspect.iscoroutinefunction(obj):
+        app.middleware("http")(obj)
+    else:
+        raise ValueError(f"--middleware {path!r} is neither a class nor an async function.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# responses
+# ----------------------------------------------------------------------------------------------------------------
+class SSEResponse(StreamingResponse):
+    """A server-sent-events response that releases its engine requests however the response ends."""
+
+    def __init__(self, stream: SSEStream) -> None:
+        super().__init__(stream.body, media_type="text/event-stream")
+        self._stream = stream
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stream.close()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _serve_generation(request: Request, coro: Any) -> Response:
+    """Runs a generation handler, cancelling it (which aborts its engine requests) if the client goes away."""
+    handler = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        handler.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if handler not in done:
+        handler.cancel()
+        with contextlib.suppress(BaseException):
+            await handler
+        return Response(status_code=499)
+    result = handler.result()
+    if isinstance(result, SSEStream):
+        return SSEResponse(result)
+    return Response(content=result.model_dump_json(), media_type="application/json")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            parts.append(f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
+        where = ".".join(loc)
+        if param is None and loc:
+            param = loc[0]
+        msg = str(err.get("msg", "invalid value"))
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "Invalid request.", param
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the app
+# ----------------------------------------------------------------------------------------------------------------
+def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`. run_server sets `app.state.server` (the uvicorn server) so that a dead
+    engine can stop it; `app.state.exit_code` turns 1 then."""
+    frontend = frontend or FrontendConfig()
+    _check_frontend(frontend)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.ensure_future(_watchdog(app))
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    kwargs: dict[str, Any] = dict(title="tokenmill OpenAI-compatible API", version=tokenmill.__version__,
+                                  lifespan=lifespan)
+    if frontend.disable_fastapi_docs:
+        kwargs.update(openapi_url=None, docs_url=None, redoc_url=None)
+    if "strict_content_type" in inspect.signature(FastAPI.__init__).parameters:
+        kwargs["strict_content_type"] = False  # a JSON body without a Content-Type header is still JSON
+    app = FastAPI(**kwargs)
+    if frontend.root_path:  # like vLLM: paths work with and without the prefix
+        app.root_path = frontend.root_path
+
+    tracker = RequestTracker()
+    models = OpenAIServingModels(engine.config)
+    renderer = ChatRenderer(engine.tokenizer, frontend)
+    completion = OpenAIServingCompletion(engine, models, frontend, tracker)
+    chat = OpenAIServingChat(engine, models, frontend, tracker, renderer)
+    tokenization = OpenAIServingTokenization(engine, models, frontend, tracker, renderer=renderer)
+    if completion.default_sampling_params:
+        logger.info("Default sampling parameters from the generation config: %s",
+                    completion.default_sampling_params)
+    app.state.engine, app.state.frontend, app.state.tracker = engine, frontend, tracker
+    app.state.server, app.state.exit_code, app.state.stopping = None, 0, False
+
+    def engine_died(why: str) -> None:
+        if app.state.stopping:  # a signal stops us anyway (Ctrl+C reaches the engine process too): not an error
+            return
+        if app.state.exit_code == 0:
+            logger.error("The engine is dead (%s); shutting the server down.", why)
+        app.state.exit_code = 1
+        if app.state.server is not None:
+            app.state.server.should_exit = True
+    app.state.engine_died = engine_died
+
+    # ----- errors -----
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(ServingError)
+    async def _on_serving(_: Request, exc: ServingError) -> JSONResponse:
+        return _error(exc.message, exc.status, exc.param, exc.err_type)
+
+    @app.exception_handler(EngineDeadError)
+    async def _on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        engine_died(str(exc))
+        return _error(f"The engine is dead: {exc}", 503)
+
+    @app.exception_handler(ValueError)
+    @app.exception_handler(TypeError)
+    async def _on_value(_: Request, exc: Exception) -> JSONResponse:
+        return _error(str(exc), 400)
+
+    @app.exception_handler(Exception)
+    async def _on_other(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("Internal error while serving a request")
+        return _error(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+
+    # ----- routes -----
+    async def health() -> Response:
+        if engine.errored:
+            return Response(status_code=503)
+        try:
+            await engine.check_health()
+        except EngineDeadError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+    app.add_api_route("/health", health, methods=["GET"], operation_id="health")
+    app.add_api_route("/ping", health, methods=["GET"], operation_id="ping_get")
+    app.add_api_route("/ping", health, methods=["POST"], operation_id="ping_post")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": tokenmill.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+        return Response(content=generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def show_models() -> Response:
+        return Response(content=models.show_available_models().model_dump_json(), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        out = await tokenization.create_tokenize(request)
+        return Response(content=out.model_dump_json(), media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        out = await tokenization.create_detokenize(request)
+        return Response(content=out.model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await _serve_generation(raw_request, completion.create_completion(request, raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await _serve_generation(raw_request, chat.create_chat_completion(request, raw_request))
+
+    if frontend.enable_server_load_tracking:
+        @app.get("/load")
+        async def load() -> dict:
+            return {"server_load": len(tracker)}
+
+    if frontend.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict:
+            tok = engine.tokenizer
+            if tok is None:
+                raise ServingError("This server has no tokenizer (skip_tokenizer_init).", 400)
+            return {"tokenizer_class": type(tok).__name__, "model_max_length": models.max_model_len,
+                    "chat_template": renderer.chat_template or getattr(tok, "chat_template", None),
+                    "special_tokens": {k: str(v) for k, v in tok.special_tokens_map.items()},
+                    "vocab_size": len(tok)}
+
+    # ----- middleware: the last added runs first -----
+    app.add_middleware(CORSMiddleware, **frontend.cors_kwargs())
+    api_keys = list(frontend.api_key or [])
+    if not api_keys:
+        from tokenmill import envs
+        env_key = envs.TOKENMILL_API_KEY or os.environ.get("VLLM_API_KEY")
+        if env_key:
+            api_keys = [env_key]
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    if frontend.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(HeaderCountMiddleware, max_headers=frontend.h11_max_header_count)
+    for path in frontend.middleware:
+        _add_user_middleware(app, path)
+    return app
+
+
+def _check_frontend(frontend: FrontendConfig) -> None:
+    """Front-end options that are accepted by the parser but need features tokenmill does not have yet."""
+    not_yet = [("tool_call_parser", frontend.tool_call_parser), ("tool_parser_plugin", frontend.tool_parser_plugin),
+               ("enable_auto_tool_choice", frontend.enable_auto_tool_choice),
+               ("reasoning_parser", frontend.reasoning_parser),
+               ("reasoning_parser_plugin", frontend.reasoning_parser_plugin),
+               ("structured_outputs_config", frontend.structured_outputs_config)]
+    bad = [name for name, value in not_yet if value]
+    if bad:
+        raise ValueError(f"{', '.join('--' + b.replace('_', '-') for b in bad)}: not supported yet by tokenmill.")
+
+
+async def _watchdog(app: FastAPI) -> None:
+    """Stops the server (exit code 1) once the engine is dead."""
+    engine = app.state.engine
+    while True:
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)
+        if engine.errored:
+            app.state.engine_died("the engine core stopped")
+            return
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# running it
+# ----------------------------------------------------------------------------------------------------------------
+def _make_server(app: FastAPI, frontend: FrontendConfig):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, plus: in-flight requests are aborted `shutdown_timeout` seconds into a shutdown, and a SIGTERM or
+        SIGINT ends the process with exit code 0 (uvicorn would re-raise the signal)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.stopping = True
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            else:
+                self.should_exit = True
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            aborter = asyncio.ensure_future(_abort_after(app, frontend.shutdown_timeout))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                aborter.cancel()
+
+    kwargs: dict[str, Any] = dict(
+        log_level=frontend.uvicorn_log_level, access_log=not frontend.disable_uvicorn_access_log,
+        ssl_keyfile=frontend.ssl_keyfile, ssl_certfile=frontend.ssl_certfile, ssl_ca_certs=frontend.ssl_ca_certs,
+        ssl_cert_reqs=frontend.ssl_cert_reqs, h11_max_incomplete_event_size=frontend.h11_max_incomplete_event_size,
+        timeout_graceful_shutdown=frontend.shutdown_timeout + 5, http="h11")
+    if frontend.log_config_file:
+        kwargs["log_config"] = frontend.log_config_file
+    if frontend.uds:
+        kwargs["uds"] = frontend.uds
+    else:
+        kwargs.update(host=frontend.host or "0.0.0.0", port=frontend.port)
+    server = Server(uvicorn.Config(app, **kwargs))
+    app.state.server = server
+    return server
+
+
+async def _abort_after(app: FastAPI, seconds: float) -> None:
+    """Shutdown: after `seconds`, abort whatever still runs (and keep sweeping until the server has stopped)."""
+    await asyncio.sleep(seconds)
+    while True:
+        ids = list(app.state.tracker.ids)
+        if ids:
+            logger.info("Aborting %d request(s) still running at shutdown.", len(ids))
+            with contextlib.suppress(Exception):
+                await app.state.engine.abort(ids)
+        await asyncio.sleep(0.5)
+
+
+async def _watch_ssl_files(server: Any, frontend: FrontendConfig) -> None:
+    """--enable-ssl-refresh: reload the certificate and key when their files change."""
+    files = [f for f in (frontend.ssl_certfile, frontend.ssl_keyfile, frontend.ssl_ca_certs) if f]
+
+    def stamp() -> list[float]:
+        return [os.stat(f).st_mtime if os.path.exists(f) else 0.0 for f in files]
+    last = stamp()
+    while True:
+        await asyncio.sleep(2.0)
+        now = stamp()
+        if now != last and server.config.ssl is not None:
+            try:
+                server.config.ssl.load_cert_chain(frontend.ssl_certfile, frontend.ssl_keyfile)
+                if frontend.ssl_ca_certs:
+                    server.config.ssl.load_verify_locations(frontend.ssl_ca_certs)
+                logger.info("Reloaded the TLS certificate.")
+            except Exception as e:  # a half-written file: try again at the next change
+                logger.warning("Could not reload the TLS certificate: %s", e)
+        last = now
+
+
+async def serve(engine: EngineClient, frontend: FrontendConfig) -> int:
+    """Serves until a signal or a dead engine; returns the exit code."""
+    app = build_app(engine, frontend)
+    server = _make_server(app, frontend)
+    logger.info("tokenmill %s serving %s on %s", tokenmill.__version__,
+                ", ".join(app.state.engine.config.model_config.served_model_name or []), frontend.url)
+    ssl_task = None
+    if frontend.enable_ssl_refresh and frontend.ssl_certfile:
+        ssl_task = asyncio.ensure_future(_watch_ssl_files(server, frontend))
+    try:
+        await server.serve()
+    finally:
+        if ssl_task is not None:
+            ssl_task.cancel()
+    return app.state.exit_code
+
+
+def run_server(engine_kwargs: dict[str, Any], frontend: FrontendConfig) -> None:
+    """Starts the engine, serves until stopped, then exits: 0 after SIGTERM/SIGINT, 1 if the engine died."""
+    _check_frontend(frontend)
+    if frontend.disable_frontend_multiprocessing:
+        logger.warning("--disable-frontend-multiprocessing has no effect: tokenmill's API server always talks to "
+                       "an engine core running in its own process.")
+
+    async def main() -> int:
+        from tokenmill.engine.async_llm import AsyncLLM
+        try:
+            engine = AsyncLLM.from_engine_args(log_stats=not frontend.disable_log_stats, **engine_kwargs)
+        except (ValueError, TypeError, FileNotFoundError) as e:  # a bad model or option: say so, no traceback
+            logger.error("Cannot start the engine: %s", e)
+            return 1
+        try:
+            return await serve(engine, frontend)
+        finally:
+            engine.shutdown()
+
+    code = asyncio.run(main())
+    if code:
+        sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tokenmill.config.args import parse_serve_args
+    engine_kwargs, frontend = parse_serve_args(sys.argv[1:] if argv is None else argv,
+                                               prog="python -m tokenmill.entrypoints.openai.api_server")
+    run_server(engine_kwargs, frontend)
+
+
+if __name__ == "__main__":
+    main()

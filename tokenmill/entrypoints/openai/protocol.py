@@ -1,0 +1,419 @@
+"""Request and response models of the OpenAI-compatible API, with vLLM's extra fields and shapes.
+
+Requests accept unknown fields (OpenAI clients send new ones all the time) and log a warning naming them, as vLLM
+does. Fields tokenmill cannot honour yet are declared here so a request that sets them gets a clear 400 instead of
+being silently ignored (see `unsupported_fields`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
+_LONG_MIN, _LONG_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+class OpenAIBaseModel(BaseModel):
+    """Base of every API model: unknown request fields are allowed, logged once per request and ignored."""
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _warn_unknown_fields(cls, data: Any, handler: Any) -> Any:
+        result = handler(data)
+        if isinstance(data, dict) and result.model_extra:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           sorted(result.model_extra))
+        return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# errors, models, usage
+# ----------------------------------------------------------------------------------------------------------------
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+class ModelPermission(OpenAIBaseModel):
+    id: str
+    object: str = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: Optional[str] = None
+    is_blocking: bool = False
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenmill"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+    permission: list[ModelPermission] = Field(default_factory=list)
+
+
+class ModelList(OpenAIBaseModel):
+    object: str = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: Optional[int] = None
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: Optional[int] = 0
+    prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[bool] = True
+    continuous_usage_stats: Optional[bool] = False
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: str = "text"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fields shared by /v1/completions and /v1/chat/completions
+# ----------------------------------------------------------------------------------------------------------------
+class _SamplingRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    n: int = 1
+    best_of: Optional[int] = None
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = Field(None, ge=_LONG_MIN, le=_LONG_MAX)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: Optional[dict[str, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    prompt_logprobs: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    priority: int = 0
+    request_id: Optional[str] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    return_token_ids: bool = False
+    response_format: Optional[ResponseFormat] = None
+    # vLLM fields tokenmill does not implement yet: setting them is a 400, never a silent no-op.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    structured_outputs: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    cache_salt: Optional[str] = None
+    vllm_xargs: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+
+    _NOT_YET: ClassVar[tuple[tuple[str, Any], ...]] = (
+        ("use_beam_search", False), ("length_penalty", 1.0), ("guided_json", None), ("guided_regex", None),
+        ("guided_choice", None), ("guided_grammar", None), ("guided_decoding_backend", None),
+        ("guided_whitespace_pattern", None), ("structured_outputs", None), ("logits_processors", None),
+        ("kv_transfer_params", None), ("cache_salt", None), ("vllm_xargs", None), ("mm_processor_kwargs", None))
+
+    def unsupported_fields(self) -> list[str]:
+        """Names of fields set to something tokenmill cannot honour yet (each one makes the request a 400)."""
+        bad = [name for name, default in self._NOT_YET if getattr(self, name) != default]
+        if self.response_format is not None and self.response_format.type != "text":
+            bad.append(f"response_format (type {self.response_format.type!r})")
+        return bad
+
+    @model_validator(mode="after")
+    def _check_stream_fields(self) -> "_SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true.")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available when stream is true.")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams fields taken verbatim from the request (None = use the default)."""
+        logit_bias = None
+        if self.logit_bias is not None:
+            try:
+                logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError("logit_bias keys must be token ids (integers given as strings).") from None
+        return dict(n=self.n, best_of=self.best_of, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
+                    stop_token_ids=self.stop_token_ids, bad_words=self.bad_words,
+                    include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+                    min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+                    spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=logit_bias,
+                    allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# /v1/completions
+# ----------------------------------------------------------------------------------------------------------------
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+    add_special_tokens: bool = True
+    prompt_embeds: Optional[Any] = None
+
+    def unsupported_fields(self) -> list[str]:
+        bad = super().unsupported_fields()
+        bad += [name for name in ("suffix", "prompt_embeds") if getattr(self, name) is not None]
+        return bad
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, Any]]]] = None
+    prompt_token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    prompt_token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = Field(default=None)
+    system_fingerprint: Optional[str] = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# /v1/chat/completions
+# ----------------------------------------------------------------------------------------------------------------
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]]
+    max_tokens: Optional[int] = Field(None, description="Deprecated by OpenAI in favour of max_completion_tokens.")
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = 0
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list[dict[str, Any]]] = None
+    function_call: Optional[Union[str, dict[str, Any]]] = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: Optional[list[dict[str, str]]] = None
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    include_reasoning: bool = True
+    reasoning_effort: Optional[str] = None
+
+    def unsupported_fields(self) -> list[str]:
+        bad = super().unsupported_fields()
+        if self.tool_choice is not None and self.tool_choice != "none":
+            bad.append(f"tool_choice {self.tool_choice!r} (only 'none' or unset; tool calling comes later)")
+        bad += [name for name in ("functions", "function_call", "reasoning_effort") if getattr(self, name) is not None]
+        if not self.include_reasoning:
+            bad.append("include_reasoning=false")
+        return bad
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        if not self.messages:
+            raise ValueError("messages must contain at least one message.")
+        if self.top_logprobs is not None:
+            if self.top_logprobs < 0 and self.top_logprobs != -1:
+                raise ValueError("top_logprobs must be -1 (whole vocabulary) or >= 0.")
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise ValueError("When using top_logprobs, logprobs must be set to true.")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("Cannot set both continue_final_message and add_generation_prompt to true.")
+        return self
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: Optional[str] = None
+    refusal: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: Optional[list[int]] = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: Optional[list[ChatCompletionLogProbsContent]] = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = "stop"
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: Optional[str] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, Any]]]] = None
+    prompt_token_ids: Optional[list[int]] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = Field(default=None)
+    system_fingerprint: Optional[str] = None
+    prompt_token_ids: Optional[list[int]] = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# /tokenize and /detokenize
+# ----------------------------------------------------------------------------------------------------------------
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: Optional[bool] = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    documents: Optional[list[dict[str, str]]] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "TokenizeChatRequest":
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("Cannot set both continue_final_message and add_generation_prompt to true.")
+        return self
+
+
+TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

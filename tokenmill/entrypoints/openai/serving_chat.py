@@ -1,0 +1,241 @@
+"""POST /v1/chat/completions: conversations rendered through the chat template, streaming and one-shot."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from tokenmill.config.frontend import FrontendConfig
+from tokenmill.engine.protocol import EngineClient, EngineDeadError
+from tokenmill.entrypoints.chat_utils import load_chat_template, render_chat
+from tokenmill.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                                   ChatCompletionLogProbsContent, ChatCompletionRequest,
+                                                   ChatCompletionResponse, ChatCompletionResponseChoice,
+                                                   ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
+                                                   ChatMessage, DeltaMessage)
+from tokenmill.entrypoints.openai.serving_engine import (OpenAIServing, Primed, RequestTracker, ServingError,
+                                                         SSEStream, error_body, prime_all)
+from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
+from tokenmill.outputs import Logprob, RequestOutput
+
+
+class ChatRenderer:
+    """The chat-template settings of this server (--chat-template, content format, default kwargs, trust), shared
+    by /v1/chat/completions and /tokenize."""
+
+    def __init__(self, tokenizer: Any, frontend: FrontendConfig) -> None:
+        self.tokenizer = tokenizer
+        self.frontend = frontend
+        self.chat_template = load_chat_template(frontend.chat_template)  # a bad path fails at start-up
+
+    def render(self, messages: list[dict[str, Any]], *, request_template: str | None, add_generation_prompt: bool,
+               continue_final_message: bool, tools: list[dict] | None, request_kwargs: dict[str, Any] | None,
+               documents: list[dict] | None = None) -> str:
+        if request_template is not None and not self.frontend.trust_request_chat_template:
+            raise ServingError("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                               "Refused request with untrusted chat template.", 400, "chat_template")
+        kwargs = dict(self.frontend.default_chat_template_kwargs or {})
+        kwargs.update(request_kwargs or {})
+        if documents is not None:
+            kwargs["documents"] = documents
+        try:
+            return render_chat(self.tokenizer, messages, chat_template=request_template or self.chat_template,
+                               content_format=self.frontend.chat_template_content_format,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, tools=tools,
+                               chat_template_kwargs=kwargs)
+        except (ValueError, TypeError) as e:
+            raise ServingError(str(e), 400, "messages") from None
+
+
+def _message_text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+class OpenAIServingChat(OpenAIServing):
+
+    def __init__(self, engine: EngineClient, models: OpenAIServingModels, frontend: FrontendConfig,
+                 tracker: RequestTracker | None = None, renderer: ChatRenderer | None = None) -> None:
+        super().__init__(engine, models, frontend, tracker)
+        self.renderer = renderer or ChatRenderer(self.tokenizer, frontend)
+        self.response_role = frontend.response_role
+
+    def request_role(self, request: ChatCompletionRequest) -> str:
+        if request.add_generation_prompt:
+            return self.response_role
+        return str(request.messages[-1].get("role", self.response_role))
+
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     raw_request: Any = None) -> ChatCompletionResponse | SSEStream:
+        self.check_model(request.model)
+        self.check_supported(request)
+        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        if requested is not None and requested < 1:
+            raise ServingError(f"{param} must be at least 1, got {requested}.", 400, param)
+        logprobs = None
+        if request.logprobs:
+            logprobs = request.top_logprobs or 0
+            self.check_logprobs("top_logprobs", logprobs)
+        self.check_logprobs("prompt_logprobs", request.prompt_logprobs)
+        response_id, engine_id = self.request_ids(raw_request, request.request_id, "chatcmpl-")
+        tools = request.tools
+        if request.tool_choice == "none" and self.frontend.exclude_tools_when_tool_choice_none:
+            tools = None
+        if self.tokenizer is None:
+            raise ServingError("Chat needs a tokenizer, but this server was started with skip_tokenizer_init.", 400)
+        prompt = self.renderer.render(request.messages, request_template=request.chat_template,
+                                      add_generation_prompt=request.add_generation_prompt,
+                                      continue_final_message=request.continue_final_message, tools=tools,
+                                      request_kwargs=request.chat_template_kwargs, documents=request.documents)
+        ids = self.tokenize(prompt, request.add_special_tokens)
+        ids = self.truncate(ids, request.truncate_prompt_tokens, self.max_model_len)
+        if not ids:
+            raise ServingError("The rendered conversation is empty.", 400, "messages")
+        self.check_length(len(ids), requested, param)
+        params = self.sampling_params(request, len(ids), requested, logprobs, request.prompt_logprobs,
+                                      request.stream)
+        gen = self.start(engine_id, prompt, ids, params, request.priority)
+        created = int(time.time())
+        if request.stream:
+            streams = await prime_all([gen])
+            return SSEStream(self._stream(request, response_id, created, ids, streams[0]), streams)
+        final: RequestOutput | None = None
+        try:
+            async for res in gen:
+                final = res
+        finally:
+            await gen.aclose()
+        if final is None:
+            raise EngineDeadError("the engine returned no output for a request")
+        return self._response(request, response_id, created, ids, final)
+
+    # ----- logprobs -----
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, top_n: int,
+                      as_ids: bool) -> ChatCompletionLogProbs:
+        content: list[ChatCompletionLogProbsContent] = []
+        for i, tid in enumerate(token_ids):
+            step = logprobs[i] if logprobs is not None and i < len(logprobs) else None
+            chosen = step.get(tid) if step is not None else None
+            token = self.token_str(tid, chosen, as_ids)
+            top: list[ChatCompletionLogProb] = []
+            if step is not None and top_n != 0:
+                ranked = sorted(step.items(), key=lambda kv: -kv[1].logprob)
+                if top_n > 0:
+                    ranked = ranked[:top_n]
+                for t, lp in ranked:
+                    s = self.token_str(t, lp, as_ids)
+                    top.append(ChatCompletionLogProb(token=s, logprob=max(lp.logprob, -9999.0),
+                                                     bytes=list(s.encode("utf-8", errors="replace"))))
+            content.append(ChatCompletionLogProbsContent(
+                token=token, logprob=max(chosen.logprob, -9999.0) if chosen is not None else -9999.0,
+                bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=top))
+        return ChatCompletionLogProbs(content=content)
+
+    def _echo_text(self, request: ChatCompletionRequest, role: str) -> str:
+        """vLLM's chat echo: the last message's content, when that message has the role being generated."""
+        if not request.echo:
+            return ""
+        last = request.messages[-1]
+        return _message_text(last) if last.get("role") == role else ""
+
+    # ----- one-shot -----
+    def _response(self, request: ChatCompletionRequest, response_id: str, created: int, prompt_ids: list[int],
+                  res: RequestOutput) -> ChatCompletionResponse:
+        role = self.request_role(request)
+        echo = self._echo_text(request, role)
+        as_ids = self.return_as_ids(request)
+        choices = []
+        completion_tokens = 0
+        for out in res.outputs:
+            completion_tokens += len(out.token_ids)
+            logprobs = None
+            if request.logprobs:
+                logprobs = self.chat_logprobs(list(out.token_ids), out.logprobs, request.top_logprobs or 0, as_ids)
+            choice = ChatCompletionResponseChoice(index=out.index, message=ChatMessage(role=role,
+                                                                                       content=echo + out.text),
+                                                  logprobs=logprobs, finish_reason=out.finish_reason,
+                                                  stop_reason=out.stop_reason)
+            if request.return_token_ids:
+                choice.token_ids = list(out.token_ids)
+            choices.append(choice)
+        choices.sort(key=lambda c: c.index)
+        self.log_output(response_id, [c.message.content or "" for c in choices])
+        return ChatCompletionResponse(id=response_id, created=created, model=self.models.model_name,
+                                      choices=choices,
+                                      usage=self.usage(len(prompt_ids), completion_tokens, res.num_cached_tokens),
+                                      prompt_logprobs=self.prompt_logprobs_json(res),
+                                      prompt_token_ids=prompt_ids if request.return_token_ids else None)
+
+    # ----- streaming -----
+    async def _stream(self, request: ChatCompletionRequest, response_id: str, created: int, prompt_ids: list[int],
+                      stream: Primed) -> AsyncIterator[str]:
+        model = self.models.model_name
+        role = self.request_role(request)
+        echo = self._echo_text(request, role)
+        include_usage, continuous = self.usage_flags(request)
+        as_ids = self.return_as_ids(request)
+        n = request.n
+        tokens_out = [0] * n
+        cached = 0
+        prompt_len = len(prompt_ids)
+
+        def chunk(choice: ChatCompletionResponseStreamChoice, i: int) -> str:
+            c = ChatCompletionStreamResponse(id=response_id, object="chat.completion.chunk", created=created,
+                                             model=model, choices=[choice])
+            if continuous:
+                c.usage = self.usage(prompt_len, tokens_out[i], cached)
+            return f"data: {c.model_dump_json(exclude_unset=True)}\n\n"
+
+        try:
+            # First, per choice: the role (and, with echo, the echoed text).
+            for i in range(n):
+                first = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=role, content=""),
+                                                           logprobs=None, finish_reason=None)
+                if request.return_token_ids and i == 0:
+                    c = ChatCompletionStreamResponse(id=response_id, object="chat.completion.chunk",
+                                                     created=created, model=model, choices=[first],
+                                                     prompt_token_ids=prompt_ids)
+                    if continuous:
+                        c.usage = self.usage(prompt_len, 0, cached)
+                    yield f"data: {c.model_dump_json(exclude_unset=True)}\n\n"
+                else:
+                    yield chunk(first, i)
+                if echo:
+                    yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=echo),
+                                                                   logprobs=None, finish_reason=None), i)
+            async for res in stream:
+                if res.num_cached_tokens:
+                    cached = res.num_cached_tokens
+                for out in res.outputs:
+                    i = out.index
+                    if not out.text and not out.token_ids and out.finish_reason is None:
+                        continue
+                    tokens_out[i] += len(out.token_ids)
+                    logprobs = None
+                    if request.logprobs:
+                        logprobs = self.chat_logprobs(list(out.token_ids), out.logprobs, request.top_logprobs or 0,
+                                                      as_ids)
+                    choice = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=out.text),
+                                                                logprobs=logprobs, finish_reason=out.finish_reason,
+                                                                stop_reason=out.stop_reason)
+                    if request.return_token_ids:
+                        choice.token_ids = list(out.token_ids)
+                    yield chunk(choice, i)
+            if include_usage:
+                c = ChatCompletionStreamResponse(id=response_id, object="chat.completion.chunk", created=created,
+                                                 model=model, choices=[],
+                                                 usage=self.usage(prompt_len, sum(tokens_out), cached))
+                yield f"data: {c.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
+        except EngineDeadError as e:
+            yield f"data: {json.dumps(error_body(f'The engine died: {e}', 503))}\n\n"
+        except ServingError as e:
+            yield f"data: {json.dumps(error_body(e.message, e.status, e.param))}\n\n"
+        except (ValueError, TypeError) as e:
+            yield f"data: {json.dumps(error_body(str(e), 400))}\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,33 @@
+"""GET /v1/models and the served-model-name check every endpoint uses."""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from tokenmill.entrypoints.openai.protocol import ModelCard, ModelList, ModelPermission
+
+
+class OpenAIServingModels:
+    """The names this server answers to. Responses carry the first; requests may name any (or none)."""
+
+    def __init__(self, engine_config: Any) -> None:
+        mc = engine_config.model_config
+        names = mc.served_model_name or [mc.model]
+        if isinstance(names, str):
+            names = [names]
+        self.served_model_names: list[str] = [str(n) for n in names]
+        self.root: str = str(mc.model) if getattr(mc, "model", None) else self.served_model_names[0]
+        self.max_model_len: int = mc.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def is_served(self, name: str | None) -> bool:
+        return not name or name in self.served_model_names
+
+    def show_available_models(self) -> ModelList:
+        cards = [ModelCard(id=name, root=self.root, max_model_len=self.max_model_len,
+                           permission=[ModelPermission(id=f"modelperm-{uuid.uuid4().hex}")])
+                 for name in self.served_model_names]
+        return ModelList(data=cards)

@@ -1,0 +1,197 @@
+"""Decode attention (one query token per request) over the paged KV cache, split along the context (Triton).
+
+Flash-decoding: stage 1 runs a program per (request, kv head, split); it attends the G = Hq / Hkv query heads of that
+kv head (stacked as the M dim of a BLOCK_G >= 16 tile so tl.dot applies) to keys [split * L_s, (split + 1) * L_s) of
+the request, L_s = ceil(ceil(seq_len / num_splits) / BLOCK_N) * BLOCK_N computed in the kernel from the live
+seq_len, and writes the normalised partial output and its log-sum-exp (base 2). Stage 2 runs a program per
+(request, q head) and merges the used splits. With num_splits == 1 stage 1 writes the output directly.
+
+Everything the kernels need is read from device tensors (query_start_loc, seq_lens, block_table), so the launch is
+CUDA-graph friendly: the host only picks the grid (batch rows, num_splits). Rows whose query_len != 1 are skipped
+(they belong to the prefill kernel in a mixed batch, or are query_len-0 padding); rows with query_len 1 and
+seq_len 0 (CUDA-graph padding) produce zeros.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.kernels.triton_prefill_attention import _attn_inner
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    stride_mb, stride_mh, stride_ms,
+    BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if q_len != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    if not DIRECT:
+        if start >= seq_len:        # unused split: stage 2 does not read it
+            return
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    head = kvh * G + g
+    g_mask = g < G
+    d = tl.arange(0, HEAD_P2)
+    d_mask = d < HEAD
+    tok = q_start.to(tl.int64)
+    q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (seq_len - 1)
+
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_P2], dtype=tl.float32)
+    bt_row_ptr = block_table_ptr + b * stride_bt
+    kv_head_off = kvh * stride_ch
+    full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, d,
+                                d_mask, start, full_end, end, qk_scale, stride_cb, stride_cs,
+                                BLOCK_SIZE, BLOCK_N, False, IEEE)
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, d,
+                                d_mask, full_end, end, end, qk_scale, stride_cb, stride_cs,
+                                BLOCK_SIZE, BLOCK_N, True, IEEE)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if DIRECT:
+        tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        base = b * stride_mb + head * stride_mh + split * stride_ms
+        tl.store(mid_o_ptr + base[:, None] + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
+        # mid_lse is mid_o without its last dim ([B, Hq, S] contiguous), so its offset is base / HEAD_P2.
+        tl.store(mid_lse_ptr + base // HEAD_P2, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, qsl_ptr, seq_lens_ptr,
+    num_splits,
+    stride_ot, stride_oh,
+    stride_mb, stride_mh, stride_ms,
+    BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if q_len != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(seq_len, tl.maximum(split_len, 1))        # splits stage 1 wrote (0 when seq_len == 0)
+    s = tl.arange(0, SPLITS_P2)
+    s_mask = s < used
+    d = tl.arange(0, HEAD_P2)
+    d_mask = d < HEAD
+    base = b * stride_mb + h * stride_mh + s * stride_ms
+    lse = tl.load(mid_lse_ptr + base // HEAD_P2, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m > -1.0e30, m, 0.0)
+    w = tl.exp2(lse - m)                                       # 0 for unused / empty splits
+    o = tl.load(mid_o_ptr + base[:, None] + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    num = tl.sum(o * w[:, None], 0)
+    den = tl.sum(w, 0)
+    res = num / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+             mask=d_mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                      block_n: int = 64, min_keys_per_split: int = 256, max_splits: int = 32) -> int:
+    """A power of two: enough (row, kv head, split) programs to fill the GPU about twice, with each split at least
+    `min_keys_per_split` keys long. Any value is correct (splits are recomputed from the live seq_len in the kernel);
+    this only sets speed. For CUDA graphs pick it once per captured batch size."""
+    if max_seq_len <= 0 or num_rows <= 0:
+        return 1
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    want = triton.cdiv(2 * sms, num_rows * num_kv_heads)
+    useful = triton.cdiv(max_seq_len, max(min_keys_per_split, block_n))
+    n = max(1, min(want, useful, max_splits))
+    return 1 << (n - 1).bit_length() if n & (n - 1) else n
+
+
+def decode_config(head_size: int, group: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N keys per iteration, num_warps, num_stages): first guesses, to be tuned on the H200."""
+    if triton.next_power_of_2(head_size) >= 256:
+        return 32, 4, 2
+    return 64, 4, 2
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                     scale: float, num_splits: int = 1, block_n: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None) -> None:
+    """Attention of the single query token of each query_len-1 request in q [T, Hq, D] against the paged cache.
+
+    Row b's token is q[query_start_loc[b]]; rows with query_len != 1 are left alone; query_len 1 with seq_len 0
+    gives zeros. k_cache/v_cache [num_blocks, block_size, Hkv, D]; out [T, Hq, D] (may alias nothing in q).
+    Grid: (B, Hkv, num_splits) then (B, Hq) when num_splits > 1, B = seq_lens.shape[0]."""
+    num_rows = seq_lens.shape[0]
+    if num_rows == 0:
+        return
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    assert hq % hkv == 0
+    g = hq // hkv
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
+    cfg = decode_config(d, g, q.dtype)
+    block_n = block_n or cfg[0]
+    head_p2 = triton.next_power_of_2(d)
+    block_g = max(16, triton.next_power_of_2(g))
+    ieee = q.dtype == torch.float32     # fp32 dots in full precision (tests), not tf32
+    direct = num_splits == 1
+    if direct:
+        mid_o = mid_lse = out          # unused
+        sm = (0, 0, 0)
+    else:
+        mid_o = torch.empty((num_rows, hq, num_splits, head_p2), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((num_rows, hq, num_splits), dtype=torch.float32, device=q.device)
+        sm = mid_o.stride()[:3]
+    common = dict(num_warps=num_warps or cfg[1])
+    _decode_stage1_kernel[(num_rows, hkv, num_splits)](
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, mid_o, mid_lse, out,
+        scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
+        sm[0], sm[1], sm[2],
+        BLOCK_SIZE=k_cache.shape[1], G=g, BLOCK_G=block_g, BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2,
+        DIRECT=direct, IEEE=ieee, num_stages=num_stages or cfg[2], **common,
+    )
+    if not direct:
+        _decode_stage2_kernel[(num_rows, hq)](
+            mid_o, mid_lse, out, query_start_loc, seq_lens, num_splits,
+            out.stride(0), out.stride(1), sm[0], sm[1], sm[2],
+            BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2, SPLITS_P2=triton.next_power_of_2(num_splits),
+            **common,
+        )
