@@ -28,6 +28,8 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _int("TOKENMILL_CPU_KVCACHE_SPACE_GIB", 1),
     # Number of torch intra-op threads on CPU (0 = torch's default).
     "TOKENMILL_CPU_NUM_THREADS": _int("TOKENMILL_CPU_NUM_THREADS", 0),
+    # Accumulate per-phase step times (schedule / execute / update / graph vs eager) for benchmarks.
+    "TOKENMILL_STEP_TIMING": _bool("TOKENMILL_STEP_TIMING", False),
     # API key for the server when --api-key is not given.
     "TOKENMILL_API_KEY": _str("TOKENMILL_API_KEY", None),
 }

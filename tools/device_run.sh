@@ -25,6 +25,28 @@ case "$mode" in
     bench throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
       --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json"
     ;;
+  final)
+    export TOKENMILL_STEP_TIMING=1
+    bench throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
+      --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json"
+    unset TOKENMILL_STEP_TIMING
+    bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
+      --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"
+    echo "=== cold start llama-3-8b (process start to first token, graphs captured)"
+    t0=$(date +%s.%N)
+    python3 -c "
+from tokenmill import LLM, SamplingParams
+from tokenmill.benchmarks.offline_common import shipped_model_dir
+llm = LLM(shipped_model_dir('llama-3-8b'), load_format='dummy', skip_tokenizer_init=True, max_model_len=2048)
+llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+" 2>&1 | grep -E "Captured|KV cache" ; t1=$(date +%s.%N); echo "cold start: $(echo "$t1 - $t0" | bc) s"
+    bench latency --model llama-3-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
+      --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_llama8b.json"
+    bench throughput --model llama-3-8b --num-prompts 256 --input-len 562 --output-len 562 \
+      --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --output-json "$OUT/tp_llama8b.json"
+    bench throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
+      --random-range-ratio 0.82 --max-model-len 2048 --backend hf --output-json "$OUT/tp_qwen3_hf.json"
+    ;;
   bench-full)
     bench latency --model llama-3-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
       --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_llama8b.json"

@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
           f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {n_in}\nTotal num output tokens:  {n_out}")
+    from tokenmill.metrics.step_timing import TIMER
+    if TIMER.enabled:
+        print(TIMER.report())
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -7,6 +7,7 @@ from tokenmill.config import TokenmillConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.executor.uniproc import UniProcExecutor
+from tokenmill.metrics.step_timing import TIMER
 
 
 class EngineCore:
@@ -31,9 +32,12 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic())
-        sched = self.scheduler.schedule()
-        out = self.executor.execute_model(sched)
-        outputs = self.scheduler.update_from_output(sched, out)
+        with TIMER.phase("schedule"):
+            sched = self.scheduler.schedule()
+        with TIMER.phase("execute_model"):
+            out = self.executor.execute_model(sched)
+        with TIMER.phase("update_from_output"):
+            outputs = self.scheduler.update_from_output(sched, out)
         outputs.scheduler_stats = self.scheduler.make_stats()
         outputs.timestamp = time.monotonic()
         return outputs

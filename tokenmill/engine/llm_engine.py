@@ -8,6 +8,7 @@ from tokenmill.config.engine_args import create_engine_config
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
+from tokenmill.metrics.step_timing import TIMER
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -81,7 +82,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.step()
         self.last_stats = outputs.scheduler_stats
-        result = self.output_processor.process_outputs(outputs.outputs)
+        with TIMER.phase("output_processor"):
+            result = self.output_processor.process_outputs(outputs.outputs)
         if result.reqs_to_abort:
             self.engine_core.abort_requests(result.reqs_to_abort)
         return result.request_outputs

@@ -13,6 +13,7 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.messages import LogprobsLists
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.sampler import Sampler, compute_prompt_logprobs
+from tokenmill.metrics.step_timing import TIMER
 from tokenmill.models.loader import load_model
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.sampling_state import SamplingState
@@ -137,11 +138,13 @@ class ModelRunner:
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(len(rows), total):
             # One token per request: the graph returns every row's logits (a 1-token chunk that does not end
             # its prompt samples nothing, so keep only the rows that do).
+            TIMER.count("graph_steps")
             logits = self.cuda_graphs.run(input_ids, positions, slots, seq_lens,
                                           b.block_table[rows, :max_blocks])
             if len(sample_idx) != len(rows):
                 logits = logits[torch.from_numpy(sample_idx).to(dev)]
         else:
+            TIMER.count("eager_steps")
             md = AttentionMetadata(
                 num_actual_tokens=total,
                 slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
@@ -163,7 +166,8 @@ class ModelRunner:
             srows = rows[sample_idx]
             meta = self.sampling.make_metadata(srows, b.token_ids, b.num_prompt_tokens, b.num_tokens)
             out = self.sampler(logits, meta)
-            ids = out.sampled_token_ids.tolist()
+            with TIMER.phase("wait_for_sampled_ids"):  # the step's one device->host sync
+                ids = out.sampled_token_ids.tolist()
             b.token_ids[srows, b.num_tokens[srows]] = ids
             b.num_tokens[srows] += 1
             for j, i in enumerate(sample_idx):

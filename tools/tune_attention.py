@@ -1,0 +1,75 @@
+"""Sweep Triton attention launch configs on the GPU and print the fastest per shape (with achieved KV bandwidth).
+Usage (on the device): python3 tools/tune_attention.py"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from triton.testing import do_bench
+
+from tokenmill.kernels.triton_decode_attention import decode_attention, decode_num_splits
+from tokenmill.kernels.triton_prefill_attention import prefill_attention
+
+dev, dt = torch.device("cuda"), torch.bfloat16
+HQ, HKV, D, BS = 16, 8, 128, 16
+
+
+def paged(batch: int, ctx: int):
+    nb = batch * (-(-ctx // BS))
+    kc = torch.randn(nb, BS, HKV, D, device=dev, dtype=dt)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(nb, device=dev, dtype=torch.int32).view(batch, -1)
+    return kc, vc, bt
+
+
+def tune_decode(batch: int, ctx: int) -> None:
+    kc, vc, bt = paged(batch, ctx)
+    q = torch.randn(batch, HQ, D, device=dev, dtype=dt)
+    out = torch.empty_like(q)
+    qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+    sl = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    kv_bytes = 2 * batch * ctx * HKV * D * 2
+    default = decode_num_splits(batch, HKV, ctx, dev)
+    results = []
+    for bn, w, st, sp in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3), sorted({1, 2, 4, 8, 16, default})):
+        try:
+            ms = do_bench(lambda: decode_attention(q, kc, vc, out, qsl, sl, bt, D ** -0.5, num_splits=sp,
+                                                   block_n=bn, num_warps=w, num_stages=st), warmup=5, rep=20)
+        except Exception as e:  # resource limits for some combinations
+            continue
+        results.append((ms, bn, w, st, sp))
+    results.sort()
+    base = [r for r in results if (r[1], r[2], r[3], r[4]) == (64, 4, 2, default)]
+    print(f"decode B={batch} ctx={ctx}: default(64,4,2,{default}) "
+          f"{base[0][0] * 1e3 if base else float('nan'):.1f}us; best:")
+    for ms, bn, w, st, sp in results[:4]:
+        print(f"   {ms * 1e3:8.1f}us  {kv_bytes / ms / 1e9:6.0f} GB/s  block_n={bn} warps={w} stages={st} splits={sp}")
+
+
+def tune_prefill(batch: int, qlen: int, ctx: int) -> None:
+    kc, vc, bt = paged(batch, ctx)
+    t = batch * qlen
+    q = torch.randn(t, HQ, D, device=dev, dtype=dt)
+    out = torch.empty_like(q)
+    qsl = torch.arange(0, t + 1, qlen, device=dev, dtype=torch.int32)
+    sl = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    flops = 4 * batch * HQ * D * (qlen * (ctx - qlen) + qlen * qlen / 2)
+    results = []
+    for bm, bn, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3)):
+        try:
+            ms = do_bench(lambda: prefill_attention(q, kc, vc, out, qsl, sl, bt, D ** -0.5, num_tokens=t,
+                                                    max_query_len=qlen, block_m=bm, block_n=bn, num_warps=w,
+                                                    num_stages=st), warmup=3, rep=10)
+        except Exception:
+            continue
+        results.append((ms, bm, bn, w, st))
+    results.sort()
+    print(f"prefill B={batch} q={qlen} ctx={ctx}:")
+    for ms, bm, bn, w, st in results[:3]:
+        print(f"   {ms * 1e3:8.1f}us  {flops / ms / 1e9:6.0f} TFLOP/s  block_m={bm} block_n={bn} warps={w} stages={st}")
+
+
+for b, c in ((1, 256), (1, 4096), (32, 1024), (256, 256), (256, 1024)):
+    tune_decode(b, c)
+for b, ql, c in ((14, 562, 562), (4, 2048, 2048)):
+    tune_prefill(b, ql, c)
