@@ -39,7 +39,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.benchmarks.offline_common import shipped_model_dir
 llm = LLM(shipped_model_dir('llama-3-8b'), load_format='dummy', skip_tokenizer_init=True, max_model_len=2048)
 llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-" 2>&1 | grep -E "Captured|KV cache" ; t1=$(date +%s.%N); echo "cold start: $(echo "$t1 - $t0" | bc) s"
+" 2>&1 | grep -E "Captured|KV cache" ; t1=$(date +%s.%N); echo "cold start: $(python3 -c "print(round($t1 - $t0, 1))") s"
     bench latency --model llama-3-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
       --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_llama8b.json"
     bench throughput --model llama-3-8b --num-prompts 256 --input-len 562 --output-len 562 \
