@@ -13,7 +13,7 @@ from tokenmill.benchmarks.offline_common import random_token_prompts, split_engi
 
 
 def make_parser(prog: str = "tokenmill bench latency") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, epilog="Every engine flag of `tokenmill serve` is accepted too (e.g. --load-format dummy, --dtype, --max-num-seqs, --enforce-eager).", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
