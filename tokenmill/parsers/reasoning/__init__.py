@@ -1,0 +1,57 @@
+"""Reasoning parsers: split a model's output into reasoning (e.g. inside <think>...</think>) and the answer."""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from tokenmill.parsers.registry import ParserRegistry
+
+reasoning_parsers = ParserRegistry("reasoning", {
+    "deepseek_r1": ("tokenmill.parsers.reasoning.think_tags", "DeepSeekR1ReasoningParser"),
+    "qwen3": ("tokenmill.parsers.reasoning.think_tags", "Qwen3ReasoningParser"),
+})
+
+
+@dataclass
+class ReasoningDelta:
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningStream(abc.ABC):
+    """Per-request streaming state. feed() the text as it arrives; finish() flushes anything held back.
+
+    Contract: concatenating the deltas of every feed() plus finish(), for ANY split of the text into chunks, equals
+    the non-streamed `ReasoningParser.extract(text)` result.
+    """
+
+    @abc.abstractmethod
+    def feed(self, delta_text: str) -> ReasoningDelta: ...
+
+    @abc.abstractmethod
+    def finish(self) -> ReasoningDelta: ...
+
+    @property
+    @abc.abstractmethod
+    def reasoning_ended(self) -> bool:
+        """True once the answer part has started (structured outputs constrain only what follows)."""
+
+
+class ReasoningParser(abc.ABC):
+    """Built once per server from the tokenizer. `prompt_opens_reasoning` says whether the rendered prompt already
+    ends inside a reasoning block (e.g. a chat template that appends `<think>\\n`), so the output starts as reasoning
+    without an opening tag; `enabled=False` (thinking disabled through chat_template_kwargs) means all content."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    @abc.abstractmethod
+    def extract(self, text: str, prompt_opens_reasoning: bool = False, enabled: bool = True) -> tuple[str | None, str | None]:
+        """(reasoning or None, content or None) of a complete output."""
+
+    @abc.abstractmethod
+    def new_stream(self, prompt_opens_reasoning: bool = False, enabled: bool = True) -> ReasoningStream: ...
+
+    def prompt_opens_reasoning(self, prompt_text: str) -> bool:
+        """Whether the rendered prompt leaves the model inside a reasoning block."""
+        return False
