@@ -53,6 +53,16 @@ def _make_config(arch: str, vocab_size: int, bos: int, eos: int):
         return tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
     if arch == "mistral":
         return tf.MistralConfig(**common, sliding_window=None)
+    if arch == "llama_bias":  # q/k/v/o and MLP biases, tied embeddings, explicit head_dim != hidden / heads
+        return tf.LlamaConfig(**common, attention_bias=True, mlp_bias=True, tie_word_embeddings=True, head_dim=32)
+    if arch in ("llama_linear", "llama_dynamic", "llama_yarn"):
+        kind = arch.split("_")[1]
+        scaling = {"rope_type": kind, "factor": 2.0 if kind != "yarn" else 4.0}
+        if kind == "yarn":
+            scaling["original_max_position_embeddings"] = 128
+        return tf.LlamaConfig(**common, rope_scaling=scaling)
+    if arch == "qwen2_untied":
+        return tf.Qwen2Config(**common, tie_word_embeddings=False)
     raise ValueError(arch)
 
 
