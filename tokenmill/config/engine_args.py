@@ -40,6 +40,9 @@ def create_engine_config(**kwargs: Any) -> TokenmillConfig:
             hint = f" Did you mean: {', '.join(close)}?" if close else ""
             raise TypeError(f"Unknown engine argument `{name}`.{hint}")
         per_cls[cls][name] = value
+    from tokenmill.config import LoadConfig as _Load, ModelConfig as _Model
+    # The model is looked up in LoadConfig.download_dir when one is given (vLLM's --download-dir).
+    per_cls[_Model]["download_dir"] = per_cls[_Load].get("download_dir")
     configs = {cls: cls(**per_cls[cls]) for cls in CONFIG_CLASSES}
     from tokenmill.config import (CacheConfig, CompilationConfig, DeviceConfig, LoadConfig, ModelConfig,
                                   ParallelConfig, SchedulerConfig)

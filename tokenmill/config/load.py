@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.config.utils import check_choices, config_field
+from tokenmill.config.utils import check_choices, config_field, not_supported_yet
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "pt", "npcache", "bitsandbytes", "sharded_state",
                 "tensorizer", "mistral", "runai_streamer")
@@ -27,6 +27,16 @@ class LoadConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.model_loader_extra_config:
+            raise not_supported_yet("model_loader_extra_config", self.model_loader_extra_config)
+        if list(self.ignore_patterns) != ["original/**/*"]:
+            raise not_supported_yet("ignore_patterns", self.ignore_patterns,
+                                    "Only the default (skip original/**) is applied.")
+        if self.safetensors_load_strategy not in (None, "lazy"):
+            raise not_supported_yet("safetensors_load_strategy", self.safetensors_load_strategy,
+                                    "Safetensors files are always memory-mapped (lazy).")
+        if self.pt_load_map_location != "cpu":
+            raise not_supported_yet("pt_load_map_location", self.pt_load_map_location, ".pt checkpoints are not read.")
         if self.load_format not in SUPPORTED_LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} is not supported yet by tokenmill; supported: "
                              f"{', '.join(SUPPORTED_LOAD_FORMATS)}.")

@@ -1,7 +1,7 @@
 """Model configuration: which model, its dtype and context length. Resolving it reads the model's config."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import torch
@@ -64,8 +64,10 @@ class ModelConfig:
     override_generation_config: dict = config_field(help="Generation defaults to override.", default_factory=dict)
     disable_cascade_attn: bool = config_field(True, help="Disable cascade attention.")
     enable_prompt_embeds: bool = config_field(False, help="Accept prompt embeddings (not supported yet).")
+    # LoadConfig.download_dir, handed over by create_engine_config: where to look for cached hub models.
+    download_dir: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, download_dir: str | None = None) -> None:
         check_choices(self)
         self.max_model_len = parse_human_int(self.max_model_len, "max_model_len")
         check_range("max_model_len", self.max_model_len, 1)
@@ -77,12 +79,12 @@ class ModelConfig:
             raise not_supported_yet("quantization", self.quantization)
         if self.enable_prompt_embeds:
             raise not_supported_yet("enable_prompt_embeds", True)
-        self._resolve()
+        self._resolve(download_dir)
 
-    def _resolve(self) -> None:
+    def _resolve(self, download_dir: str | None) -> None:
         from tokenmill.transformers_utils.config import get_hf_config, get_max_model_len
         from tokenmill.transformers_utils.resolve import resolve_model
-        self.resolved = resolve_model(self.model, self.revision)
+        self.resolved = resolve_model(self.model, self.revision, download_dir=download_dir)
         self.hf_config = get_hf_config(self.resolved, trust_remote_code=self.trust_remote_code,
                                        revision=self.revision, hf_overrides=self.hf_overrides,
                                        hf_config_path=self.hf_config_path)

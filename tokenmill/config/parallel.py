@@ -23,6 +23,9 @@ class ParallelConfig:
             check_range(name, getattr(self, name), 1)
             if getattr(self, name) != 1:
                 raise not_supported_yet(name, getattr(self, name), "Only a single device runs today.")
+        if self.distributed_executor_backend in ("ray", "external_launcher"):
+            raise not_supported_yet("distributed_executor_backend", self.distributed_executor_backend,
+                                    "One process runs the model (uni/mp).")
         if self.enable_expert_parallel:
             raise not_supported_yet("enable_expert_parallel", True)
 

@@ -16,7 +16,9 @@ class SchedulerConfig:
         None, help=f"Most tokens processed in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; at least "
                    "max_model_len when chunked prefill is off).")
     max_num_seqs: int | None = config_field(None, help=f"Most requests in one step (default {DEFAULT_MAX_NUM_SEQS}).")
-    max_num_partial_prefills: int = config_field(1, help="Most requests partially prefilled at once.")
+    max_num_partial_prefills: int = config_field(
+        1, help="Most requests partially prefilled at once (the budget loop leaves at most one partial prefill per "
+                "step unless long_prefill_token_threshold caps chunks).")
     max_long_partial_prefills: int = config_field(1, help="Most long prompts partially prefilled at once.")
     long_prefill_token_threshold: int = config_field(
         0, help="A prompt longer than this is 'long'; its chunks are capped at this many tokens (0 = off).")
@@ -56,3 +58,7 @@ class SchedulerConfig:
         check_range("max_num_partial_prefills", self.max_num_partial_prefills, 1)
         if self.scheduler_cls is not None:
             raise not_supported_yet("scheduler_cls", self.scheduler_cls)
+        if self.async_scheduling:
+            raise not_supported_yet("async_scheduling", True, "Steps are scheduled synchronously for now.")
+        if self.stream_interval != 1:
+            raise not_supported_yet("stream_interval", self.stream_interval, "Every token is streamed.")
