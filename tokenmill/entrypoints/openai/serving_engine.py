@@ -4,6 +4,7 @@ logging and the set of in-flight requests (so shutdown can abort them)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
 from http import HTTPStatus
@@ -54,6 +55,18 @@ def error_body(message: str, status: int = 400, param: str | None = None, err_ty
         param = m.group(1) if m else None
     info = ErrorInfo(message=message, type=err_type or error_type_for(status), param=param, code=status)
     return ErrorResponse(error=info).model_dump()
+
+
+def sse_error_event(exc: BaseException) -> str:
+    """The SSE event a stream ends with when a request fails after the response started."""
+    from tokenmill.engine.protocol import EngineDeadError
+    if isinstance(exc, EngineDeadError):
+        body = error_body(f"The engine died: {exc}", 503)
+    elif isinstance(exc, ServingError):
+        body = error_body(exc.message, exc.status, exc.param)
+    else:
+        body = error_body(str(exc), 400)
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def random_id() -> str:
