@@ -1,0 +1,150 @@
+"""Reasoning parsers (deepseek_r1, qwen3): whole-output results, and streaming in every chunking equals them."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenmill.parsers.reasoning import reasoning_parsers
+from tokenmill.parsers.reasoning.think_tags import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+
+
+def splits(text: str):
+    """Every fixed chunk size 1..len, plus a few random splits."""
+    for size in range(1, max(len(text), 1) + 1):
+        yield [text[i:i + size] for i in range(0, len(text), size)]
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8)))) if len(text) > 1 else []
+        bounds = [0, *cuts, len(text)]
+        yield [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def stream(parser, chunks, **kw):
+    s = parser.new_stream(**kw)
+    reasoning, content = [], []
+    for chunk in chunks:
+        d = s.feed(chunk)
+        reasoning.append(d.reasoning)
+        content.append(d.content)
+    d = s.finish()
+    reasoning.append(d.reasoning)
+    content.append(d.content)
+    return "".join(reasoning) or None, "".join(content) or None, s.reasoning_ended
+
+
+R1, QWEN3 = DeepSeekR1ReasoningParser(None), Qwen3ReasoningParser(None)
+
+CASES = [
+    # DeepSeek-R1: prompt ends with "<think>\n", so the output usually has no opening tag.
+    ("r1-no-open-tag", R1, "Okay, the user asks 2+2. That is 4.\n</think>\n\nThe answer is **4**.", {},
+     ("Okay, the user asks 2+2. That is 4.\n", "The answer is **4**.")),
+    ("r1-with-open-tag", R1, "<think>\nLet me think: 3*7=21.\n</think>\n\n21", {},
+     ("\nLet me think: 3*7=21.\n", "21")),
+    ("r1-chinese", R1, "嗯，用户问的是天气。我应该先确认城市。\n</think>\n\n请问您想查询哪个城市的天气？", {},
+     ("嗯，用户问的是天气。我应该先确认城市。\n", "请问您想查询哪个城市的天气？")),
+    ("r1-truncated", R1, "Hmm, this needs a long derivation. First, consider the integral of x^2 from 0 to", {},
+     ("Hmm, this needs a long derivation. First, consider the integral of x^2 from 0 to", None)),
+    ("r1-truncated-partial-end-tag", R1, "So the result is 5.\n</thi", {}, ("So the result is 5.\n</thi", None)),
+    ("r1-empty-reasoning", R1, "</think>\n\nHello!", {}, (None, "Hello!")),
+    ("r1-content-indent-kept", R1, "code time</think>\n    return x", {}, ("code time", "    return x")),
+    ("r1-later-tags-are-content", R1, "a</think>b<think>c</think>d", {}, ("a", "b<think>c</think>d")),
+    ("r1-disabled", R1, "\nJust an answer.", {"enabled": False}, (None, "Just an answer.")),
+    ("r1-angle-brackets", R1, "Compare a<b and b>c, see <thinking> vs </th>.</think>x<y", {},
+     ("Compare a<b and b>c, see <thinking> vs </th>.", "x<y")),
+    # Qwen3: the output opens the block itself.
+    ("qwen3-thinking", QWEN3, "<think>\nThe user greets me. I should greet back.\n</think>\n\nHello! How can I help?",
+     {}, ("\nThe user greets me. I should greet back.\n", "Hello! How can I help?")),
+    ("qwen3-empty-think", QWEN3, "<think>\n\n</think>\n\nParis is the capital of France.", {},
+     ("\n\n", "Paris is the capital of France.")),
+    ("qwen3-think-no-newlines", QWEN3, "<think></think>Hi", {}, (None, "Hi")),
+    ("qwen3-no-tags", QWEN3, "Paris is the capital of France.", {}, (None, "Paris is the capital of France.")),
+    ("qwen3-disabled", QWEN3, "Sure, here is the list:\n1. a\n2. b", {"enabled": False},
+     (None, "Sure, here is the list:\n1. a\n2. b")),
+    ("qwen3-disabled-literal-tags", QWEN3, "<think>x</think>y", {"enabled": False}, (None, "<think>x</think>y")),
+    ("qwen3-truncated", QWEN3, "<think>\n用户想要一首诗。让我想想押韵", {}, ("\n用户想要一首诗。让我想想押韵", None)),
+    ("qwen3-leading-newlines", QWEN3, "\n\n<think>r</think>c", {}, ("r", "c")),
+    ("qwen3-tag-not-at-start-is-content", QWEN3, "Hello <think>x</think> y", {},
+     (None, "Hello <think>x</think> y")),
+    ("qwen3-partial-open-tag-only", QWEN3, "<thin", {}, (None, "<thin")),
+    ("qwen3-stray-end-tag-is-content", QWEN3, "abc</think>def", {}, (None, "abc</think>def")),
+    ("qwen3-prompt-opened", QWEN3, "The user wants code.\n</think>\n\n```py\nprint(1)\n```",
+     {"prompt_opens_reasoning": True},
+     ("The user wants code.\n", "```py\nprint(1)\n```")),
+    ("qwen3-prompt-opened-repeated-tag", QWEN3, "<think>r</think>c", {"prompt_opens_reasoning": True}, ("r", "c")),
+    ("qwen3-repeated-open-tag-dropped", QWEN3, "<think>a<think>b</think>c", {}, ("ab", "c")),
+    ("empty", QWEN3, "", {}, (None, None)),
+    ("r1-empty", R1, "", {}, (None, None)),
+    ("qwen3-only-newlines-after", QWEN3, "<think>r</think>\n\n", {}, ("r", None)),
+]
+
+
+@pytest.mark.parametrize("name,parser,text,kw,expected", CASES, ids=[c[0] for c in CASES])
+def test_extract_and_stream(name, parser, text, kw, expected):
+    assert parser.extract(text, **kw) == expected
+    for chunks in splits(text):
+        reasoning, content, _ = stream(parser, chunks, **kw)
+        assert (reasoning, content) == expected, chunks
+
+
+def test_holds_back_only_partial_tags():
+    s = R1.new_stream()
+    assert s.feed("Think").reasoning == "Think"
+    assert s.feed("ing </thi").reasoning == "ing "  # only the partial tag is held
+    assert not s.reasoning_ended
+    d = s.feed("nk>\n\nAns")
+    assert (d.reasoning, d.content) == ("", "Ans") and s.reasoning_ended
+    assert s.feed("wer <").content == "wer <"  # no holding back in content
+    assert s.finish().content == ""
+
+    s = QWEN3.new_stream()
+    assert s.feed("<th").content == "" and not s.reasoning_ended
+    assert s.feed("ink>x<").reasoning == "x"
+    assert s.feed("b").reasoning == "<b"
+
+    s = QWEN3.new_stream()
+    assert s.feed("Hi").content == "Hi" and s.reasoning_ended
+
+
+def test_reasoning_ended():
+    assert R1.new_stream(enabled=False).reasoning_ended
+    assert QWEN3.new_stream(enabled=False).reasoning_ended
+    assert not R1.new_stream().reasoning_ended
+    assert not QWEN3.new_stream().reasoning_ended  # undecided until the first text
+    assert stream(R1, ["a</think>"])[2]
+    assert not stream(R1, ["a"])[2]  # truncated thinking never ended
+    assert stream(QWEN3, ["no thinking"])[2]
+
+
+def test_prompt_opens_reasoning():
+    r1_prompt = "<｜begin▁of▁sentence｜><｜User｜>Hi<｜Assistant｜><think>\n"
+    assert R1.prompt_opens_reasoning(r1_prompt)
+    q_on = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    q_off = q_on + "<think>\n\n</think>\n\n"
+    q_open = q_on + "<think>\n"
+    history = "<|im_start|>assistant\n<think>\nold\n</think>\n\nold answer<|im_end|>\n" + q_on
+    for p in (R1, QWEN3):
+        assert not p.prompt_opens_reasoning(q_on)
+        assert not p.prompt_opens_reasoning(q_off)
+        assert p.prompt_opens_reasoning(q_open)
+        assert not p.prompt_opens_reasoning(history)
+        assert not p.prompt_opens_reasoning("")
+
+
+def test_random_texts_stream_equals_extract():
+    rng = random.Random(0)
+    alphabet = ["<think>", "</think>", "<", "</", "<th", "</thi", ">", "\n", "a", "思", " ", "k>"]
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        for parser in (R1, QWEN3):
+            for kw in ({}, {"prompt_opens_reasoning": True}, {"enabled": False}):
+                expected = parser.extract(text, **kw)
+                for chunks in list(splits(text))[:6] + [list(text)]:
+                    assert stream(parser, chunks, **kw)[:2] == expected, (text, chunks, kw)
+
+
+def test_registry_names():
+    assert reasoning_parsers.get("qwen3") is Qwen3ReasoningParser
+    assert reasoning_parsers.get("deepseek_r1") is DeepSeekR1ReasoningParser
+    with pytest.raises(ValueError, match="available: .*deepseek_r1.*qwen3"):
+        reasoning_parsers.get("nope")
