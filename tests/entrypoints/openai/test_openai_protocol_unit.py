@@ -280,7 +280,10 @@ def test_chat_tools_and_unsupported(make_client):
     r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], "tool_choice": "none",
                                              "max_tokens": 1})
     assert r.status_code == 200, r.text
-    for extra in ({"tool_choice": "auto"}, {"tool_choice": "required"},
+    err = assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool],
+                                                            "tool_choice": "auto"}), 400, "tool_choice")
+    assert "--enable-auto-tool-choice" in err["message"]
+    for extra in ({"tool_choice": "required"},
                   {"response_format": {"type": "json_object"}}, {"guided_json": {"type": "object"}},
                   {"use_beam_search": True}):
         err = assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], **extra}), 400)
@@ -454,7 +457,7 @@ def test_unsupported_frontend_options_fail_at_build(smollm2_tokenizer):
     from tokenmill.config.frontend import FrontendConfig
     from tokenmill.entrypoints.openai.api_server import build_app
     with pytest.raises(ValueError, match="not supported yet"):
-        build_app(FakeEngine(smollm2_tokenizer), FrontendConfig(reasoning_parser="qwen3"))
+        build_app(FakeEngine(smollm2_tokenizer), FrontendConfig(structured_outputs_config={"backend": "xgrammar"}))
 
 
 def test_disconnect_aborts_non_streaming(smollm2_tokenizer):

@@ -347,11 +347,7 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
 
 def _check_frontend(frontend: FrontendConfig) -> None:
     """Front-end options that are accepted by the parser but need features tokenmill does not have yet."""
-    not_yet = [("tool_call_parser", frontend.tool_call_parser), ("tool_parser_plugin", frontend.tool_parser_plugin),
-               ("enable_auto_tool_choice", frontend.enable_auto_tool_choice),
-               ("reasoning_parser", frontend.reasoning_parser),
-               ("reasoning_parser_plugin", frontend.reasoning_parser_plugin),
-               ("structured_outputs_config", frontend.structured_outputs_config)]
+    not_yet = [("structured_outputs_config", frontend.structured_outputs_config)]
     bad = [name for name, value in not_yet if value]
     if bad:
         raise ValueError(f"{', '.join('--' + b.replace('_', '-') for b in bad)}: not supported yet by tokenmill.")

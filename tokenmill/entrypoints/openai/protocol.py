@@ -279,11 +279,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        if self.tool_choice is not None and self.tool_choice != "none":
-            bad.append(f"tool_choice {self.tool_choice!r} (only 'none' or unset; tool calling comes later)")
+        if self.tool_choice not in (None, "none", "auto"):
+            bad.append(f"tool_choice {self.tool_choice!r} (only 'none' or 'auto' for now; 'required' and named "
+                       "functions need structured outputs)")
         bad += [name for name in ("functions", "function_call", "reasoning_effort") if getattr(self, name) is not None]
-        if not self.include_reasoning:
-            bad.append("include_reasoning=false")
         return bad
 
     @model_validator(mode="after")
@@ -304,7 +303,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[str] = None
     refusal: Optional[str] = None
-    reasoning_content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # vLLM's field; `reasoning` is the newer name, both are filled
+    reasoning: Optional[str] = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -348,6 +348,7 @@ class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 

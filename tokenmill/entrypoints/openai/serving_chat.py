@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 from tokenmill.config.frontend import FrontendConfig
 from tokenmill.engine.protocol import EngineClient, EngineDeadError
 from tokenmill.entrypoints.chat_utils import load_chat_template, render_chat
+from tokenmill.entrypoints.openai.chat_parsing import ChatParsing, RequestParsing
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                    ChatCompletionLogProbsContent, ChatCompletionRequest,
                                                    ChatCompletionResponse, ChatCompletionResponseChoice,
@@ -63,6 +64,7 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(engine, models, frontend, tracker)
         self.renderer = renderer or ChatRenderer(self.tokenizer, frontend)
         self.response_role = frontend.response_role
+        self.parsing = ChatParsing(self.tokenizer, frontend)
 
     def request_role(self, request: ChatCompletionRequest) -> str:
         if request.add_generation_prompt:
@@ -86,6 +88,9 @@ class OpenAIServingChat(OpenAIServing):
         tools = request.tools
         if request.tool_choice == "none" and self.frontend.exclude_tools_when_tool_choice_none:
             tools = None
+        if request.tool_choice == "auto" and self.parsing.tools is None:
+            raise ServingError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                               "set.", 400, "tool_choice")
         if self.tokenizer is None:
             raise ServingError("Chat needs a tokenizer, but this server was started with skip_tokenizer_init.", 400)
         prompt = self.renderer.render(request.messages, request_template=request.chat_template,
@@ -97,13 +102,17 @@ class OpenAIServingChat(OpenAIServing):
         if not ids:
             raise ServingError("The rendered conversation is empty.", 400, "messages")
         self.check_length(len(ids), requested, param)
+        template_kwargs = {**(self.frontend.default_chat_template_kwargs or {}),
+                           **(request.chat_template_kwargs or {})}
+        parsing = self.parsing.for_request(prompt, tools, request.tool_choice, template_kwargs,
+                                           request.include_reasoning)
         params = self.sampling_params(request, len(ids), requested, logprobs, request.prompt_logprobs,
                                       request.stream)
         gen = self.start(engine_id, prompt, ids, params, request.priority)
         created = int(time.time())
         if request.stream:
             streams = await prime_all([gen])
-            return SSEStream(self._stream(request, response_id, created, ids, streams[0]), streams)
+            return SSEStream(self._stream(request, response_id, created, ids, streams[0], parsing), streams)
         final: RequestOutput | None = None
         try:
             async for res in gen:
@@ -112,7 +121,7 @@ class OpenAIServingChat(OpenAIServing):
             await gen.aclose()
         if final is None:
             raise EngineDeadError("the engine returned no output for a request")
-        return self._response(request, response_id, created, ids, final)
+        return self._response(request, response_id, created, ids, final, parsing)
 
     # ----- logprobs -----
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, top_n: int,
@@ -145,7 +154,7 @@ class OpenAIServingChat(OpenAIServing):
 
     # ----- one-shot -----
     def _response(self, request: ChatCompletionRequest, response_id: str, created: int, prompt_ids: list[int],
-                  res: RequestOutput) -> ChatCompletionResponse:
+                  res: RequestOutput, parsing: RequestParsing) -> ChatCompletionResponse:
         role = self.request_role(request)
         echo = self._echo_text(request, role)
         as_ids = self.return_as_ids(request)
@@ -156,10 +165,17 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs:
                 logprobs = self.chat_logprobs(list(out.token_ids), out.logprobs, request.top_logprobs or 0, as_ids)
-            choice = ChatCompletionResponseChoice(index=out.index, message=ChatMessage(role=role,
-                                                                                       content=echo + out.text),
-                                                  logprobs=logprobs, finish_reason=out.finish_reason,
-                                                  stop_reason=out.stop_reason)
+            message = ChatMessage(role=role, content=echo + out.text)
+            finish_reason = out.finish_reason
+            if parsing.active:
+                parsed = parsing.parse(out.text)
+                message = ChatMessage(role=role, content=(echo + parsed.content) if parsed.content else (echo or None),
+                                      reasoning_content=parsed.reasoning, reasoning=parsed.reasoning,
+                                      tool_calls=parsed.tool_calls)
+                if parsed.tool_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            choice = ChatCompletionResponseChoice(index=out.index, message=message, logprobs=logprobs,
+                                                  finish_reason=finish_reason, stop_reason=out.stop_reason)
             if request.return_token_ids:
                 choice.token_ids = list(out.token_ids)
             choices.append(choice)
@@ -173,7 +189,7 @@ class OpenAIServingChat(OpenAIServing):
 
     # ----- streaming -----
     async def _stream(self, request: ChatCompletionRequest, response_id: str, created: int, prompt_ids: list[int],
-                      stream: Primed) -> AsyncIterator[str]:
+                      stream: Primed, parsing: RequestParsing) -> AsyncIterator[str]:
         model = self.models.model_name
         role = self.request_role(request)
         echo = self._echo_text(request, role)
@@ -181,6 +197,7 @@ class OpenAIServingChat(OpenAIServing):
         as_ids = self.return_as_ids(request)
         n = request.n
         tokens_out = [0] * n
+        parsers = [parsing.new_stream() for _ in range(n)] if parsing.active else None
         cached = 0
         prompt_len = len(prompt_ids)
 
@@ -220,8 +237,23 @@ class OpenAIServingChat(OpenAIServing):
                     if request.logprobs:
                         logprobs = self.chat_logprobs(list(out.token_ids), out.logprobs, request.top_logprobs or 0,
                                                       as_ids)
-                    choice = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=out.text),
-                                                                logprobs=logprobs, finish_reason=out.finish_reason,
+                    delta, finish_reason = DeltaMessage(content=out.text), out.finish_reason
+                    if parsers is not None:
+                        piece = parsers[i].feed(out.text)
+                        if out.finish_reason is not None:
+                            end = parsers[i].finish()
+                            piece.content += end.content
+                            piece.reasoning += end.reasoning
+                            piece.tool_calls += end.tool_calls
+                            if parsers[i].tools_called and finish_reason == "stop":
+                                finish_reason = "tool_calls"
+                        delta = DeltaMessage(content=piece.content or None, tool_calls=piece.tool_calls,
+                                             reasoning_content=piece.reasoning or None,
+                                             reasoning=piece.reasoning or None)
+                        if not piece and finish_reason is None and not (request.logprobs and out.token_ids):
+                            continue  # held back (a possible tag or an unfinished tool call)
+                    choice = ChatCompletionResponseStreamChoice(index=i, delta=delta, logprobs=logprobs,
+                                                                finish_reason=finish_reason,
                                                                 stop_reason=out.stop_reason)
                     if request.return_token_ids:
                         choice.token_ids = list(out.token_ids)

@@ -1,0 +1,114 @@
+"""--reasoning-parser and --enable-auto-tool-choice --tool-call-parser through /v1/chat/completions: the one-shot
+response and the concatenated stream agree, for scripted model outputs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind
+
+MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+
+
+class ScriptedEngine:
+    """Emits the token ids of a fixed text, one token per step, whatever the prompt (mixed into conftest's
+    FakeEngine by the `scripted` fixture, which owns the rest of the EngineClient surface)."""
+
+    def __init__(self, tokenizer, text: str):
+        super().__init__(tokenizer)
+        self.script = tokenizer.encode(text, add_special_tokens=False)
+
+    async def generate(self, prompt, sampling_params, request_id, priority=0):
+        self.calls.append((prompt, sampling_params, request_id, priority))
+        ids, tok = self.script, self.tokenizer
+        if sampling_params.output_kind == RequestOutputKind.DELTA:
+            prev = ""
+            for k in range(1, len(ids) + 1):
+                text = tok.decode(ids[:k])
+                done = "stop" if k == len(ids) else None
+                out = CompletionOutput(0, text[len(prev):], [ids[k - 1]], None, None, finish_reason=done)
+                prev = text
+                yield RequestOutput(request_id, None, prompt["prompt_token_ids"], None, [out], done is not None)
+        else:
+            out = CompletionOutput(0, tok.decode(ids), list(ids), None, None, finish_reason="stop")
+            yield RequestOutput(request_id, None, prompt["prompt_token_ids"], None, [out], True)
+
+
+@pytest.fixture
+def scripted(fake_engine, smollm2_tokenizer):
+    cls = type("Scripted", (ScriptedEngine, type(fake_engine)), {})
+    return lambda text: cls(smollm2_tokenizer, text)
+
+
+def run_both(make_client, scripted, text, body, **frontend):
+    c, _ = make_client(scripted(text), **frontend)
+    one = c.post("/v1/chat/completions", json={"messages": MSGS, **body})
+    assert one.status_code == 200, one.text
+    msg = one.json()["choices"][0]
+    r = c.post("/v1/chat/completions", json={"messages": MSGS, "stream": True, **body})
+    content, reasoning, calls, finish = "", "", {}, None
+    for line in r.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ch = json.loads(line[6:])["choices"]
+        if not ch:
+            continue
+        d = ch[0]["delta"]
+        content += d.get("content") or ""
+        reasoning += d.get("reasoning_content") or ""
+        for tc in d.get("tool_calls") or []:
+            entry = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
+            entry["id"] = entry["id"] or tc.get("id")
+            entry["name"] = entry["name"] or tc.get("function", {}).get("name")
+            entry["arguments"] += tc.get("function", {}).get("arguments", "")
+        finish = ch[0].get("finish_reason") or finish
+    return msg, content, reasoning, calls, finish
+
+
+def test_reasoning_split_whole_and_streamed(make_client, scripted):
+    text = "Let me think about Paris.\nIt is in France.</think>\n\nThe capital of France is Paris."
+    msg, content, reasoning, _, _ = run_both(make_client, scripted, text, {"max_tokens": 50},
+                                             reasoning_parser="deepseek_r1")
+    m = msg["message"]
+    assert m["reasoning_content"] == "Let me think about Paris.\nIt is in France."
+    assert m["content"] == "The capital of France is Paris."
+    assert (reasoning, content) == (m["reasoning_content"], m["content"])
+
+
+def test_qwen3_thinking_disabled_is_all_content(make_client, scripted):
+    text = "Plain answer, no thinking."
+    msg, content, reasoning, _, _ = run_both(make_client, scripted, text,
+                                             {"chat_template_kwargs": {"enable_thinking": False}},
+                                             reasoning_parser="qwen3")
+    assert msg["message"]["content"] == text and not msg["message"]["reasoning_content"]
+    assert content == text and reasoning == ""
+
+
+def test_tool_calls_whole_and_streamed(make_client, scripted):
+    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    msg, content, _, calls, finish = run_both(make_client, scripted, text, {"tools": TOOLS},
+                                              enable_auto_tool_choice=True, tool_call_parser="hermes")
+    m = msg["message"]
+    assert msg["finish_reason"] == "tool_calls" and finish == "tool_calls"
+    assert m["content"] == "Sure." and content == "Sure."
+    (tc,) = m["tool_calls"]
+    assert tc["type"] == "function" and tc["function"]["name"] == "get_weather"
+    assert json.loads(tc["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 3}
+
+
+def test_tools_without_parser_or_with_tool_choice_none_are_not_parsed(make_client, scripted):
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+    msg, _, _, calls, _ = run_both(make_client, scripted, text, {"tools": TOOLS, "tool_choice": "none"},
+                                   enable_auto_tool_choice=True, tool_call_parser="hermes")
+    assert msg["message"]["content"] == text and not msg["message"]["tool_calls"] and not calls
+
+
+def test_unknown_parser_fails_at_start(make_client, scripted):
+    with pytest.raises(ValueError, match="available"):
+        make_client(scripted("x"), reasoning_parser="nope")

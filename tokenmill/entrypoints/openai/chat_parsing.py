@@ -1,0 +1,126 @@
+"""Reasoning and tool-call parsing of chat outputs (--reasoning-parser, --enable-auto-tool-choice
+--tool-call-parser): whole responses and streams, with one code path so both give the same result."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.config.frontend import FrontendConfig
+from tokenmill.parsers.reasoning import ReasoningParser, ReasoningStream, reasoning_parsers
+from tokenmill.parsers.tool import ToolCall, ToolParser, ToolStream, tool_parsers
+
+
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+@dataclass
+class ParsedChoice:
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class StreamPiece:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+class ChoiceStream:
+    """One choice's streaming state: text -> (reasoning | content) -> (content | tool-call deltas)."""
+
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolStream | None, include_reasoning: bool) -> None:
+        self.reasoning, self.tools, self.include_reasoning = reasoning, tools, include_reasoning
+        self.tools_called = False
+
+    def _route(self, reasoning_text: str, content: str, final: bool) -> StreamPiece:
+        piece = StreamPiece(reasoning=reasoning_text if self.include_reasoning else "")
+        if self.tools is None:
+            piece.content = content
+            return piece
+        d = self.tools.feed(content) if content else None
+        parts = [d] if d is not None else []
+        if final:
+            parts.append(self.tools.finish())
+        for p in parts:
+            piece.content += p.content
+            for tc in p.tool_calls:
+                self.tools_called = True
+                entry: dict[str, Any] = {"index": tc.index, "function": {"arguments": tc.arguments}}
+                if tc.id is not None:
+                    entry["id"], entry["type"] = tc.id, "function"
+                if tc.name is not None:
+                    entry["function"]["name"] = tc.name
+                piece.tool_calls.append(entry)
+        return piece
+
+    def feed(self, delta_text: str) -> StreamPiece:
+        if self.reasoning is None:
+            return self._route("", delta_text, final=False)
+        d = self.reasoning.feed(delta_text)
+        return self._route(d.reasoning, d.content, final=False)
+
+    def finish(self) -> StreamPiece:
+        if self.reasoning is None:
+            return self._route("", "", final=True)
+        d = self.reasoning.finish()
+        return self._route(d.reasoning, d.content, final=True)
+
+
+class RequestParsing:
+    """What one request needs: whether its output has a reasoning part and whether tool calls are parsed."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, request_tools: list | None,
+                 opens_reasoning: bool, thinking_enabled: bool, include_reasoning: bool) -> None:
+        self.reasoning, self.tools, self.request_tools = reasoning, tools, request_tools
+        self.opens, self.enabled, self.include_reasoning = opens_reasoning, thinking_enabled, include_reasoning
+
+    @property
+    def active(self) -> bool:
+        return self.reasoning is not None or self.tools is not None
+
+    def parse(self, text: str) -> ParsedChoice:
+        reasoning, content = (None, text)
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.extract(text, self.opens, self.enabled)
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None and content:
+            got = self.tools.extract(content, self.request_tools)
+            if got.tools_called:
+                calls = [tool_call_json(c) for c in got.tool_calls]
+                content = got.content
+        return ParsedChoice(content=content, reasoning=reasoning if self.include_reasoning else None,
+                            tool_calls=calls)
+
+    def new_stream(self) -> ChoiceStream:
+        r = self.reasoning.new_stream(self.opens, self.enabled) if self.reasoning is not None else None
+        t = self.tools.new_stream(self.request_tools) if self.tools is not None else None
+        return ChoiceStream(r, t, self.include_reasoning)
+
+
+class ChatParsing:
+    """The server's parsers, built once from the front-end flags (plugins are loaded first)."""
+
+    def __init__(self, tokenizer: Any, frontend: FrontendConfig) -> None:
+        if frontend.reasoning_parser_plugin:
+            reasoning_parsers.load_plugin(frontend.reasoning_parser_plugin)
+        if frontend.tool_parser_plugin:
+            tool_parsers.load_plugin(frontend.tool_parser_plugin)
+        self.reasoning = reasoning_parsers.get(frontend.reasoning_parser)(tokenizer) \
+            if frontend.reasoning_parser else None
+        self.tools = tool_parsers.get(frontend.tool_call_parser)(tokenizer) \
+            if frontend.enable_auto_tool_choice and frontend.tool_call_parser else None
+
+    def for_request(self, prompt_text: str, tools: list | None, tool_choice: Any, template_kwargs: dict,
+                    include_reasoning: bool) -> RequestParsing:
+        """tool_choice: None (= auto when the server parses tools), "none" or "auto"; others are rejected earlier."""
+        use_tools = self.tools is not None and bool(tools) and tool_choice in (None, "auto")
+        opens = self.reasoning.prompt_opens_reasoning(prompt_text) if self.reasoning is not None else False
+        enabled = template_kwargs.get("enable_thinking", True) is not False
+        return RequestParsing(self.reasoning, self.tools if use_tools else None, tools, opens, enabled,
+                              include_reasoning)
