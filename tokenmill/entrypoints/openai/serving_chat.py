@@ -108,6 +108,8 @@ class OpenAIServingChat(OpenAIServing):
                                            request.include_reasoning)
         params = self.sampling_params(request, len(ids), requested, logprobs, request.prompt_logprobs,
                                       request.stream)
+        if parsing.tools is not None and parsing.tools.needs_special_tokens:
+            params.skip_special_tokens = False  # the call markers are special tokens
         gen = self.start(engine_id, prompt, ids, params, request.priority)
         created = int(time.time())
         if request.stream:

@@ -64,7 +64,11 @@ class ToolStream(abc.ABC):
 
 
 class ToolParser(abc.ABC):
-    """Built once per server from the tokenizer; `tools` is the request's OpenAI `tools` list (dicts)."""
+    """Built once per server from the tokenizer; `tools` is the request's OpenAI `tools` list (dicts).
+    `needs_special_tokens`: the format's markers are special tokens, so outputs must be detokenized with
+    skip_special_tokens=False for the parser to see them."""
+
+    needs_special_tokens = False
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer

@@ -1,0 +1,157 @@
+"""Llama 3.x JSON tool calls (`--tool-call-parser llama3_json`).
+
+Contract:
+- A tool-call output is, after optional leading whitespace and an optional `<|python_tag|>`, one or more JSON
+  objects `{"name": "...", "parameters": {...}}` ("arguments" is accepted too; a JSON *string* holding an object is
+  decoded; a missing one means `{}`), separated by `;` and/or whitespace (Llama 3.2 emits several joined by `;`).
+- An output that does not start that way, or whose first object is not valid JSON / not a call, is plain content,
+  returned unchanged (whitespace and python_tag included).
+- Once at least one call was parsed, the text after the last call (and its separator) that does not start another
+  valid call is content, from its first non-whitespace character on; a bare trailing `;` or whitespace is dropped.
+- Arguments are re-serialized with `json.dumps(args, ensure_ascii=False)`, identically in both paths.
+Streaming: text that can still turn into a call (leading whitespace, the python tag, an open `{...`) is held back;
+a call is emitted (one delta carrying id, name and the full arguments) once its object closes; everything that turns
+out not to be a call is released as content, at the latest by finish(). `extract()` runs this same state machine
+over the whole text, so streamed and non-streamed results agree for any chunking.
+"""
+from __future__ import annotations
+
+import json
+
+from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser, ToolStream,
+                                    ToolStreamDelta, make_tool_call_id)
+
+PYTHON_TAG = "<|python_tag|>"
+_DECODER = json.JSONDecoder(strict=False)  # tolerate raw control characters (newlines) inside strings
+_START, _CALL, _SEP, _PLAIN, _DONE = range(5)
+
+
+def call_from_object(obj) -> tuple[str, str] | None:
+    """(name, arguments JSON) when `obj` is a Llama call object, else None."""
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return None
+    args = obj["parameters"] if "parameters" in obj else obj.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return None
+    return name.strip(), json.dumps(args, ensure_ascii=False)
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+class Llama3JsonToolStream(ToolStream):
+    def __init__(self) -> None:
+        self._buf = ""
+        self._pos = 0  # start of the text not yet emitted or dropped
+        self._state = _START
+        self._calls = 0
+        self._tried = 0  # buffer length at the last failed JSON decode (retry only once a new '}' arrives)
+        self._finished = False
+
+    def feed(self, delta_text: str) -> ToolStreamDelta:
+        out = ToolStreamDelta()
+        if not self._finished and delta_text:
+            self._buf += delta_text
+            self._run(out, final=False)
+        return out
+
+    def finish(self) -> ToolStreamDelta:
+        out = ToolStreamDelta()
+        if not self._finished:
+            self._finished = True
+            self._run(out, final=True)
+        return out
+
+    def _run(self, out: ToolStreamDelta, final: bool) -> None:
+        step = {_START: self._start, _CALL: self._call, _SEP: self._sep}
+        while self._state in step:
+            if not step[self._state](out, final):
+                break
+        if self._state == _PLAIN:
+            out.content += self._buf[self._pos:]
+            self._pos = len(self._buf)
+
+    def _goto(self, state: int, pos: int) -> bool:
+        self._state, self._pos = state, pos
+        return True
+
+    def _start(self, out: ToolStreamDelta, final: bool) -> bool:
+        buf = self._buf
+        i = _skip_ws(buf, 0)
+        if buf.startswith(PYTHON_TAG, i):
+            i = _skip_ws(buf, i + len(PYTHON_TAG))
+        elif i < len(buf) and PYTHON_TAG.startswith(buf[i:]):
+            return self._goto(_PLAIN, 0) if final else False  # maybe a python tag being written
+        if i == len(buf):
+            return self._goto(_PLAIN, 0) if final else False
+        if buf[i] == "{":
+            self._tried = i
+            return self._goto(_CALL, i)
+        return self._goto(_PLAIN, 0)
+
+    def _call(self, out: ToolStreamDelta, final: bool) -> bool:
+        if not final and "}" not in self._buf[max(self._tried, self._pos):]:
+            return False
+        try:
+            obj, end = _DECODER.raw_decode(self._buf, self._pos)
+        except ValueError:  # unfinished (wait) or invalid (content at finish)
+            if not final:
+                self._tried = len(self._buf)
+                return False
+            obj, end = None, 0
+        call = call_from_object(obj)
+        if call is None:  # not a call: everything (no call yet) or the rest from this object on is content
+            return self._goto(_PLAIN, 0 if self._calls == 0 else self._pos)
+        out.tool_calls.append(ToolCallDelta(index=self._calls, id=make_tool_call_id(), name=call[0],
+                                            arguments=call[1]))
+        self._calls += 1
+        return self._goto(_SEP, end)
+
+    def _sep(self, out: ToolStreamDelta, final: bool) -> bool:
+        buf = self._buf
+        i = _skip_ws(buf, self._pos)
+        if i < len(buf) and buf[i] == ";":
+            i = _skip_ws(buf, i + 1)
+        if i == len(buf):
+            return self._goto(_DONE, i) if final else False
+        if buf[i] == "{":
+            self._tried = i
+            return self._goto(_CALL, i)
+        return self._goto(_PLAIN, i)
+
+
+def collect(deltas: list[ToolStreamDelta]) -> ExtractedToolCalls:
+    """Fold stream deltas into the non-streamed result."""
+    content = "".join(d.content for d in deltas)
+    calls: dict[int, ToolCall] = {}
+    for d in deltas:
+        for tc in d.tool_calls:
+            if tc.index not in calls:
+                calls[tc.index] = ToolCall(name=tc.name or "", arguments="", id=tc.id or make_tool_call_id())
+            calls[tc.index].arguments += tc.arguments
+    tool_calls = [calls[i] for i in sorted(calls)]
+    return ExtractedToolCalls(tools_called=bool(tool_calls), tool_calls=tool_calls, content=content or None)
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.x `{"name": ..., "parameters": {...}}` tool calls; see the module docstring for the contract."""
+
+    def extract(self, text: str, tools: list[dict] | None = None) -> ExtractedToolCalls:
+        stream = self.new_stream(tools)
+        return collect([stream.feed(text), stream.finish()])
+
+    def new_stream(self, tools: list[dict] | None = None) -> ToolStream:
+        return Llama3JsonToolStream()
