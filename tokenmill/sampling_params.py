@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from tokenmill.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -60,7 +62,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    structured_outputs: Any | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None
 
     # Filled by the engine, not by users.
@@ -153,8 +155,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
                 raise bad("allowed_token_ids", "non-negative integers", self.allowed_token_ids)
         if self.logit_bias and any(k < 0 for k in self.logit_bias):
             raise bad("logit_bias", "keyed by non-negative token ids", self.logit_bias)
-        if self.structured_outputs is not None:
-            raise ValueError("SamplingParams.structured_outputs is not supported yet by tokenmill.")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams (or a dict of its fields)",
+                      self.structured_outputs)
         if not isinstance(self.output_kind, RequestOutputKind):
             self.output_kind = RequestOutputKind(self.output_kind)
 

@@ -59,6 +59,8 @@ class Request:
         if limit is None:
             limit = max(room, 1) if room is not None else 2**31
         self.max_tokens = limit
+        self.grammar = None        # structured outputs: the matcher, once its grammar compiled
+        self.grammar_future = None
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

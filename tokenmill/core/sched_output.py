@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.engine.messages import LogprobsLists
 from tokenmill.sampling_params import SamplingParams
@@ -34,6 +35,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished, aborted or preempted since the last step: drop their runner state
+    # Structured outputs: requests that sample this step under a grammar, and their allowed-token bitmask rows.
+    structured_req_ids: list[str] = field(default_factory=list)
+    structured_bitmask: Any = None  # CPU int32 tensor [len(structured_req_ids), ceil(vocab / 32)]
 
     @property
     def is_empty(self) -> bool:

@@ -7,8 +7,8 @@ from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
 from tokenmill.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput)
-from tokenmill.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LogprobsLists,
-                                       SchedulerStats)
+from tokenmill.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+                                       LogprobsLists, SchedulerStats)
 
 
 class Scheduler:
@@ -37,6 +37,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
         self._num_preemptions = 0
+        self._rejected: list[EngineCoreOutput] = []  # requests that failed before running (e.g. bad grammar)
+        from tokenmill.structured.manager import StructuredOutputManager
+        self.structured = StructuredOutputManager(config)
 
     # ----- admission -----
     def check_request(self, prompt_len: int) -> None:
@@ -53,6 +56,8 @@ class Scheduler:
             raise ValueError(f"Request id {req.request_id!r} is already running.")
         self.check_request(len(req.prompt_token_ids))
         request = Request.from_engine_core_request(req, self.max_model_len, self.block_hasher)
+        if req.sampling_params.structured_outputs is not None:
+            self.structured.submit(request)  # compiles in a worker thread; scheduled once ready
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -106,9 +111,17 @@ class Scheduler:
             budget -= n
             i += 1
 
+        deferred: list[Request] = []  # waiting for their grammar to compile
         while (not preempted_any and len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs):
             req = self.waiting.peek()
+            if req.grammar_future is not None:
+                ready = self._grammar_ready(req)
+                if ready is None:
+                    continue  # its grammar failed: the request was finished with the error
+                if not ready:
+                    deferred.append(self.waiting.pop())
+                    continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = self._num_tokens_to_schedule(req, num_hit, budget)
             if n <= 0:
@@ -131,14 +144,37 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
 
+        for r in reversed(deferred):
+            self.waiting.prepend(r)
+        constrained = []
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            r = self.requests[rid]
+            r.num_computed_tokens += n
+            if r.grammar is not None and r.num_computed_tokens >= r.num_tokens:
+                constrained.append(r)  # it samples this step, under its grammar
         finished = self._finished_since_last_step
         self._finished_since_last_step = set()
-        return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
-                               num_scheduled_tokens=num_scheduled,
-                               total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-                               finished_req_ids=finished)
+        out = SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+                              num_scheduled_tokens=num_scheduled,
+                              total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+                              finished_req_ids=finished)
+        if constrained:
+            out.structured_req_ids = [r.request_id for r in constrained]
+            out.structured_bitmask = self.structured.fill_bitmask(constrained)
+        return out
+
+    def _grammar_ready(self, req: Request) -> bool | None:
+        """Whether a constrained request's grammar compiled; None when it failed (the request is then finished
+        with the error as its stop reason)."""
+        try:
+            return self.structured.ready(req)
+        except ValueError as e:
+            self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._free(req)
+            self._rejected.append(EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ABORT,
+                                                   stop_reason=str(e)))
+            return None
 
     def _num_tokens_to_schedule(self, req: Request, num_computed: int, budget: int) -> int:
         n = req.num_tokens - num_computed
@@ -163,7 +199,7 @@ class Scheduler:
 
     # ----- results -----
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> EngineCoreOutputs:
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._rejected = self._rejected, []
         for row, (rid, token_ids) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -174,6 +210,8 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_lp))
                 continue
             req.append_output_token_ids(token_ids)
+            if req.grammar is not None:
+                self.structured.accept(req, token_ids)
             stopped = self._check_stop(req)
             new_lp = None
             if out.logprobs is not None and req.sampling_params.logprobs is not None:
@@ -204,7 +242,7 @@ class Scheduler:
 
     # ----- introspection -----
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._rejected)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -65,6 +65,11 @@ class Processor:
             if bad:
                 raise ValueError(f"SamplingParams.{name} has token ids outside the vocabulary "
                                  f"(0..{self.vocab_size - 1}): {bad[:5]}.")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.structured_outputs needs a tokenizer (skip_tokenizer_init is set).")
+            from tokenmill.structured.backend_xgrammar import validate_structured_outputs
+            validate_structured_outputs(params.structured_outputs)  # a bad schema/regex/grammar fails here
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"SamplingParams.stop_token_ids has ids outside the vocabulary: {bad_stop[:5]}.")

@@ -162,6 +162,8 @@ class ModelRunner:
             if len(sample_idx):
                 logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sample_idx] - 1).to(dev)])
         logprobs = None
+        if sched.structured_req_ids:
+            self._apply_grammar(sched, req_ids, sample_idx, logits)
         if len(sample_idx):
             srows = rows[sample_idx]
             meta = self.sampling.make_metadata(srows, b.token_ids, b.num_prompt_tokens, b.num_tokens)
@@ -183,6 +185,18 @@ class ModelRunner:
                 logprobs = LogprobsLists(full_ids, full_lp, full_rank)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                  prompt_logprobs=prompt_lp)
+
+    def _apply_grammar(self, sched: SchedulerOutput, req_ids: list[str], sample_idx: np.ndarray,
+                       logits: torch.Tensor) -> None:
+        """Mask the logits of constrained rows with their grammars' allowed tokens, for the batch at once."""
+        from tokenmill.structured.backend_xgrammar import apply_bitmask
+        pos = {req_ids[i]: j for j, i in enumerate(sample_idx)}
+        rows = [pos[rid] for rid in sched.structured_req_ids]
+        # The scheduler sends one row per constrained request; xgrammar wants row r of the mask for logits row r.
+        compact = sched.structured_bitmask
+        full = torch.full((logits.shape[0], compact.shape[1]), -1, dtype=compact.dtype)
+        full[rows] = compact
+        apply_bitmask(logits, full.to(self.device, non_blocking=True), rows)
 
     def _prompt_logprobs(self, req_ids, rows, computed, n_sched, qsl, hidden) -> dict[str, LogprobsLists]:
         """Logprobs of the prompt tokens covered by this step's chunk (position p scores prompt token p + 1)."""

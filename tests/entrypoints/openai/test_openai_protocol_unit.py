@@ -283,14 +283,21 @@ def test_chat_tools_and_unsupported(make_client):
     err = assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool],
                                                             "tool_choice": "auto"}), 400, "tool_choice")
     assert "--enable-auto-tool-choice" in err["message"]
-    for extra in ({"tool_choice": "required"},
-                  {"response_format": {"type": "json_object"}}, {"guided_json": {"type": "object"}},
-                  {"use_beam_search": True}):
+    for extra in ({"tool_choice": "required"}, {"use_beam_search": True}):
         err = assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], **extra}), 400)
         assert "not supported yet" in err["message"]
     r = c.post("/v1/chat/completions", json={"messages": MSGS, "response_format": {"type": "text"},
                                              "max_tokens": 1})
     assert r.status_code == 200
+    # Structured outputs are checked before the engine sees them.
+    for ok in ({"response_format": {"type": "json_object"}}, {"guided_json": {"type": "object"}},
+               {"structured_outputs": {"regex": "[0-9]+"}},
+               {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}):
+        assert c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1, **ok}).status_code == 200, ok
+    for bad in ({"structured_outputs": {"regex": "[unclosed"}}, {"response_format": {"type": "json_schema"}},
+                {"guided_regex": "a", "response_format": {"type": "json_object"}},
+                {"structured_outputs": {"json": {"type": "object"}, "regex": "a"}}):
+        assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1, **bad}), 400)
     assert_error(c.post("/v1/completions", json={"prompt": "a", "suffix": "b"}), 400, "suffix")
 
 
@@ -457,7 +464,10 @@ def test_unsupported_frontend_options_fail_at_build(smollm2_tokenizer):
     from tokenmill.config.frontend import FrontendConfig
     from tokenmill.entrypoints.openai.api_server import build_app
     with pytest.raises(ValueError, match="not supported yet"):
-        build_app(FakeEngine(smollm2_tokenizer), FrontendConfig(structured_outputs_config={"backend": "xgrammar"}))
+        build_app(FakeEngine(smollm2_tokenizer), FrontendConfig(structured_outputs_config={"backend": "outlines"}))
+    with pytest.raises(ValueError, match="not supported yet"):
+        build_app(FakeEngine(smollm2_tokenizer), FrontendConfig(structured_outputs_config={"reasoning_parser": "x"}))
+    build_app(FakeEngine(smollm2_tokenizer), FrontendConfig(structured_outputs_config={"backend": "xgrammar"}))
 
 
 def test_disconnect_aborts_non_streaming(smollm2_tokenizer):

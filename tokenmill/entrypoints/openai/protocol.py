@@ -132,16 +132,17 @@ class _SamplingRequest(OpenAIBaseModel):
     return_tokens_as_token_ids: Optional[bool] = None
     return_token_ids: bool = False
     response_format: Optional[ResponseFormat] = None
-    # vLLM fields tokenmill does not implement yet: setting them is a 400, never a silent no-op.
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
+    structured_outputs: Optional[dict[str, Any]] = None
+    # vLLM's older spellings of structured outputs
     guided_json: Optional[Any] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
-    structured_outputs: Optional[Any] = None
+    # vLLM fields tokenmill does not implement yet: setting them is a 400, never a silent no-op.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     logits_processors: Optional[Any] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
     cache_salt: Optional[str] = None
@@ -149,17 +150,37 @@ class _SamplingRequest(OpenAIBaseModel):
     mm_processor_kwargs: Optional[dict[str, Any]] = None
 
     _NOT_YET: ClassVar[tuple[tuple[str, Any], ...]] = (
-        ("use_beam_search", False), ("length_penalty", 1.0), ("guided_json", None), ("guided_regex", None),
-        ("guided_choice", None), ("guided_grammar", None), ("guided_decoding_backend", None),
-        ("guided_whitespace_pattern", None), ("structured_outputs", None), ("logits_processors", None),
+        ("use_beam_search", False), ("length_penalty", 1.0), ("logits_processors", None),
         ("kv_transfer_params", None), ("cache_salt", None), ("vllm_xargs", None), ("mm_processor_kwargs", None))
 
     def unsupported_fields(self) -> list[str]:
         """Names of fields set to something tokenmill cannot honour yet (each one makes the request a 400)."""
         bad = [name for name, default in self._NOT_YET if getattr(self, name) != default]
-        if self.response_format is not None and self.response_format.type != "text":
-            bad.append(f"response_format (type {self.response_format.type!r})")
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            bad.append(f"guided_decoding_backend {self.guided_decoding_backend!r} (only xgrammar)")
         return bad
+
+    def structured_params(self) -> Any:
+        """The request's output constraint (structured_outputs, response_format or the guided_* fields), or None.
+        More than one of them is a ValueError."""
+        from tokenmill.structured import StructuredOutputsParams, from_response_format
+        found = []
+        if self.structured_outputs is not None:
+            so = dict(self.structured_outputs)
+            so.pop("backend", None)
+            found.append(("structured_outputs", StructuredOutputsParams(**so)))
+        rf = from_response_format(self.response_format) if self.response_format is not None else None
+        if rf is not None:
+            found.append(("response_format", rf))
+        guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar))
+                  if v is not None}
+        if guided:
+            found.append(("guided_*", StructuredOutputsParams(**guided,
+                                                               whitespace_pattern=self.guided_whitespace_pattern)))
+        if len(found) > 1:
+            raise ValueError("Give only one of " + ", ".join(name for name, _ in found) + ".")
+        return found[0][1] if found else None
 
     @model_validator(mode="after")
     def _check_stream_fields(self) -> "_SamplingRequest":

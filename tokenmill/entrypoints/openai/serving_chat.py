@@ -108,6 +108,11 @@ class OpenAIServingChat(OpenAIServing):
                                            request.include_reasoning)
         params = self.sampling_params(request, len(ids), requested, logprobs, request.prompt_logprobs,
                                       request.stream)
+        if params.structured_outputs is not None and parsing.reasoning is not None and parsing.enabled:
+            raise ServingError("Structured outputs with a reasoning model are not supported yet: the grammar would "
+                               "also constrain the reasoning. Disable thinking (chat_template_kwargs "
+                               '{"enable_thinking": false}) or start the server without --reasoning-parser.', 400,
+                               "response_format")
         if parsing.tools is not None and parsing.tools.needs_special_tokens:
             params.skip_special_tokens = False  # the call markers are special tokens
         gen = self.start(engine_id, prompt, ids, params, request.priority)

@@ -146,6 +146,8 @@ class OpenAIServing:
         self.vocab_size: int | None = getattr(mc, "vocab_size", None)
         self.tokenizer = engine.tokenizer
         self.default_sampling_params = _as_dict(engine.get_default_sampling_params())
+        from tokenmill.structured import StructuredOutputsConfig
+        self.structured_config = StructuredOutputsConfig.from_dict(frontend.structured_outputs_config)
 
     # ----- checks -----
     def check_model(self, name: str | None) -> None:
@@ -243,9 +245,25 @@ class OpenAIServing:
         kwargs["prompt_logprobs"] = prompt_logprobs
         kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         try:
+            kwargs["structured_outputs"] = self.structured_params(request)
             return SamplingParams.from_optional(**kwargs)
         except (TypeError, ValueError) as e:
             raise ServingError(str(e), 400) from None
+
+    def structured_params(self, request: Any, override: Any = None) -> Any:
+        """The request's constraint with the server's --structured-outputs-config options folded in; checked
+        (schema, regex, grammar syntax) here so a bad one is a 400 before the request reaches the engine."""
+        params = override if override is not None else request.structured_params()
+        if params is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer, but this server runs with skip_tokenizer_init.")
+        from tokenmill.structured.backend_xgrammar import validate_structured_outputs
+        cfg = self.structured_config
+        params.disable_any_whitespace |= cfg.disable_any_whitespace
+        params.disable_additional_properties |= cfg.disable_additional_properties
+        validate_structured_outputs(params, cfg)
+        return params
 
     # ----- responses -----
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> UsageInfo:

@@ -1,0 +1,84 @@
+"""Structured outputs end to end with the embedded SmolLM2 (offline): every answer fits its constraint."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.structured import StructuredOutputsParams
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                      "visits": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
+     "required": ["city", "visits"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"},
+                                      "inner": {"type": "object", "properties": {"k": {"type": "string"}},
+                                                "required": ["k"]}},
+     "required": ["ok", "inner"]},
+]
+
+
+_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+
+
+def check(schema, value):
+    """The subset of JSON-schema validation these schemas use."""
+    assert isinstance(value, dict)
+    for key in schema.get("required", []):
+        assert key in value
+    for key, sub in schema["properties"].items():
+        if key not in value:
+            continue
+        v = value[key]
+        assert isinstance(v, _TYPES[sub["type"]]), (key, v)
+        if "enum" in sub:
+            assert v in sub["enum"]
+        if "minimum" in sub:
+            assert sub["minimum"] <= v <= sub["maximum"]
+        if sub["type"] == "object":
+            check(sub, v)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=1024)
+
+
+def test_json_regex_choice_always_fit(llm):
+    prompts, params = [], []
+    for i, schema in enumerate(SCHEMAS):
+        for seed in range(2):
+            prompts.append(f"Answer with JSON (case {i}).")
+            params.append(SamplingParams(temperature=0.8, seed=seed, max_tokens=200,
+                                         structured_outputs=StructuredOutputsParams(json=schema)))
+    prompts += ["Give me a ticket code:", "Which city is the capital of Italy?", "Hi!"]
+    params += [SamplingParams(temperature=0.8, seed=3, max_tokens=20,
+                              structured_outputs=StructuredOutputsParams(regex=r"[A-Z]{3}-[0-9]{4}")),
+               SamplingParams(temperature=0, max_tokens=10,
+                              structured_outputs=StructuredOutputsParams(choice=["Paris", "Rome", "Oslo"])),
+               SamplingParams(temperature=0, max_tokens=8)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for k, o in enumerate(outs[:6]):
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        check(SCHEMAS[k // 2], json.loads(c.text))
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", outs[6].outputs[0].text)
+    assert outs[7].outputs[0].text == "Rome"
+    free = llm.generate("Hi!", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert outs[8].outputs[0].token_ids == free.token_ids  # unconstrained neighbours are untouched
+    sched = llm.llm_engine.engine_core.scheduler
+    assert sched.kv.num_free_blocks() == sched.kv.num_blocks
+
+
+def test_bad_constraints_raise(llm):
+    with pytest.raises(ValueError):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="[unclosed")),
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished

@@ -1,0 +1,67 @@
+"""The engine core's side of structured outputs: compile off the step loop, advance matchers, fill the bitmask."""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class StructuredOutputManager:
+    """Owned by the scheduler. Built lazily: an engine that never sees a constrained request loads nothing.
+
+    Contract: `submit` starts compiling a request's grammar in a worker thread; `ready` says (without blocking)
+    whether the request may be scheduled and raises ValueError if its grammar failed to compile; `accept` advances
+    the request's matcher with its sampled tokens; `fill_bitmask` returns one row of allowed tokens per request given.
+    """
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.compiler = None
+        self._bitmask: torch.Tensor | None = None
+
+    def _compiler(self):
+        if self.compiler is None:
+            from tokenmill.engine.llm_engine import load_generation_config, load_tokenizer
+            from tokenmill.structured.backend_xgrammar import GrammarCompiler
+            from tokenmill.transformers_utils.config import get_eos_token_ids
+            tok = load_tokenizer(self.config)
+            if tok is None:
+                raise ValueError("structured outputs need a tokenizer (skip_tokenizer_init is set).")
+            mc = self.config.model_config
+            eos = get_eos_token_ids(mc.hf_config, load_generation_config(self.config), tok)
+            self.compiler = GrammarCompiler(tok, mc.vocab_size, stop_token_ids=eos or None)
+        return self.compiler
+
+    def submit(self, request) -> None:
+        request.grammar_future = self._compiler().submit(request.sampling_params.structured_outputs)
+
+    def ready(self, request) -> bool:
+        if request.grammar is not None:
+            return True
+        fut = request.grammar_future
+        if not fut.done():
+            return False
+        exc = fut.exception()
+        if exc is not None:
+            raise ValueError(f"structured outputs: {exc}")
+        stops = request.sampling_params.all_stop_token_ids or None
+        request.grammar = self.compiler.new_request_grammar(fut.result(), stop_token_ids=stops)
+        # A request resumed after preemption keeps its matcher; a fresh one has no outputs yet.
+        if request.output_token_ids:
+            request.grammar.accept_tokens(request.output_token_ids)
+        return True
+
+    def accept(self, request, token_ids: list[int]) -> None:
+        if not request.grammar.accept_tokens(token_ids):
+            logger.warning("Request %s produced a token its grammar does not allow.", request.request_id)
+
+    def fill_bitmask(self, requests: list) -> torch.Tensor:
+        from tokenmill.structured.backend_xgrammar import allocate_bitmask
+        n = len(requests)
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = allocate_bitmask(max(n, 16), self.compiler.vocab_size)
+        for row, r in enumerate(requests):
+            r.grammar.fill_bitmask(self._bitmask, row)
+        return self._bitmask[:n]
