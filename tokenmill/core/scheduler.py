@@ -229,6 +229,10 @@ class Scheduler:
     def _check_stop(self, req: Request) -> bool:
         params = req.sampling_params
         last = req.output_token_ids[-1]
+        if req.grammar is not None and req.grammar.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED  # the grammar completed and took its stop token
+            req.stop_reason = None if last == params._eos_token_id else last
+            return True
         if req.num_output_tokens >= params.min_tokens:
             if last in params.all_stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED

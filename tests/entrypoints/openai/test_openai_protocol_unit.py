@@ -283,7 +283,13 @@ def test_chat_tools_and_unsupported(make_client):
     err = assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool],
                                                             "tool_choice": "auto"}), 400, "tool_choice")
     assert "--enable-auto-tool-choice" in err["message"]
-    for extra in ({"tool_choice": "required"}, {"use_beam_search": True}):
+    assert c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], "tool_choice": "required",
+                                                "max_tokens": 1}).status_code == 200
+    assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tool_choice": "required"}), 400,
+                 "tool_choice")
+    assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}), 400, "tool_choice")
+    for extra in ({"use_beam_search": True},):
         err = assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], **extra}), 400)
         assert "not supported yet" in err["message"]
     r = c.post("/v1/chat/completions", json={"messages": MSGS, "response_format": {"type": "text"},

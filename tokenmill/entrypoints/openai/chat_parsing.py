@@ -2,12 +2,13 @@
 --tool-call-parser): whole responses and streams, with one code path so both give the same result."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config.frontend import FrontendConfig
 from tokenmill.parsers.reasoning import ReasoningParser, ReasoningStream, reasoning_parsers
-from tokenmill.parsers.tool import ToolCall, ToolParser, ToolStream, tool_parsers
+from tokenmill.parsers.tool import ToolCall, ToolParser, ToolStream, make_tool_call_id, tool_parsers
 
 
 def tool_call_json(call: ToolCall) -> dict[str, Any]:
@@ -72,19 +73,85 @@ class ChoiceStream:
         return self._route(d.reasoning, d.content, final=True)
 
 
+def forced_tool_schema(tools: list[dict] | None, tool_choice: Any) -> tuple[dict, str | None] | None:
+    """tool_choice "required" or {"type": "function", "function": {"name": N}} -> (JSON schema the output must
+    follow, the named function or None for "required"); None for other choices. ValueError for bad choices."""
+    if tool_choice != "required" and not isinstance(tool_choice, dict):
+        return None
+    if not tools:
+        raise ValueError(f"tool_choice {tool_choice!r} needs `tools`.")
+    fns = {t.get("function", {}).get("name"): t.get("function", {}) for t in tools}
+    if tool_choice == "required":
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                   "parameters": fn.get("parameters") or {"type": "object"}},
+                  "required": ["name", "parameters"]} for name, fn in fns.items()]
+        return {"type": "array", "minItems": 1, "items": {"anyOf": items}}, None
+    name = (tool_choice.get("function") or {}).get("name")
+    if name not in fns:
+        raise ValueError(f"tool_choice names the function {name!r}, which is not in `tools` "
+                         f"({', '.join(map(str, fns))}).")
+    return fns[name].get("parameters") or {"type": "object"}, name
+
+
+class ForcedToolStream:
+    """Streaming for forced tool calls: a named call streams its arguments as they come; "required" (a JSON
+    list of calls) is emitted when the output is complete. Same feed/finish contract as ChoiceStream."""
+
+    def __init__(self, name: str | None) -> None:
+        self.name, self.id, self.buffer, self.started = name, make_tool_call_id(), "", False
+        self.tools_called = True
+
+    def feed(self, delta_text: str) -> StreamPiece:
+        if self.name is None:
+            self.buffer += delta_text
+            return StreamPiece()
+        entry: dict[str, Any] = {"index": 0, "function": {"arguments": delta_text}}
+        if not self.started:
+            self.started = True
+            entry.update(id=self.id, type="function")
+            entry["function"]["name"] = self.name
+        elif not delta_text:
+            return StreamPiece()
+        return StreamPiece(tool_calls=[entry])
+
+    def finish(self) -> StreamPiece:
+        if self.name is not None:
+            return self.feed("") if not self.started else StreamPiece()
+        calls = parse_required_calls(self.buffer)
+        return StreamPiece(tool_calls=[{"index": i, "id": c["id"], "type": "function", "function": c["function"]}
+                                       for i, c in enumerate(calls)])
+
+
+def parse_required_calls(text: str) -> list[dict[str, Any]]:
+    """The JSON list a "required" tool choice produced -> tool_calls entries (empty if it is cut short)."""
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return []
+    return [tool_call_json(ToolCall(name=i["name"], arguments=json.dumps(i.get("parameters", {}),
+                                                                       ensure_ascii=False)))
+            for i in items if isinstance(i, dict) and "name" in i]
+
+
 class RequestParsing:
     """What one request needs: whether its output has a reasoning part and whether tool calls are parsed."""
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, request_tools: list | None,
-                 opens_reasoning: bool, thinking_enabled: bool, include_reasoning: bool) -> None:
+                 opens_reasoning: bool, thinking_enabled: bool, include_reasoning: bool,
+                 forced: tuple[dict, str | None] | None = None) -> None:
         self.reasoning, self.tools, self.request_tools = reasoning, tools, request_tools
         self.opens, self.enabled, self.include_reasoning = opens_reasoning, thinking_enabled, include_reasoning
+        self.forced = forced  # (schema, function name or None for "required"): the output IS the call(s)
 
     @property
     def active(self) -> bool:
-        return self.reasoning is not None or self.tools is not None
+        return self.reasoning is not None or self.tools is not None or self.forced is not None
 
     def parse(self, text: str) -> ParsedChoice:
+        if self.forced is not None:
+            name = self.forced[1]
+            calls = [tool_call_json(ToolCall(name=name, arguments=text))] if name else parse_required_calls(text)
+            return ParsedChoice(content=None, reasoning=None, tool_calls=calls)
         reasoning, content = (None, text)
         if self.reasoning is not None:
             reasoning, content = self.reasoning.extract(text, self.opens, self.enabled)
@@ -97,7 +164,9 @@ class RequestParsing:
         return ParsedChoice(content=content, reasoning=reasoning if self.include_reasoning else None,
                             tool_calls=calls)
 
-    def new_stream(self) -> ChoiceStream:
+    def new_stream(self) -> ChoiceStream | ForcedToolStream:
+        if self.forced is not None:
+            return ForcedToolStream(self.forced[1])
         r = self.reasoning.new_stream(self.opens, self.enabled) if self.reasoning is not None else None
         t = self.tools.new_stream(self.request_tools) if self.tools is not None else None
         return ChoiceStream(r, t, self.include_reasoning)
@@ -118,9 +187,11 @@ class ChatParsing:
 
     def for_request(self, prompt_text: str, tools: list | None, tool_choice: Any, template_kwargs: dict,
                     include_reasoning: bool) -> RequestParsing:
-        """tool_choice: None (= auto when the server parses tools), "none" or "auto"; others are rejected earlier."""
+        """tool_choice: None (= auto when the server parses tools), "none", "auto", "required" or a named
+        function (the last two force the output to be the call(s), through structured outputs)."""
+        forced = forced_tool_schema(tools, tool_choice)
         use_tools = self.tools is not None and bool(tools) and tool_choice in (None, "auto")
         opens = self.reasoning.prompt_opens_reasoning(prompt_text) if self.reasoning is not None else False
         enabled = template_kwargs.get("enable_thinking", True) is not False
-        return RequestParsing(self.reasoning, self.tools if use_tools else None, tools, opens, enabled,
-                              include_reasoning)
+        return RequestParsing(None if forced else self.reasoning, self.tools if use_tools else None, tools, opens,
+                              enabled, include_reasoning, forced)

@@ -300,9 +300,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        if self.tool_choice not in (None, "none", "auto"):
-            bad.append(f"tool_choice {self.tool_choice!r} (only 'none' or 'auto' for now; 'required' and named "
-                       "functions need structured outputs)")
+        if not (self.tool_choice in (None, "none", "auto", "required") or isinstance(self.tool_choice, dict)):
+            bad.append(f"tool_choice {self.tool_choice!r}")
         bad += [name for name in ("functions", "function_call", "reasoning_effort") if getattr(self, name) is not None]
         return bad
 

@@ -104,10 +104,24 @@ class OpenAIServingChat(OpenAIServing):
         self.check_length(len(ids), requested, param)
         template_kwargs = {**(self.frontend.default_chat_template_kwargs or {}),
                            **(request.chat_template_kwargs or {})}
-        parsing = self.parsing.for_request(prompt, tools, request.tool_choice, template_kwargs,
-                                           request.include_reasoning)
+        try:
+            parsing = self.parsing.for_request(prompt, tools, request.tool_choice, template_kwargs,
+                                               request.include_reasoning)
+        except ValueError as e:
+            raise ServingError(str(e), 400, "tool_choice") from None
         params = self.sampling_params(request, len(ids), requested, logprobs, request.prompt_logprobs,
                                       request.stream)
+        if parsing.forced is not None:
+            # "required" / a named function: the output is the call(s), so a grammar makes the arguments parse.
+            from tokenmill.structured import StructuredOutputsParams
+            if params.structured_outputs is not None:
+                raise ServingError("tool_choice 'required' or a named function cannot be combined with "
+                                   "response_format / structured_outputs.", 400, "tool_choice")
+            try:
+                params.structured_outputs = self.structured_params(
+                    request, override=StructuredOutputsParams(json=parsing.forced[0]))
+            except ValueError as e:
+                raise ServingError(f"The tools' parameter schemas cannot be enforced: {e}", 400, "tools") from None
         if params.structured_outputs is not None and parsing.reasoning is not None and parsing.enabled:
             raise ServingError("Structured outputs with a reasoning model are not supported yet: the grammar would "
                                "also constrain the reasoning. Disable thinking (chat_template_kwargs "
