@@ -1,6 +1,7 @@
 """Rendering chat conversations through the tokenizer's chat template."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -36,6 +37,20 @@ def _flatten_content(content: Any, content_format: str) -> Any:
     return "\n".join(texts)
 
 
+def _parse_arguments(tool_call: Any) -> Any:
+    """OpenAI sends a call's arguments as JSON text; chat templates (Qwen, Llama, Hermes) expect the object."""
+    if not isinstance(tool_call, dict):
+        return tool_call
+    fn = tool_call.get("function")
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            return tool_call
+        tool_call = {**tool_call, "function": {**fn, "arguments": args}}
+    return tool_call
+
+
 def render_chat(tokenizer: Any, conversation: Conversation, *, chat_template: str | None = None,
                 content_format: str = "auto", add_generation_prompt: bool = True,
                 continue_final_message: bool = False, tools: list[dict] | None = None,
@@ -58,6 +73,8 @@ def render_chat(tokenizer: Any, conversation: Conversation, *, chat_template: st
         m = dict(m)
         if "content" in m and m["content"] is not None:
             m["content"] = _flatten_content(m["content"], fmt)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_parse_arguments(tc) for tc in m["tool_calls"]]
         msgs.append(m)
     kwargs = dict(chat_template_kwargs or {})
     for reserved in ("conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools"):

@@ -1,0 +1,30 @@
+"""Chat rendering: tool calls and tool results go through the template with their arguments as objects."""
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.entrypoints.chat_utils import render_chat
+
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
+            "{% for tc in m.tool_calls or [] %}[call {{ tc.function.name }} {{ tc.function.arguments.city }}]"
+            "{% endfor %}{% if m.tool_call_id %}(for {{ m.tool_call_id }}){% endif %}{% endfor %}"
+            "{% if tools %}TOOLS={{ tools | length }}{% endif %}")
+
+
+def test_tool_messages_render(smollm2_tokenizer):
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    out = render_chat(smollm2_tokenizer, msgs, chat_template=TEMPLATE, add_generation_prompt=False,
+                      tools=[{"type": "function", "function": {"name": "get_weather"}}])
+    assert out == "<user>Weather?<assistant>[call get_weather Paris]<tool>sunny(for call_1)TOOLS=1"
+
+
+def test_bad_inputs(smollm2_tokenizer):
+    with pytest.raises(ValueError, match="both"):
+        render_chat(smollm2_tokenizer, [{"role": "user", "content": "x"}], add_generation_prompt=True,
+                    continue_final_message=True)
+    with pytest.raises(ValueError, match="role"):
+        render_chat(smollm2_tokenizer, [{"content": "x"}])
