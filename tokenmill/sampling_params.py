@@ -69,6 +69,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
     _all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
     _bad_words_token_ids: list[list[int]] | None = None
     _eos_token_id: int | None = None
+    # Structured outputs of a reasoning model: the grammar applies only after this token (e.g. `</think>`).
+    _grammar_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -54,8 +54,9 @@ def test_stream_equals_final_and_concurrency(model_dir):
                 break
             await agen.aclose()
             task = asyncio.create_task(collect(eng, "cancel me too", "c2", RequestOutputKind.FINAL_ONLY,
-                                                max_tokens=200))
-            await asyncio.sleep(0.2)
+                                                max_tokens=240))
+            while not (eng.last_stats() and eng.last_stats().num_running_reqs):  # cancel while it runs
+                await asyncio.sleep(0.002)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

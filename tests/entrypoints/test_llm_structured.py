@@ -82,3 +82,20 @@ def test_bad_constraints_raise(llm):
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["b"])
     assert llm.generate("ok", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_grammar_starts_after_reasoning_end_token(tiny_model_factory):
+    """With a reasoning model the grammar applies only after the end-of-reasoning token: the tokens before it are
+    the model's own (unconstrained) choice, and what follows it matches the constraint."""
+    llm = LLM(tiny_model_factory("llama"), max_model_len=256, num_gpu_blocks_override=64)
+    free = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    trigger = free[2]  # stands in for `</think>`: the greedy model emits it as its third token
+    sp = SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}"))
+    sp._grammar_after_token_id = trigger
+    out = llm.generate("Hello", sp, use_tqdm=False)[0].outputs[0]
+    cut = out.token_ids.index(trigger) + 1
+    assert out.token_ids[:cut] == free[:cut]
+    tok = llm.get_tokenizer()
+    assert re.fullmatch(r"[0-9]{3}", tok.decode(out.token_ids[cut:], skip_special_tokens=True))
+    assert out.finish_reason == "stop"

@@ -61,6 +61,8 @@ class Request:
         self.max_tokens = limit
         self.grammar = None        # structured outputs: the matcher, once its grammar compiled
         self.grammar_future = None
+        # Where the constrained part of the output starts (after a reasoning block); None = not yet known.
+        self.grammar_start: int | None = 0 if sampling_params._grammar_after_token_id is None else None
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:
@@ -81,6 +83,9 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
+        if self.grammar_start is None and self.sampling_params._grammar_after_token_id in token_ids:
+            after = token_ids.index(self.sampling_params._grammar_after_token_id) + 1
+            self.grammar_start = self.num_output_tokens + after
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         if self._block_hasher is not None:

@@ -150,7 +150,7 @@ class Scheduler:
         for rid, n in num_scheduled.items():
             r = self.requests[rid]
             r.num_computed_tokens += n
-            if r.grammar is not None and r.num_computed_tokens >= r.num_tokens:
+            if r.grammar is not None and r.grammar_start is not None and r.num_computed_tokens >= r.num_tokens:
                 constrained.append(r)  # it samples this step, under its grammar
         finished = self._finished_since_last_step
         self._finished_since_last_step = set()
@@ -209,9 +209,10 @@ class Scheduler:
                 if prompt_lp is not None:
                     outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_lp))
                 continue
+            active_before = req.grammar_start is not None
             req.append_output_token_ids(token_ids)
-            if req.grammar is not None:
-                self.structured.accept(req, token_ids)
+            if req.grammar is not None and active_before:
+                self.structured.accept(req, token_ids)  # (tokens up to a reasoning end are not constrained)
             stopped = self._check_stop(req)
             new_lp = None
             if out.logprobs is not None and req.sampling_params.logprobs is not None:

@@ -48,9 +48,9 @@ class StructuredOutputManager:
             raise ValueError(f"structured outputs: {exc}")
         stops = request.sampling_params.all_stop_token_ids or None
         request.grammar = self.compiler.new_request_grammar(fut.result(), stop_token_ids=stops)
-        # A request resumed after preemption keeps its matcher; a fresh one has no outputs yet.
-        if request.output_token_ids:
-            request.grammar.accept_tokens(request.output_token_ids)
+        # Outputs produced before the matcher existed (resumed requests, or a reasoning block that has ended).
+        if request.grammar_start is not None and request.output_token_ids[request.grammar_start:]:
+            request.grammar.accept_tokens(request.output_token_ids[request.grammar_start:])
         return True
 
     def accept(self, request, token_ids: list[int]) -> None:

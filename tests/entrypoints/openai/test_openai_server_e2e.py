@@ -183,7 +183,7 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tool_choice": "auto", "tools": []}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400),
+                              "response_format": {"type": "json_schema"}}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "chat_template": "{{ 'hi' }}"}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [

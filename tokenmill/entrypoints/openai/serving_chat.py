@@ -122,11 +122,14 @@ class OpenAIServingChat(OpenAIServing):
                     request, override=StructuredOutputsParams(json=parsing.forced[0]))
             except ValueError as e:
                 raise ServingError(f"The tools' parameter schemas cannot be enforced: {e}", 400, "tools") from None
-        if params.structured_outputs is not None and parsing.reasoning is not None and parsing.enabled:
-            raise ServingError("Structured outputs with a reasoning model are not supported yet: the grammar would "
-                               "also constrain the reasoning. Disable thinking (chat_template_kwargs "
-                               '{"enable_thinking": false}) or start the server without --reasoning-parser.', 400,
-                               "response_format")
+        if params.structured_outputs is not None and parsing.reasoning is not None and parsing.enabled \
+                and not parsing.reasoning.prompt_closes_reasoning(prompt):
+            # Constrain only the answer: the grammar starts after the model's end-of-reasoning token.
+            end_id = parsing.reasoning.end_token_id()
+            if end_id is None:
+                raise ServingError("Structured outputs with this reasoning parser need `</think>` to be a single "
+                                   "token of the tokenizer.", 400, "response_format")
+            params._grammar_after_token_id = end_id
         if parsing.tools is not None and parsing.tools.needs_special_tokens:
             params.skip_special_tokens = False  # the call markers are special tokens
         gen = self.start(engine_id, prompt, ids, params, request.priority)

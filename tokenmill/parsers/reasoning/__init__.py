@@ -55,3 +55,16 @@ class ReasoningParser(abc.ABC):
     def prompt_opens_reasoning(self, prompt_text: str) -> bool:
         """Whether the rendered prompt leaves the model inside a reasoning block."""
         return False
+
+    end_tag = "</think>"
+
+    def prompt_closes_reasoning(self, prompt_text: str) -> bool:
+        """Whether the prompt already ended the reasoning block (e.g. thinking disabled by the template)."""
+        return prompt_text.rstrip().endswith(self.end_tag)
+
+    def end_token_id(self) -> int | None:
+        """The token id of the end-of-reasoning tag, when the tokenizer has it as one token."""
+        if self.tokenizer is None:
+            return None
+        ids = self.tokenizer.encode(self.end_tag, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
