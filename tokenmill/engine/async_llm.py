@@ -30,12 +30,18 @@ class AsyncLLM(EngineClient):
     def __init__(self, config: TokenmillConfig, log_stats: bool = True, log_interval_s: float | None = 10.0) -> None:
         from tokenmill.transformers_utils.config import get_eos_token_ids
         self.config = config
-        self.tokenizer = load_tokenizer(config)
-        self.generation_config = load_generation_config(config)
-        eos = get_eos_token_ids(config.model_config.hf_config, self.generation_config, self.tokenizer)
-        self.processor = Processor(config, self.tokenizer, eos)
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
-        self.client = AsyncMPClient(config)
+        # Start the engine core first: it loads the model while this process loads the tokenizer.
+        self.client = AsyncMPClient(config, wait=False)
+        try:
+            self.tokenizer = load_tokenizer(config)
+            self.generation_config = load_generation_config(config)
+            eos = get_eos_token_ids(config.model_config.hf_config, self.generation_config, self.tokenizer)
+            self.processor = Processor(config, self.tokenizer, eos)
+            self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
+        except BaseException:
+            self.client.shutdown()
+            raise
+        self.client.wait_ready()
         self.num_blocks = self.client.num_blocks
         self.stat_logger = StatLogger(config.model_config.served_model_name[0],
                                       log_interval_s if log_stats else None)

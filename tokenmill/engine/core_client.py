@@ -26,7 +26,7 @@ class AsyncMPClient:
     returns the next EngineCoreOutputs and raises EngineDeadError once the process has died.
     """
 
-    def __init__(self, config, start_timeout_s: float = 1800.0) -> None:
+    def __init__(self, config, start_timeout_s: float = 1800.0, wait: bool = True) -> None:
         self._dir = tempfile.mkdtemp(prefix="tokenmill-")
         in_path = f"ipc://{self._dir}/input"
         out_path = f"ipc://{self._dir}/output"
@@ -47,7 +47,14 @@ class AsyncMPClient:
                                args=(config, in_path, out_path, child_conn, os.getpid()), daemon=True)
         self.proc.start()
         child_conn.close()
-        msg = self._wait_ready(parent_conn, start_timeout_s)
+        self._ready_conn, self._start_timeout_s = parent_conn, start_timeout_s
+        self.num_blocks: int | None = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Blocks until the engine core has loaded the model and sized its KV cache (or raises its error)."""
+        msg = self._wait_ready(self._ready_conn, self._start_timeout_s)
         if msg.get("status") != "ready":
             self.shutdown()
             raise RuntimeError(msg.get("error", "the engine core failed to start")) from None
