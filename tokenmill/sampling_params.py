@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from typing import Any
 
 import msgspec
@@ -73,6 +74,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
     _grammar_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -80,12 +82,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self.bad_words = list(self.bad_words or [])
+        self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or [])
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
+            except (TypeError, ValueError, AttributeError) as e:
+                raise ValueError(f"SamplingParams.logit_bias must map token ids to numbers: {e}") from None
+            if not all(math.isfinite(v) for v in self.logit_bias.values()):
+                raise ValueError("SamplingParams.logit_bias values must be finite numbers.")
         if isinstance(self.logprobs, bool):
             self.logprobs = 1 if self.logprobs else None
         if isinstance(self.prompt_logprobs, bool):
@@ -98,6 +102,28 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
             self.top_k = 0
         # Union, not assignment: msgspec re-runs __post_init__ when decoding a struct the engine already filled.
         self._all_stop_token_ids = set(self._all_stop_token_ids) | set(self.stop_token_ids)
+
+    _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+    _INT_FIELDS = ("n", "top_k", "min_tokens")
+
+    def _check_types(self) -> None:
+        """Wrong types are ValueErrors naming the field (not TypeErrors from a comparison deep inside)."""
+        for name in self._FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"SamplingParams.{name} must be a finite number, got {v!r}.")
+        for name in self._INT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"SamplingParams.{name} must be an integer, got {v!r}.")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}.")
+        for name in ("stop_token_ids", "bad_words", "allowed_token_ids"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (list, tuple, str if name == "bad_words" else list)):
+                raise ValueError(f"SamplingParams.{name} must be a list, got {v!r}.")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"SamplingParams.logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}.")
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> "SamplingParams":

@@ -71,7 +71,10 @@ def render_chat(tokenizer: Any, conversation: Conversation, *, chat_template: st
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"Each chat message needs a 'role'; got {m!r}.")
         m = dict(m)
-        if "content" in m and m["content"] is not None:
+        if m.get("content") is None:
+            # An assistant turn that only made tool calls has content null (or none at all); templates want text.
+            m["content"] = [] if fmt == "openai" else ""
+        else:
             m["content"] = _flatten_content(m["content"], fmt)
         if m.get("tool_calls"):
             m["tool_calls"] = [_parse_arguments(tc) for tc in m["tool_calls"]]

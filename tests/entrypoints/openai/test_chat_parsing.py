@@ -112,3 +112,16 @@ def test_tools_without_parser_or_with_tool_choice_none_are_not_parsed(make_clien
 def test_unknown_parser_fails_at_start(make_client, scripted):
     with pytest.raises(ValueError, match="available"):
         make_client(scripted("x"), reasoning_parser="nope")
+
+
+def test_null_fields_and_tool_loop_messages(make_client):
+    """Clients that send every field as null, and the usual tool loop (assistant content null + tool result)."""
+    c, _ = make_client()
+    msgs = [{"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]
+    r = c.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS, "max_tokens": 2, "n": None,
+                                             "stream": None, "echo": None, "ignore_eos": None, "priority": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1

@@ -18,6 +18,13 @@ logger = init_logger(__name__)
 _LONG_MIN, _LONG_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
+def _accepts_none(annotation: Any) -> bool:
+    import types
+    import typing
+    return annotation is type(None) or annotation is Any or type(None) in typing.get_args(annotation) or (
+        isinstance(annotation, types.UnionType) and type(None) in annotation.__args__)
+
+
 class OpenAIBaseModel(BaseModel):
     """Base of every API model: unknown request fields are allowed, logged once per request and ignored."""
     model_config = ConfigDict(extra="allow")
@@ -25,6 +32,12 @@ class OpenAIBaseModel(BaseModel):
     @model_validator(mode="wrap")
     @classmethod
     def _warn_unknown_fields(cls, data: Any, handler: Any) -> Any:
+        if isinstance(data, dict):
+            # Clients that serialise every field send `null` for "unset": for a field that cannot hold null,
+            # that means its default (fields that can hold null keep it: max_tokens null = as many as fit).
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k in fields and not _accepts_none(fields[k].annotation))}
         result = handler(data)
         if isinstance(data, dict) and result.model_extra:
             logger.warning("The following fields were present in the request but ignored: %s",

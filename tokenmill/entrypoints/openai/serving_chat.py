@@ -66,6 +66,10 @@ class OpenAIServingChat(OpenAIServing):
         self.response_role = frontend.response_role
         self.parsing = ChatParsing(self.tokenizer, frontend)
 
+    @staticmethod
+    def _named_choice(parsing: RequestParsing) -> bool:
+        return parsing.forced is not None and parsing.forced[1] is not None
+
     def request_role(self, request: ChatCompletionRequest) -> str:
         if request.add_generation_prompt:
             return self.response_role
@@ -124,12 +128,9 @@ class OpenAIServingChat(OpenAIServing):
                 raise ServingError(f"The tools' parameter schemas cannot be enforced: {e}", 400, "tools") from None
         if params.structured_outputs is not None and parsing.reasoning is not None and parsing.enabled \
                 and not parsing.reasoning.prompt_closes_reasoning(prompt):
-            # Constrain only the answer: the grammar starts after the model's end-of-reasoning token.
-            end_id = parsing.reasoning.end_token_id()
-            if end_id is None:
-                raise ServingError("Structured outputs with this reasoning parser need `</think>` to be a single "
-                                   "token of the tokenizer.", 400, "response_format")
-            params._grammar_after_token_id = end_id
+            # Constrain only the answer: the grammar starts after the model's end-of-reasoning token (a tokenizer
+            # without such a token cannot think, so then the grammar applies from the start).
+            params._grammar_after_token_id = parsing.reasoning.end_token_id()
         if parsing.tools is not None and parsing.tools.needs_special_tokens:
             params.skip_special_tokens = False  # the call markers are special tokens
         gen = self.start(engine_id, prompt, ids, params, request.priority)
@@ -196,8 +197,8 @@ class OpenAIServingChat(OpenAIServing):
                 message = ChatMessage(role=role, content=(echo + parsed.content) if parsed.content else (echo or None),
                                       reasoning_content=parsed.reasoning, reasoning=parsed.reasoning,
                                       tool_calls=parsed.tool_calls)
-                if parsed.tool_calls and finish_reason == "stop":
-                    finish_reason = "tool_calls"
+                if parsed.tool_calls and finish_reason == "stop" and not self._named_choice(parsing):
+                    finish_reason = "tool_calls"  # (a forced named function ends with "stop", like OpenAI)
             choice = ChatCompletionResponseChoice(index=out.index, message=message, logprobs=logprobs,
                                                   finish_reason=finish_reason, stop_reason=out.stop_reason)
             if request.return_token_ids:
@@ -269,7 +270,8 @@ class OpenAIServingChat(OpenAIServing):
                             piece.content += end.content
                             piece.reasoning += end.reasoning
                             piece.tool_calls += end.tool_calls
-                            if parsers[i].tools_called and finish_reason == "stop":
+                            if parsers[i].tools_called and finish_reason == "stop" \
+                                    and not self._named_choice(parsing):
                                 finish_reason = "tool_calls"
                         delta = DeltaMessage(content=piece.content or None, tool_calls=piece.tool_calls,
                                              reasoning_content=piece.reasoning or None,
