@@ -20,6 +20,8 @@ Rules shared by every `TaggedBlock*` parser (whole and streamed output give exac
 """
 from __future__ import annotations
 
+import abc
+
 import json
 
 from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser, ToolStream,
@@ -58,9 +60,9 @@ class TaggedBlockToolParser(ToolParser):
 
     openers: dict[str, str] = {TOOL_CALL_START: TOOL_CALL_END}
 
+    @abc.abstractmethod
     def parse_block(self, open_tag: str, body: str, tools: list[dict] | None) -> list[ToolCall]:
         """The calls of one complete block ([] if it is not a valid block). Must not raise."""
-        raise NotImplementedError
 
     def extract(self, text: str, tools: list[dict] | None = None) -> ExtractedToolCalls:
         content: list[str] = []
@@ -124,10 +126,10 @@ class TaggedBlockStream(ToolStream):
     def _block_progress(self, body: str, out: ToolStreamDelta) -> None:
         """Called with the (incomplete) block body read so far; may emit call deltas."""
 
+    @abc.abstractmethod
     def _block_end(self, body: str, out: ToolStreamDelta) -> bool:
         """Called with the complete block body: emit its remaining call deltas; False if the block is invalid
         (its raw text then becomes content)."""
-        raise NotImplementedError
 
     def _drain(self, final: bool) -> ToolStreamDelta:
         out = ToolStreamDelta()
