@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 
+from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolStream, skip_ws
 from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser, ToolStream,
                                     ToolStreamDelta, make_tool_call_id)
 
@@ -33,7 +34,8 @@ CALL_END = "<｜tool▁call▁end｜>"
 TOOL_SEP = "<｜tool▁sep｜>"
 _V3_REST = re.compile(r"\s*([^\s`{]+)\s*(?:```[A-Za-z]*)?\s*(\{.*\})\s*(?:```)?\s*", re.S)
 _DECODER = json.JSONDecoder(strict=False)
-_CONTENT, _BLOCK, _AFTER, _PLAIN, _DONE = range(5)
+_CONTENT, _BLOCK, _AFTER = range(3)
+_PLAIN, _DONE = PLAIN, DONE
 
 
 def parse_call_body(body: str) -> tuple[str, str] | None:
@@ -58,11 +60,6 @@ def parse_call_body(body: str) -> tuple[str, str] | None:
     return (name, json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
 
 
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i].isspace():
-        i += 1
-    return i
-
 
 def _partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
@@ -72,42 +69,14 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-class DeepSeekV3ToolStream(ToolStream):
+class DeepSeekV3ToolStream(StepToolStream):
     def __init__(self) -> None:
-        self._buf = ""
-        self._pos = 0  # start of the text not yet emitted or dropped
-        self._state = _CONTENT
         self._block = 0  # where the current calls block starts
         self._block_calls = 0
-        self._calls = 0
-        self._finished = False
+        super().__init__(_CONTENT)
 
-    def feed(self, delta_text: str) -> ToolStreamDelta:
-        out = ToolStreamDelta()
-        if not self._finished and delta_text:
-            self._buf += delta_text
-            self._run(out, final=False)
-        return out
-
-    def finish(self) -> ToolStreamDelta:
-        out = ToolStreamDelta()
-        if not self._finished:
-            self._finished = True
-            self._run(out, final=True)
-        return out
-
-    def _run(self, out: ToolStreamDelta, final: bool) -> None:
-        step = {_CONTENT: self._content, _BLOCK: self._in_block, _AFTER: self._after}
-        while self._state in step:
-            if not step[self._state](out, final):
-                break
-        if self._state == _PLAIN:
-            out.content += self._buf[self._pos:]
-            self._pos = len(self._buf)
-
-    def _goto(self, state: int, pos: int) -> bool:
-        self._state, self._pos = state, pos
-        return True
+    def _steps(self):
+        return {_CONTENT: self._content, _BLOCK: self._in_block, _AFTER: self._after}
 
     def _content(self, out: ToolStreamDelta, final: bool) -> bool:
         k = self._buf.find(CALLS_BEGIN, self._pos)
@@ -125,7 +94,7 @@ class DeepSeekV3ToolStream(ToolStream):
 
     def _in_block(self, out: ToolStreamDelta, final: bool) -> bool:
         buf = self._buf
-        i = _skip_ws(buf, self._pos)
+        i = skip_ws(buf, self._pos)
         rest = buf[i:]
         if rest.startswith(CALL_BEGIN):
             k = buf.find(CALL_END, i + len(CALL_BEGIN))
@@ -148,7 +117,7 @@ class DeepSeekV3ToolStream(ToolStream):
         return self._fail(i)
 
     def _after(self, out: ToolStreamDelta, final: bool) -> bool:
-        i = _skip_ws(self._buf, self._pos)
+        i = skip_ws(self._buf, self._pos)
         if i == len(self._buf):
             return self._goto(_DONE, i) if final else False
         return self._goto(_CONTENT, i)

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import json
 
+from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolStream, skip_ws
 from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser, ToolStream,
                                     ToolStreamDelta, make_tool_call_id)
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder(strict=False)  # tolerate raw control characters (newlines) inside strings
-_START, _CALL, _SEP, _PLAIN, _DONE = range(5)
+_START, _CALL, _SEP = range(3)
+_PLAIN, _DONE = PLAIN, DONE
 
 
 def call_from_object(obj) -> tuple[str, str] | None:
@@ -46,53 +48,20 @@ def call_from_object(obj) -> tuple[str, str] | None:
     return name.strip(), json.dumps(args, ensure_ascii=False)
 
 
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i].isspace():
-        i += 1
-    return i
 
-
-class Llama3JsonToolStream(ToolStream):
+class Llama3JsonToolStream(StepToolStream):
     def __init__(self) -> None:
-        self._buf = ""
-        self._pos = 0  # start of the text not yet emitted or dropped
-        self._state = _START
-        self._calls = 0
         self._tried = 0  # buffer length at the last failed JSON decode (retry only once a new '}' arrives)
-        self._finished = False
+        super().__init__(_START)
 
-    def feed(self, delta_text: str) -> ToolStreamDelta:
-        out = ToolStreamDelta()
-        if not self._finished and delta_text:
-            self._buf += delta_text
-            self._run(out, final=False)
-        return out
-
-    def finish(self) -> ToolStreamDelta:
-        out = ToolStreamDelta()
-        if not self._finished:
-            self._finished = True
-            self._run(out, final=True)
-        return out
-
-    def _run(self, out: ToolStreamDelta, final: bool) -> None:
-        step = {_START: self._start, _CALL: self._call, _SEP: self._sep}
-        while self._state in step:
-            if not step[self._state](out, final):
-                break
-        if self._state == _PLAIN:
-            out.content += self._buf[self._pos:]
-            self._pos = len(self._buf)
-
-    def _goto(self, state: int, pos: int) -> bool:
-        self._state, self._pos = state, pos
-        return True
+    def _steps(self):
+        return {_START: self._start, _CALL: self._call, _SEP: self._sep}
 
     def _start(self, out: ToolStreamDelta, final: bool) -> bool:
         buf = self._buf
-        i = _skip_ws(buf, 0)
+        i = skip_ws(buf, 0)
         if buf.startswith(PYTHON_TAG, i):
-            i = _skip_ws(buf, i + len(PYTHON_TAG))
+            i = skip_ws(buf, i + len(PYTHON_TAG))
         elif i < len(buf) and PYTHON_TAG.startswith(buf[i:]):
             return self._goto(_PLAIN, 0) if final else False  # maybe a python tag being written
         if i == len(buf):
@@ -122,9 +91,9 @@ class Llama3JsonToolStream(ToolStream):
 
     def _sep(self, out: ToolStreamDelta, final: bool) -> bool:
         buf = self._buf
-        i = _skip_ws(buf, self._pos)
+        i = skip_ws(buf, self._pos)
         if i < len(buf) and buf[i] == ";":
-            i = _skip_ws(buf, i + 1)
+            i = skip_ws(buf, i + 1)
         if i == len(buf):
             return self._goto(_DONE, i) if final else False
         if buf[i] == "{":

@@ -25,6 +25,7 @@ import re
 import secrets
 import string
 
+from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolStream, skip_ws
 from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser, ToolStream,
                                     ToolStreamDelta)
 
@@ -36,7 +37,8 @@ _ID_RE = re.compile(r"[A-Za-z0-9]{9}")
 _NAME_CHARS = re.compile(r"[\w.\-]*")
 _HEADER_RE = re.compile(r"([\w.\-]+)(?:\[CALL_ID\]([A-Za-z0-9]+))?\[ARGS\]")
 _DECODER = json.JSONDecoder(strict=False)
-_CONTENT, _SECTION, _ARRAY, _HEADER, _AFTER, _PLAIN, _DONE = range(7)
+_CONTENT, _SECTION, _ARRAY, _HEADER, _AFTER = range(5)
+_PLAIN, _DONE = PLAIN, DONE
 
 
 def make_mistral_tool_call_id() -> str:
@@ -88,11 +90,6 @@ def _header_viable(rest: str) -> bool:
     return False
 
 
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i].isspace():
-        i += 1
-    return i
-
 
 def _partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
@@ -102,45 +99,17 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-class MistralToolStream(ToolStream):
+class MistralToolStream(StepToolStream):
     def __init__(self) -> None:
-        self._buf = ""
-        self._pos = 0  # start of the text not yet emitted or dropped
-        self._state = _CONTENT
         self._section = 0  # where the current `[TOOL_CALLS]` section starts (content from here if it fails)
         self._json_at = 0  # where the section's JSON value starts
         self._tried = 0  # buffer length at the last failed decode (retry only once a closing bracket arrives)
         self._call_id: str | None = None
-        self._calls = 0
-        self._finished = False
+        super().__init__(_CONTENT)
 
-    def feed(self, delta_text: str) -> ToolStreamDelta:
-        out = ToolStreamDelta()
-        if not self._finished and delta_text:
-            self._buf += delta_text
-            self._run(out, final=False)
-        return out
-
-    def finish(self) -> ToolStreamDelta:
-        out = ToolStreamDelta()
-        if not self._finished:
-            self._finished = True
-            self._run(out, final=True)
-        return out
-
-    def _run(self, out: ToolStreamDelta, final: bool) -> None:
-        step = {_CONTENT: self._content, _SECTION: self._section_start, _ARRAY: self._array,
+    def _steps(self):
+        return {_CONTENT: self._content, _SECTION: self._section_start, _ARRAY: self._array,
                 _HEADER: self._header, _AFTER: self._after}
-        while self._state in step:
-            if not step[self._state](out, final):
-                break
-        if self._state == _PLAIN:
-            out.content += self._buf[self._pos:]
-            self._pos = len(self._buf)
-
-    def _goto(self, state: int, pos: int) -> bool:
-        self._state, self._pos = state, pos
-        return True
 
     def _fail(self) -> bool:
         return self._goto(_PLAIN, self._section)
@@ -162,7 +131,7 @@ class MistralToolStream(ToolStream):
         return self._goto(_SECTION, k + len(BOT))
 
     def _section_start(self, out: ToolStreamDelta, final: bool) -> bool:
-        i = _skip_ws(self._buf, self._pos)
+        i = skip_ws(self._buf, self._pos)
         if i == len(self._buf):
             return self._fail() if final else False
         self._json_at = self._tried = i
@@ -196,7 +165,7 @@ class MistralToolStream(ToolStream):
         m = _HEADER_RE.match(self._buf, self._pos)
         if m is None:
             return self._fail() if final or not _header_viable(self._buf[self._pos:]) else False
-        j = _skip_ws(self._buf, m.end())
+        j = skip_ws(self._buf, m.end())
         if j == len(self._buf):
             return self._fail() if final else False
         if self._buf[j] != "{":
@@ -212,7 +181,7 @@ class MistralToolStream(ToolStream):
         return self._goto(_AFTER, decoded[1])
 
     def _after(self, out: ToolStreamDelta, final: bool) -> bool:
-        i = _skip_ws(self._buf, self._pos)
+        i = skip_ws(self._buf, self._pos)
         if i == len(self._buf):
             return self._goto(_DONE, i) if final else False
         return self._goto(_CONTENT, i)  # a marker (or a partial one) there is handled by the content state

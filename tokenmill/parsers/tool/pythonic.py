@@ -23,6 +23,7 @@ import json
 import math
 import re
 
+from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolStream, skip_ws
 from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser, ToolStream,
                                     ToolStreamDelta, make_tool_call_id)
 
@@ -34,7 +35,8 @@ _STRING_BODY = {  # whole escape sequences and characters that cannot end the st
     '"': re.compile(r'(?:\\.|[^\\\n"])*', re.S), "'": re.compile(r"(?:\\.|[^\\\n'])*", re.S),
     '"""': re.compile(r'(?:\\.|[^\\"])*', re.S), "'''": re.compile(r"(?:\\.|[^\\'])*", re.S)}
 _JSON_NAMES = {"true": True, "false": False, "null": None}
-_START, _LIST, _AFTER, _PLAIN, _DONE = range(5)
+_START, _LIST, _AFTER = range(3)
+_PLAIN, _DONE = PLAIN, DONE
 
 
 class _NotLiteral(Exception):
@@ -141,54 +143,21 @@ class ListScanner:
         return None
 
 
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i].isspace():
-        i += 1
-    return i
 
-
-class PythonicToolStream(ToolStream):
+class PythonicToolStream(StepToolStream):
     def __init__(self) -> None:
-        self._buf = ""
-        self._pos = 0  # start of the text not yet emitted or dropped
-        self._state = _START
         self._scanner: ListScanner | None = None
         self._seen_end = False
-        self._calls = 0
-        self._finished = False
+        super().__init__(_START)
 
-    def feed(self, delta_text: str) -> ToolStreamDelta:
-        out = ToolStreamDelta()
-        if not self._finished and delta_text:
-            self._buf += delta_text
-            self._run(out, final=False)
-        return out
-
-    def finish(self) -> ToolStreamDelta:
-        out = ToolStreamDelta()
-        if not self._finished:
-            self._finished = True
-            self._run(out, final=True)
-        return out
-
-    def _run(self, out: ToolStreamDelta, final: bool) -> None:
-        step = {_START: self._start, _LIST: self._list, _AFTER: self._after}
-        while self._state in step:
-            if not step[self._state](out, final):
-                break
-        if self._state == _PLAIN:
-            out.content += self._buf[self._pos:]
-            self._pos = len(self._buf)
-
-    def _goto(self, state: int, pos: int) -> bool:
-        self._state, self._pos = state, pos
-        return True
+    def _steps(self):
+        return {_START: self._start, _LIST: self._list, _AFTER: self._after}
 
     def _start(self, out: ToolStreamDelta, final: bool) -> bool:
         buf = self._buf
-        i = _skip_ws(buf, 0)
+        i = skip_ws(buf, 0)
         if buf.startswith(PY_START, i):
-            i = _skip_ws(buf, i + len(PY_START))
+            i = skip_ws(buf, i + len(PY_START))
         elif i < len(buf) and PY_START.startswith(buf[i:]):
             return self._goto(_PLAIN, 0) if final else False
         if i == len(buf):
@@ -216,7 +185,7 @@ class PythonicToolStream(ToolStream):
 
     def _after(self, out: ToolStreamDelta, final: bool) -> bool:
         buf = self._buf
-        i = _skip_ws(buf, self._pos)
+        i = skip_ws(buf, self._pos)
         if not self._seen_end and buf.startswith(PY_END, i):
             self._seen_end = True
             return self._goto(_AFTER, i + len(PY_END))
