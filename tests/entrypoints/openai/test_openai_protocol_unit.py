@@ -36,6 +36,7 @@ def assert_error(resp, status, param=None):
 def test_health_version_ping_models(client, fake_engine):
     assert client.get("/health").status_code == 200
     assert client.get("/health").content == b""
+    assert client.head("/health").status_code == 200
     assert client.get("/ping").status_code == 200
     assert client.post("/ping").status_code == 200
     import tokenmill
