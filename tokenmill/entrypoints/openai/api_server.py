@@ -276,7 +276,9 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
         except EngineDeadError:
             return Response(status_code=503)
         return Response(status_code=200)
-    app.add_api_route("/health", health, methods=["GET", "HEAD"], operation_id="health")  # HEAD: load-balancer probes
+    app.add_api_route("/health", health, methods=["GET"], operation_id="health")
+    app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head",  # load-balancer probes
+                      include_in_schema=False)
     app.add_api_route("/ping", health, methods=["GET"], operation_id="ping_get")
     app.add_api_route("/ping", health, methods=["POST"], operation_id="ping_post")
 
