@@ -123,7 +123,7 @@ def _json_format(params: StructuredOutputsParams, config: StructuredOutputsConfi
 
 
 def _choice_ebnf(choices: Sequence[str]) -> str:
-    # JSON string escapes (\" \\ \n \uXXXX) are also xgrammar EBNF string-literal escapes.
+    # JSON string escapes (quote, backslash, \n, \u plus four hex digits) are also xgrammar EBNF escapes.
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 

@@ -23,9 +23,8 @@ from __future__ import annotations
 import json
 import re
 
-from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolStream, skip_ws
-from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser, ToolStream,
-                                    ToolStreamDelta, make_tool_call_id)
+from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolParser, StepToolStream, skip_ws
+from tokenmill.parsers.tool import ToolCallDelta, ToolStreamDelta, make_tool_call_id
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -123,26 +122,11 @@ class DeepSeekV3ToolStream(StepToolStream):
         return self._goto(_CONTENT, i)
 
 
-def _collect(deltas: list[ToolStreamDelta]) -> ExtractedToolCalls:
-    content = "".join(d.content for d in deltas)
-    calls: dict[int, ToolCall] = {}
-    for d in deltas:
-        for tc in d.tool_calls:
-            if tc.index not in calls:
-                calls[tc.index] = ToolCall(name=tc.name or "", arguments="", id=tc.id or make_tool_call_id())
-            calls[tc.index].arguments += tc.arguments
-    tool_calls = [calls[i] for i in sorted(calls)]
-    return ExtractedToolCalls(tools_called=bool(tool_calls), tool_calls=tool_calls, content=content or None)
 
 
-class DeepSeekV3ToolParser(ToolParser):
+class DeepSeekV3ToolParser(StepToolParser):
     """DeepSeek-V3 `<｜tool▁calls▁begin｜>` tool calls (V3.1 bodies accepted too); see the module docstring."""
 
     needs_special_tokens = True  # its markers are special tokens
 
-    def extract(self, text: str, tools: list[dict] | None = None) -> ExtractedToolCalls:
-        stream = self.new_stream(tools)
-        return _collect([stream.feed(text), stream.finish()])
-
-    def new_stream(self, tools: list[dict] | None = None) -> ToolStream:
-        return DeepSeekV3ToolStream()
+    stream_cls = DeepSeekV3ToolStream

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import json
 
-from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolStream, skip_ws
-from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser, ToolStream,
-                                    ToolStreamDelta, make_tool_call_id)
+from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolParser, StepToolStream, skip_ws
+from tokenmill.parsers.tool import ToolCallDelta, ToolStreamDelta, make_tool_call_id
 
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder(strict=False)  # tolerate raw control characters (newlines) inside strings
@@ -102,25 +101,9 @@ class Llama3JsonToolStream(StepToolStream):
         return self._goto(_PLAIN, i)
 
 
-def collect(deltas: list[ToolStreamDelta]) -> ExtractedToolCalls:
-    """Fold stream deltas into the non-streamed result."""
-    content = "".join(d.content for d in deltas)
-    calls: dict[int, ToolCall] = {}
-    for d in deltas:
-        for tc in d.tool_calls:
-            if tc.index not in calls:
-                calls[tc.index] = ToolCall(name=tc.name or "", arguments="", id=tc.id or make_tool_call_id())
-            calls[tc.index].arguments += tc.arguments
-    tool_calls = [calls[i] for i in sorted(calls)]
-    return ExtractedToolCalls(tools_called=bool(tool_calls), tool_calls=tool_calls, content=content or None)
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(StepToolParser):
     """Llama 3.x `{"name": ..., "parameters": {...}}` tool calls; see the module docstring for the contract."""
 
-    def extract(self, text: str, tools: list[dict] | None = None) -> ExtractedToolCalls:
-        stream = self.new_stream(tools)
-        return collect([stream.feed(text), stream.finish()])
-
-    def new_stream(self, tools: list[dict] | None = None) -> ToolStream:
-        return Llama3JsonToolStream()
+    stream_cls = Llama3JsonToolStream

@@ -25,9 +25,8 @@ import re
 import secrets
 import string
 
-from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolStream, skip_ws
-from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser, ToolStream,
-                                    ToolStreamDelta)
+from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolParser, StepToolStream, skip_ws
+from tokenmill.parsers.tool import ToolCallDelta, ToolStreamDelta
 
 BOT = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -187,26 +186,11 @@ class MistralToolStream(StepToolStream):
         return self._goto(_CONTENT, i)  # a marker (or a partial one) there is handled by the content state
 
 
-def _collect(deltas: list[ToolStreamDelta]) -> ExtractedToolCalls:
-    content = "".join(d.content for d in deltas)
-    calls: dict[int, ToolCall] = {}
-    for d in deltas:
-        for tc in d.tool_calls:
-            if tc.index not in calls:
-                calls[tc.index] = ToolCall(name=tc.name or "", arguments="", id=tc.id or make_mistral_tool_call_id())
-            calls[tc.index].arguments += tc.arguments
-    tool_calls = [calls[i] for i in sorted(calls)]
-    return ExtractedToolCalls(tools_called=bool(tool_calls), tool_calls=tool_calls, content=content or None)
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(StepToolParser):
     """Mistral `[TOOL_CALLS]` tool calls (JSON-array and `name[ARGS]{...}` forms); see the module docstring."""
 
     needs_special_tokens = True  # its markers are special tokens
 
-    def extract(self, text: str, tools: list[dict] | None = None) -> ExtractedToolCalls:
-        stream = self.new_stream(tools)
-        return _collect([stream.feed(text), stream.finish()])
-
-    def new_stream(self, tools: list[dict] | None = None) -> ToolStream:
-        return MistralToolStream()
+    stream_cls = MistralToolStream

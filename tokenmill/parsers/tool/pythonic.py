@@ -23,9 +23,8 @@ import json
 import math
 import re
 
-from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolStream, skip_ws
-from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser, ToolStream,
-                                    ToolStreamDelta, make_tool_call_id)
+from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolParser, StepToolStream, skip_ws
+from tokenmill.parsers.tool import ToolCallDelta, ToolStreamDelta, make_tool_call_id
 
 PY_START = "<|python_start|>"
 PY_END = "<|python_end|>"
@@ -196,24 +195,9 @@ class PythonicToolStream(StepToolStream):
         return self._goto(_PLAIN, i)
 
 
-def _collect(deltas: list[ToolStreamDelta]) -> ExtractedToolCalls:
-    content = "".join(d.content for d in deltas)
-    calls: dict[int, ToolCall] = {}
-    for d in deltas:
-        for tc in d.tool_calls:
-            if tc.index not in calls:
-                calls[tc.index] = ToolCall(name=tc.name or "", arguments="", id=tc.id or make_tool_call_id())
-            calls[tc.index].arguments += tc.arguments
-    tool_calls = [calls[i] for i in sorted(calls)]
-    return ExtractedToolCalls(tools_called=bool(tool_calls), tool_calls=tool_calls, content=content or None)
 
 
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(StepToolParser):
     """`[func(kw=literal, ...), ...]` tool calls parsed with `ast`; see the module docstring for the contract."""
 
-    def extract(self, text: str, tools: list[dict] | None = None) -> ExtractedToolCalls:
-        stream = self.new_stream(tools)
-        return _collect([stream.feed(text), stream.finish()])
-
-    def new_stream(self, tools: list[dict] | None = None) -> ToolStream:
-        return PythonicToolStream()
+    stream_cls = PythonicToolStream

@@ -4,7 +4,8 @@ from __future__ import annotations
 import abc
 from typing import Callable
 
-from tokenmill.parsers.tool import ToolStream, ToolStreamDelta
+from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolParser, ToolStream, ToolStreamDelta,
+                                    make_tool_call_id)
 
 PLAIN, DONE = -1, -2  # terminal states: the rest is content / nothing more to read
 
@@ -61,3 +62,29 @@ class StepToolStream(ToolStream):
     def _goto(self, state: int, pos: int) -> bool:
         self._state, self._pos = state, pos
         return True
+
+
+def collect(deltas: list[ToolStreamDelta]) -> ExtractedToolCalls:
+    """Fold stream deltas into the non-streamed result."""
+    content = "".join(d.content for d in deltas)
+    calls: dict[int, ToolCall] = {}
+    for d in deltas:
+        for tc in d.tool_calls:
+            if tc.index not in calls:
+                calls[tc.index] = ToolCall(name=tc.name or "", arguments="", id=tc.id or make_tool_call_id())
+            calls[tc.index].arguments += tc.arguments
+    tool_calls = [calls[i] for i in sorted(calls)]
+    return ExtractedToolCalls(tools_called=bool(tool_calls), tool_calls=tool_calls, content=content or None)
+
+
+class StepToolParser(ToolParser):
+    """A parser whose whole-text result is its stream fed everything at once (`stream_cls` says which stream)."""
+
+    stream_cls: type[StepToolStream]
+
+    def extract(self, text: str, tools: list[dict] | None = None) -> ExtractedToolCalls:
+        stream = self.new_stream(tools)
+        return collect([stream.feed(text), stream.finish()])
+
+    def new_stream(self, tools: list[dict] | None = None) -> StepToolStream:
+        return self.stream_cls()
