@@ -23,6 +23,7 @@ Streaming holds back only a possible partial tag at the end of the buffer (e.g. 
 """
 from __future__ import annotations
 
+from tokenmill.parsers.text_utils import partial_tag_len
 from tokenmill.parsers.reasoning import ReasoningDelta, ReasoningParser, ReasoningStream
 
 THINK_START = "<think>"
@@ -35,15 +36,6 @@ _REASONING = "reasoning"  # inside the reasoning block
 _CONTENT = "content"      # the answer
 
 
-def _partial_tag_len(buf: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `buf` that is a proper prefix of one of `tags` (0 if none)."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(buf)), best, -1):
-            if buf.endswith(tag[:n]):
-                best = n
-                break
-    return best
 
 
 def _content(text: str) -> str | None:
@@ -100,7 +92,7 @@ class ThinkTagStream(ReasoningStream):
                     reasoning.append(self._buf[:i])
                     self._buf = self._buf[i + len(THINK_START):]
                     continue
-                keep = 0 if final else _partial_tag_len(self._buf, (THINK_START, THINK_END))
+                keep = 0 if final else partial_tag_len(self._buf, (THINK_START, THINK_END))
                 cut = len(self._buf) - keep
                 reasoning.append(self._buf[:cut])
                 self._buf = self._buf[cut:]

@@ -24,6 +24,7 @@ import abc
 
 import json
 
+from tokenmill.parsers.text_utils import partial_tag_len
 from tokenmill.parsers.tool import (ExtractedToolCalls, ToolCall, ToolCallDelta, ToolParser, ToolStream,
                                     ToolStreamDelta, make_tool_call_id)
 
@@ -31,15 +32,6 @@ TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 
 
-def partial_tag_len(buf: str, tags) -> int:
-    """Length of the longest suffix of `buf` that is a proper prefix of one of `tags` (0 if none)."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(buf)), best, -1):
-            if buf.endswith(tag[:n]):
-                best = n
-                break
-    return best
 
 
 def find_first_tag(text: str, tags, start: int = 0) -> tuple[int, str | None]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 
 from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolParser, StepToolStream, skip_ws
+from tokenmill.parsers.text_utils import arguments_json
 from tokenmill.parsers.tool import ToolCallDelta, ToolStreamDelta, make_tool_call_id
 
 PYTHON_TAG = "<|python_tag|>"
@@ -34,17 +35,8 @@ def call_from_object(obj) -> tuple[str, str] | None:
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         return None
-    args = obj["parameters"] if "parameters" in obj else obj.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            return None
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        return None
-    return name.strip(), json.dumps(args, ensure_ascii=False)
+    args = arguments_json(obj, ("parameters", "arguments"))
+    return None if args is None else (name.strip(), args)
 
 
 

@@ -26,6 +26,7 @@ import secrets
 import string
 
 from tokenmill.parsers.tool.step_stream import DONE, PLAIN, StepToolParser, StepToolStream, skip_ws
+from tokenmill.parsers.text_utils import arguments_json
 from tokenmill.parsers.tool import ToolCallDelta, ToolStreamDelta
 
 BOT = "[TOOL_CALLS]"
@@ -45,16 +46,6 @@ def make_mistral_tool_call_id() -> str:
     return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
-def _arguments(obj: dict) -> str | None:
-    args = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            return None
-    if args is None:
-        args = {}
-    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
 
 
 def _array_calls(value) -> list[tuple[str, str]] | None:
@@ -65,7 +56,7 @@ def _array_calls(value) -> list[tuple[str, str]] | None:
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"].strip():
             return None
-        args = _arguments(item)
+        args = arguments_json(item)
         if args is None:
             return None
         calls.append((item["name"].strip(), args))
