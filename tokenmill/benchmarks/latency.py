@@ -5,11 +5,10 @@ Also reports the decode time per output token, from runs with output length N an
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-from tokenmill.benchmarks.offline_common import random_token_prompts, split_engine_args, summarize
+from tokenmill.benchmarks.offline_common import write_json, random_token_prompts, split_engine_args, summarize
 
 
 def make_parser(prog: str = "tokenmill bench latency") -> argparse.ArgumentParser:
@@ -56,9 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"avg_latency": stats["avg"], "latencies": lat, "percentiles": stats,
               "prefill_latencies": prefill, "decode_ms_per_token": decode_ms, "batch_size": args.batch_size,
               "input_len": args.input_len, "output_len": args.output_len}
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.output_json, result)
     return result
 
 

@@ -71,3 +71,10 @@ def add_dataset_args(p: argparse.ArgumentParser, input_len: int, output_len: int
 def summarize(values: list[float], percentiles=(10, 25, 50, 75, 90, 99)) -> dict[str, Any]:
     arr = np.asarray(values)
     return {"avg": float(arr.mean()), **{f"p{p}": float(np.percentile(arr, p)) for p in percentiles}}
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        import json
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)

@@ -5,11 +5,10 @@ Prints `Throughput: X requests/s, Y total tokens/s, Z output tokens/s` like `vll
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-from tokenmill.benchmarks.offline_common import add_dataset_args, random_token_prompts, split_engine_args
+from tokenmill.benchmarks.offline_common import write_json, add_dataset_args, random_token_prompts, split_engine_args
 
 
 def make_parser(prog: str = "tokenmill bench throughput") -> argparse.ArgumentParser:
@@ -99,9 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tokenmill.metrics.step_timing import TIMER
     if TIMER.enabled:
         print(TIMER.report())
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.output_json, result)
     return result
 
 

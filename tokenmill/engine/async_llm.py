@@ -7,10 +7,9 @@ from typing import Any, AsyncIterator
 from tokenmill.config import TokenmillConfig
 from tokenmill.config.engine_args import create_engine_config
 from tokenmill.engine.core_client import AsyncMPClient
-from tokenmill.engine.llm_engine import _GEN_DEFAULTS, load_generation_config, load_tokenizer
+from tokenmill.engine.llm_engine import FrontEnd, default_sampling_kwargs
 from tokenmill.engine.messages import SchedulerStats
-from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.processor import Processor, PromptType
+from tokenmill.engine.processor import PromptType
 from tokenmill.engine.protocol import EngineClient, EngineDeadError
 from tokenmill.logger import init_logger
 from tokenmill.metrics.loggers import StatLogger
@@ -28,21 +27,18 @@ class AsyncLLM(EngineClient):
     """
 
     def __init__(self, config: TokenmillConfig, log_stats: bool = True, log_interval_s: float | None = 10.0) -> None:
-        from tokenmill.transformers_utils.config import get_eos_token_ids
         self.config = config
         # Start the engine core first: it loads the model while this process loads the tokenizer.
         self.client = AsyncMPClient(config, wait=False)
         try:
-            self.tokenizer = load_tokenizer(config)
-            self.generation_config = load_generation_config(config)
-            eos = get_eos_token_ids(config.model_config.hf_config, self.generation_config, self.tokenizer)
-            self.processor = Processor(config, self.tokenizer, eos)
-            self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
+            front = FrontEnd(config, log_stats=True)
         except BaseException:
             self.client.shutdown()
             raise
+        self.tokenizer, self.generation_config = front.tokenizer, front.generation_config
+        self.processor, self.output_processor = front.processor, front.output_processor
         self.client.wait_ready()
-        self.num_blocks = self.client.num_blocks
+        self.processor.num_blocks = self.client.num_blocks
         self.stat_logger = StatLogger(config.model_config.served_model_name[0],
                                       log_interval_s if log_stats else None)
         self._queues: dict[str, asyncio.Queue] = {}
@@ -65,8 +61,7 @@ class AsyncLLM(EngineClient):
             raise EngineDeadError(self.client.dead_error or "the engine core process is not running")
 
     def get_default_sampling_params(self) -> dict[str, Any]:
-        return {ours: self.generation_config[hf] for hf, ours in _GEN_DEFAULTS.items()
-                if self.generation_config.get(hf) is not None}
+        return default_sampling_kwargs(self.generation_config)
 
     def last_stats(self) -> SchedulerStats | None:
         return self.stat_logger.last
@@ -83,7 +78,6 @@ class AsyncLLM(EngineClient):
         if request_id in self._queues:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         text, reqs = self.processor.process(request_id, prompt, sampling_params, priority=priority)
-        self._check_fits(len(reqs[0].prompt_token_ids))
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         for i, r in enumerate(reqs):
@@ -106,11 +100,6 @@ class AsyncLLM(EngineClient):
             if not finished:  # cancelled, disconnected or failed: free the request's blocks in the core
                 self.client.abort_nowait(self.output_processor.abort_requests(request_id))
 
-    def _check_fits(self, prompt_len: int) -> None:
-        bs = self.config.cache_config.block_size
-        need = -(-prompt_len // bs)
-        if need > self.num_blocks:
-            raise ValueError(f"The prompt needs {need} KV blocks but the cache has only {self.num_blocks}.")
 
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

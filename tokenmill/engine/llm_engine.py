@@ -39,18 +39,35 @@ def load_generation_config(config: TokenmillConfig) -> dict[str, Any]:
     return gen
 
 
-class LLMEngine:
-    """Adds requests, steps the engine core, and turns its token-level outputs into RequestOutputs."""
+def default_sampling_kwargs(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """vLLM semantics: the model's generation_config.json supplies sampling defaults (unless
+    generation_config='vllm'), as SamplingParams keyword arguments."""
+    return {ours: generation_config[hf] for hf, ours in _GEN_DEFAULTS.items()
+            if generation_config.get(hf) is not None}
 
-    def __init__(self, config: TokenmillConfig, log_stats: bool = False) -> None:
+
+class FrontEnd:
+    """What both engines build on the client side: tokenizer, generation defaults, input and output processing."""
+
+    def __init__(self, config: TokenmillConfig, log_stats: bool) -> None:
         from tokenmill.transformers_utils.config import get_eos_token_ids
-        self.config = config
         self.tokenizer = load_tokenizer(config)
         self.generation_config = load_generation_config(config)
         eos = get_eos_token_ids(config.model_config.hf_config, self.generation_config, self.tokenizer)
         self.processor = Processor(config, self.tokenizer, eos)
-        self.engine_core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+
+
+class LLMEngine:
+    """Adds requests, steps the engine core, and turns its token-level outputs into RequestOutputs."""
+
+    def __init__(self, config: TokenmillConfig, log_stats: bool = False) -> None:
+        self.config = config
+        front = FrontEnd(config, log_stats)
+        self.tokenizer, self.generation_config = front.tokenizer, front.generation_config
+        self.processor, self.output_processor = front.processor, front.output_processor
+        self.engine_core = EngineCore(config)
+        self.processor.num_blocks = self.engine_core.num_blocks
         self.log_stats = log_stats
         self.last_stats = None
 
@@ -62,16 +79,13 @@ class LLMEngine:
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM semantics: the model's generation_config.json supplies defaults (unless generation_config='vllm')."""
-        kwargs = {ours: self.generation_config[hf] for hf, ours in _GEN_DEFAULTS.items()
-                  if self.generation_config.get(hf) is not None}
-        return SamplingParams(**kwargs)
+        return SamplingParams(**default_sampling_kwargs(self.generation_config))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         text, reqs = self.processor.process(request_id, prompt, params, arrival_time, priority)
-        for i, req in enumerate(reqs):
-            self.engine_core.add_request(req)  # raises before anything is recorded if it can never fit
+        for req in reqs:
+            self.engine_core.add_request(req)
         for i, req in enumerate(reqs):
             self.output_processor.add_request(req, text, parent_id=request_id, index=i, n=len(reqs))
 

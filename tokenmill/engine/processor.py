@@ -22,6 +22,8 @@ class Processor:
         self.vocab_size = config.model_config.vocab_size
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_eos_ids = eos_token_ids[1:]
+        self.block_size = config.cache_config.block_size
+        self.num_blocks: int | None = None  # the KV cache's size, known once the engine core is up
 
     # ----- prompts -----
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -106,6 +108,9 @@ class Processor:
         if len(ids) > self.max_model_len:
             raise ValueError(f"The prompt is {len(ids)} tokens long, longer than the maximum model length of "
                              f"{self.max_model_len} tokens. Shorten the prompt or raise max_model_len.")
+        if self.num_blocks is not None and -(-len(ids) // self.block_size) > self.num_blocks:
+            raise ValueError(f"The prompt needs {-(-len(ids) // self.block_size)} KV blocks but the cache has only "
+                             f"{self.num_blocks}; give the KV cache more memory.")
         self._check_params(params)
         params = params.clone()
         params.update_from_tokenizer(self.eos_token_id, self._bad_words_ids(params))
