@@ -36,6 +36,14 @@ def timed(obj, attr, key, T):
     return fn
 
 
+def drain():
+    """Resolve a step in flight so the manual loop below starts from a settled state."""
+    mode = core.async_scheduling
+    core.async_scheduling = False
+    core.step()
+    core.async_scheduling = mode
+
+
 for bs, steps in ((1, 64), (256, 24)):
     sp = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True, detokenize=False,
                         output_kind=RequestOutputKind.FINAL_ONLY)
@@ -43,36 +51,46 @@ for bs, steps in ((1, 64), (256, 24)):
         eng.add_request(f"{bs}-{i}", {"prompt_token_ids": list(range(100 + i, 228 + i))}, sp)
     for _ in range(12):
         eng.step()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
+    for mode in (False, True):
+        drain()
+        core.async_scheduling = mode
         eng.step()
-    torch.cuda.synchronize()
-    print(f"batch {bs}: {1000 * (time.perf_counter() - t) / steps:.3f} ms per decode step (wall, uninstrumented)")
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        print(f"batch {bs}, async_scheduling={mode}: {1000 * (time.perf_counter() - t) / steps:.3f} ms per decode "
+              "step (wall, uninstrumented)")
+    drain()
     T = collections.defaultdict(float)
     saved = [(runner.sampler, "forward", timed(runner.sampler, "forward", "sampler", T)),
              (runner.sampling, "make_metadata", timed(runner.sampling, "make_metadata", "make_metadata", T))]
     if runner.cuda_graphs is not None:
-        saved.append((runner.cuda_graphs, "run", timed(runner.cuda_graphs, "run", "graph_run", T)))
+        saved.append((runner.cuda_graphs, "replay", timed(runner.cuda_graphs, "replay", "graph_replay", T)))
     for _ in range(steps):
         t0 = time.perf_counter()
         so = sched.schedule()
         t1 = time.perf_counter()
-        out = ex.execute_model(so)
+        ex.execute_model(so)
         t2 = time.perf_counter()
-        outs = sched.update_from_output(so, out)
+        out = ex.sample_tokens(sched.get_grammar_bitmask(so)).get()
         t3 = time.perf_counter()
-        eng.output_processor.process_outputs(outs.outputs)
+        outs = sched.update_from_output(so, out)
         t4 = time.perf_counter()
-        for k, dt in (("schedule", t1 - t0), ("execute_model", t2 - t1), ("update", t3 - t2), ("outproc", t4 - t3)):
+        eng.output_processor.process_outputs(outs.outputs)
+        t5 = time.perf_counter()
+        for k, dt in (("schedule", t1 - t0), ("execute_model", t2 - t1), ("sample+get", t3 - t2),
+                      ("update", t4 - t3), ("outproc", t5 - t4)):
             T[k] += dt
     for obj, attr, fn in saved:
         setattr(obj, attr, fn)
-    print("  " + ", ".join(f"{k} {1000 * v / steps:.3f}" for k, v in T.items()) + " (ms per step)")
+    print("  " + ", ".join(f"{k} {1000 * v / steps:.3f}" for k, v in T.items()) + " (ms per step, synced)")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(4):
             eng.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=50))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=16, max_name_column_width=60))
     eng.abort_request([f"{bs}-{i}" for i in range(bs)])
-    eng.step()
+    while core.has_unfinished_requests():
+        eng.step()

@@ -73,3 +73,23 @@ def test_triton_backend_equals_torch_ref(tiny_model_factory, monkeypatch):
         res[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, sp, use_tqdm=False)]
         del llm
     assert res["TRITON"] == res["TORCH_REF"]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(enforce_eager=True)], ids=["graphs", "eager"])
+def test_async_scheduling_equals_sync_on_cuda(tiny_model_factory, kw):
+    """Async scheduling feeds step N's sampled ids to step N+1 on the device; outputs must not change."""
+    from tokenmill import LLM, SamplingParams
+    d = tiny_model_factory("qwen3")
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=17, stop_token_ids=[7, 11, 13]),
+              SamplingParams(temperature=0, max_tokens=9, logprobs=2, frequency_penalty=0.5)] * 5
+    prompts = (PROMPTS * 3)[:len(params)]
+    res = {}
+    for mode in (False, True):
+        llm = LLM(d, dtype="float32", max_model_len=256, num_gpu_blocks_override=512, max_num_seqs=8,
+                  async_scheduling=mode, **kw)
+        assert llm.llm_engine.engine_core.async_scheduling is mode
+        res[mode] = [(c.token_ids, c.finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)
+                     for c in o.outputs]
+        del llm
+    assert res[True] == res[False]

@@ -28,6 +28,9 @@ class TokenmillConfig:
 
     def __post_init__(self) -> None:
         self.scheduler_config.finalize(self.model_config.max_model_len)
+        if self.scheduler_config.async_scheduling is None:
+            # Overlap pays where the device runs asynchronously to the host; on the CPU the forward is the host.
+            self.scheduler_config.async_scheduling = self.device_config.torch_device.type == "cuda"
 
 
 __all__ = ["CacheConfig", "CompilationConfig", "DeviceConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",

@@ -275,7 +275,7 @@ HELP_ZH: dict[str, str] = {
                          "到达时间。",
     "enable_chunked_prefill": "把长提示词切成多块，与解码请求在同一步中一起执行（默认开启），可以避免长提示词卡住正在"
                               "生成的请求。",
-    "async_scheduling": "在当前一步执行时就调度下一步，减少 GPU 空闲（仅限 GPU）。",
+    "async_scheduling": "设备执行第 N 步时就调度并准备第 N+1 步，减少 GPU 空闲（默认：CUDA 上开启，CPU 上关闭）。",
     "stream_interval": "流式输出时每攒够多少个 token 发送一次；1 最平滑，调大可以降低主机端开销。",
     "scheduler_cls": "自定义调度器类（暂不支持）。",
     "disable_chunked_mm_input": "不把同一个多模态输入（如一张图片）拆到不同的步里。",

@@ -28,7 +28,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool | None = config_field(
         None, help="Split long prompts into chunks that share steps with decodes (default on).")
     async_scheduling: bool | None = config_field(
-        None, help="Overlap scheduling of the next step with the current one (GPU only).")
+        None, help="Schedule and prepare step N+1 while the device runs step N (default: on for CUDA, off on "
+                   "the CPU, where it cannot overlap anything).")
     stream_interval: int = config_field(1, help="Send streamed output every N tokens.")
     scheduler_cls: str | None = config_field(None, help="A custom scheduler class (not supported yet).")
     disable_chunked_mm_input: bool = config_field(False, help="Never split multimodal items across steps.")
@@ -58,7 +59,5 @@ class SchedulerConfig:
         check_range("max_num_partial_prefills", self.max_num_partial_prefills, 1)
         if self.scheduler_cls is not None:
             raise not_supported_yet("scheduler_cls", self.scheduler_cls)
-        if self.async_scheduling:
-            raise not_supported_yet("async_scheduling", True, "Steps are scheduled synchronously for now.")
         if self.stream_interval != 1:
             raise not_supported_yet("stream_interval", self.stream_interval, "Every token is streamed.")

@@ -50,6 +50,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Tokens being sampled by steps still in flight (async scheduling): counted as if known when deciding what
+        # to schedule next, replaced by real tokens when their step's output arrives.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 = not scheduled yet
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -35,13 +35,20 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished, aborted or preempted since the last step: drop their runner state
-    # Structured outputs: requests that sample this step under a grammar, and their allowed-token bitmask rows.
-    structured_req_ids: list[str] = field(default_factory=list)
-    structured_bitmask: Any = None  # CPU int32 tensor [len(structured_req_ids), ceil(vocab / 32)]
+    # Requests that sample this step and own a compiled grammar. Their bitmask is made later
+    # (Scheduler.get_grammar_bitmask), once the previous step's tokens have advanced the matchers.
+    grammar_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class GrammarOutput:
+    """Allowed-token bitmask rows for the constrained requests sampling this step (one row per id, in order)."""
+    req_ids: list[str]
+    bitmask: Any  # CPU int32 tensor [len(req_ids), ceil(vocab / 32)]
 
 
 @dataclass

@@ -6,7 +6,8 @@ from tokenmill.core.block_hash import BlockHasher
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
-from tokenmill.core.sched_output import (CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput)
+from tokenmill.core.sched_output import (CachedRequestData, GrammarOutput, ModelRunnerOutput, NewRequestData,
+                                         SchedulerOutput)
 from tokenmill.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                        LogprobsLists, SchedulerStats)
 
@@ -146,22 +147,33 @@ class Scheduler:
 
         for r in reversed(deferred):
             self.waiting.prepend(r)
-        constrained = []
+        grammar_req_ids = []
         for rid, n in num_scheduled.items():
             r = self.requests[rid]
             r.num_computed_tokens += n
-            if r.grammar is not None and r.grammar_start is not None and r.num_computed_tokens >= r.num_tokens:
-                constrained.append(r)  # it samples this step, under its grammar
+            if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
+                r.num_output_placeholders += 1  # it samples this step
+                if r.grammar is not None:
+                    grammar_req_ids.append(rid)
         finished = self._finished_since_last_step
         self._finished_since_last_step = set()
-        out = SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
-                              num_scheduled_tokens=num_scheduled,
-                              total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-                              finished_req_ids=finished)
-        if constrained:
-            out.structured_req_ids = [r.request_id for r in constrained]
-            out.structured_bitmask = self.structured.fill_bitmask(constrained)
-        return out
+        return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+                               num_scheduled_tokens=num_scheduled,
+                               total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+                               finished_req_ids=finished, grammar_req_ids=grammar_req_ids)
+
+    def get_grammar_bitmask(self, sched: SchedulerOutput) -> GrammarOutput | None:
+        """Bitmask rows for the constrained requests that sample in `sched`.
+
+        Called after the previous step's output has been applied (its tokens advanced the matchers), which with
+        async scheduling is after `sched` was made. Requests that finished meanwhile, or whose grammar is not active
+        yet (still reasoning), get no row.
+        """
+        reqs = [r for r in map(self.requests.get, sched.grammar_req_ids)
+                if r is not None and r.status == RequestStatus.RUNNING and r.grammar_start is not None]
+        if not reqs:
+            return None
+        return GrammarOutput([r.request_id for r in reqs], self.structured.fill_bitmask(reqs))
 
     def _grammar_ready(self, req: Request) -> bool | None:
         """Whether a constrained request's grammar compiled; None when it failed (the request is then finished
@@ -177,7 +189,10 @@ class Scheduler:
             return None
 
     def _num_tokens_to_schedule(self, req: Request, num_computed: int, budget: int) -> int:
-        n = req.num_tokens - num_computed
+        ph = req.num_output_placeholders
+        if ph and (req.num_output_tokens + ph >= req.max_tokens or req.num_tokens + ph >= self.max_model_len):
+            return 0  # the tokens in flight already end it
+        n = req.num_tokens + ph - num_computed
         if 0 < self.long_prefill_threshold < n:
             n = self.long_prefill_threshold
         return min(n, budget, self.max_model_len - num_computed)
@@ -192,6 +207,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # a token in flight is dropped; recompute samples it again
         req.num_preemptions += 1
         self._num_preemptions += 1
         self._finished_since_last_step.add(req.request_id)  # the runner drops its state; resumed as new
@@ -205,6 +221,8 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             prompt_lp = out.prompt_logprobs.get(rid)
+            if token_ids and req.num_output_placeholders:
+                req.num_output_placeholders -= 1
             if not token_ids:
                 if prompt_lp is not None:
                     outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_lp))

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from tokenmill.config import TokenmillConfig
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
+from tokenmill.worker.model_runner import AsyncRunnerOutput
 from tokenmill.worker.worker import Worker
 
 
@@ -19,5 +20,10 @@ class UniProcExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(sched)
+    def execute_model(self, sched: SchedulerOutput) -> None:
+        """Launch the step's forward pass (returns before the device finishes)."""
+        self.worker.execute_model(sched)
+
+    def sample_tokens(self, grammar: GrammarOutput | None) -> AsyncRunnerOutput:
+        """Sample the step launched by execute_model; the handle's get() returns its ModelRunnerOutput."""
+        return self.worker.sample_tokens(grammar)

@@ -39,17 +39,13 @@ class CudaGraphRunner:
         self.max_size = self.sizes[-1]
         self.max_model_len = max_model_len
         n = self.max_size
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        # input ids, positions and slots share one buffer so one copy loads them.
+        self.vec = torch.zeros((3, n), dtype=torch.long, device=device)
+        self.vec[2].fill_(-1)
+        self.input_ids, self.positions, self.slot_mapping = self.vec[0], self.vec[1], self.vec[2]
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_table = torch.zeros((n, max_blocks_per_req), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        # Pinned staging rows: one host->device copy per buffer per step, asynchronous.
-        self._host = {name: torch.zeros_like(t, device="cpu").pin_memory()
-                      for name, t in (("input_ids", self.input_ids), ("positions", self.positions),
-                                      ("slot_mapping", self.slot_mapping), ("seq_lens", self.seq_lens))}
-        self._host_bt = torch.zeros_like(self.block_table, device="cpu").pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
@@ -82,21 +78,30 @@ class CudaGraphRunner:
     def can_run(self, num_reqs: int, num_tokens: int) -> bool:
         return num_tokens == num_reqs <= self.max_size and bool(self.graphs)
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            block_table: np.ndarray) -> torch.Tensor:
+    def load_inputs(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+                    block_table: np.ndarray) -> int:
+        """Copy a batch into the persistent buffers of the smallest graph that fits; returns that graph's size.
+
+        The host rows go through fresh pinned buffers (three copies per step): with async scheduling the next
+        step is prepared while this one's copies may still be queued, so a reused staging buffer could be
+        overwritten under them."""
         n = len(input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        h = self._host
-        h["input_ids"][:n] = torch.from_numpy(input_ids)
-        h["positions"][:n] = torch.from_numpy(positions)
-        h["slot_mapping"][:n] = torch.from_numpy(slots)
-        h["slot_mapping"][n:size] = -1
-        h["seq_lens"][:n] = torch.from_numpy(seq_lens.astype(np.int32))
-        h["seq_lens"][n:size] = 0
+        vec = torch.empty((3, size), dtype=torch.long, pin_memory=True)
+        v = vec.numpy()
+        v[0, :n], v[1, :n], v[2, :n] = input_ids, positions, slots
+        v[0, n:], v[1, n:], v[2, n:] = 0, 0, -1
+        lens = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        lens.numpy()[:n] = seq_lens
         nb = block_table.shape[1]
-        self._host_bt[:n, :nb] = torch.from_numpy(block_table)
-        for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
-            getattr(self, name)[:size].copy_(h[name][:size], non_blocking=True)
-        self.block_table[:size, :nb].copy_(self._host_bt[:size, :nb], non_blocking=True)
+        bt = torch.empty((n, nb), dtype=torch.int32, pin_memory=True)
+        bt.numpy()[:] = block_table
+        self.vec[:, :size].copy_(vec, non_blocking=True)
+        self.seq_lens[:size].copy_(lens, non_blocking=True)
+        self.block_table[:n, :nb].copy_(bt, non_blocking=True)
+        return size
+
+    def replay(self, size: int, n: int) -> torch.Tensor:
+        """Run the graph of `size` on the loaded inputs; the logits of the first n rows."""
         self.graphs[size].replay()
         return self.logits[size][:n]

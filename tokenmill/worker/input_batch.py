@@ -23,6 +23,8 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        # Bumped whenever a row changes owner, so late results of a departed request are recognised and dropped.
+        self.row_gen = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_id_to_row: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -31,6 +33,7 @@ class InputBatch:
         if not self._free_rows:
             raise RuntimeError("InputBatch is full: the scheduler scheduled more than max_num_seqs requests.")
         row = self._free_rows.pop()
+        self.row_gen[row] += 1
         self.req_id_to_row[req_id] = row
         p, o = len(prompt), len(outputs)
         self.token_ids[row, :p] = prompt
@@ -52,6 +55,7 @@ class InputBatch:
     def remove(self, req_id: str) -> int | None:
         row = self.req_id_to_row.pop(req_id, None)
         if row is not None:
+            self.row_gen[row] += 1
             self._free_rows.append(row)
         return row
 

@@ -9,10 +9,10 @@ from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.registry import get_attention_backend
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.messages import LogprobsLists
 from tokenmill.forward_context import set_forward_context
-from tokenmill.layers.sampler import Sampler, compute_prompt_logprobs
+from tokenmill.layers.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from tokenmill.metrics.step_timing import TIMER
 from tokenmill.models.loader import load_model
 from tokenmill.worker.input_batch import InputBatch
@@ -47,6 +47,11 @@ class ModelRunner:
         self.batch: InputBatch | None = None
         self.sampling: SamplingState | None = None
         self.prompt_logprobs: dict[str, int] = {}
+        self._step: _StepState | None = None           # between execute_model and sample_tokens
+        self._last_output: AsyncRunnerOutput | None = None
+        self._prev_sampled: torch.Tensor | None = None  # the last step's sampled ids, on the device
+        self._prev_index = np.zeros(self.max_num_reqs, dtype=np.int64)  # row -> index in _prev_sampled
+        self._prev_gen = np.full(self.max_num_reqs, -1, dtype=np.int64)  # row generation when it sampled
 
     # ----- set-up -----
     def load_model(self) -> None:
@@ -110,10 +115,13 @@ class ModelRunner:
             b.num_computed_tokens[row] = num_computed
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> None:
+        """Apply the plan's state changes, build the inputs and launch the forward pass (and the logits of the rows
+        that sample). Nothing waits for the device; `sample_tokens` finishes the step."""
         self._update_states(sched)
+        self._step = None
         if sched.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return
         b, dev = self.batch, self.device
         req_ids = list(sched.num_scheduled_tokens)
         rows = np.fromiter((b.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
@@ -124,77 +132,102 @@ class ModelRunner:
         req_of_token = np.repeat(np.arange(len(rows)), n_sched)
         positions = computed[req_of_token] + (np.arange(total) - np.repeat(cu - n_sched, n_sched))
         token_rows = rows[req_of_token]
-        input_ids = b.token_ids[token_rows, positions]
+        input_ids = b.token_ids[token_rows, positions].astype(np.int64)
         slots = b.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size \
             + positions % self.block_size
         seq_lens = computed + n_sched
         qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         qsl[1:] = cu
         max_blocks = int(cdiv(int(seq_lens.max()), self.block_size))
-        do_sample = seq_lens >= b.num_tokens[rows]
-        sample_idx = np.nonzero(do_sample)[0]
-        sampled: list[list[int]] = [[] for _ in req_ids]
+        sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
+        fixup = self._placeholder_fixup(input_ids, token_rows)
         prompt_lp: dict[str, LogprobsLists] = {}
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(len(rows), total):
             # One token per request: the graph returns every row's logits (a 1-token chunk that does not end
             # its prompt samples nothing, so keep only the rows that do).
             TIMER.count("graph_steps")
-            logits = self.cuda_graphs.run(input_ids, positions, slots, seq_lens,
-                                          b.block_table[rows, :max_blocks])
+            size = self.cuda_graphs.load_inputs(input_ids, positions, slots, seq_lens,
+                                                b.block_table[rows, :max_blocks])
+            if fixup is not None:
+                self._apply_fixup(self.cuda_graphs.input_ids, fixup)
+            logits = self.cuda_graphs.replay(size, len(rows))
             if len(sample_idx) != len(rows):
-                logits = logits[torch.from_numpy(sample_idx).to(dev)]
+                logits = logits[_to_device(sample_idx, dev)]
         else:
             TIMER.count("eager_steps")
             md = AttentionMetadata(
-                num_actual_tokens=total,
-                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-                query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
-                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev, non_blocking=True),
-                block_table=torch.from_numpy(b.block_table[rows, :max_blocks]).to(dev, non_blocking=True),
+                num_actual_tokens=total, slot_mapping=_to_device(slots, dev),
+                query_start_loc=_to_device(qsl.astype(np.int32), dev),
+                seq_lens=_to_device(seq_lens.astype(np.int32), dev),
+                block_table=_to_device(b.block_table[rows, :max_blocks], dev),
                 max_query_len=int(n_sched.max()), max_seq_len=int(seq_lens.max()),
                 query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-            ids_t = torch.from_numpy(input_ids.astype(np.int64)).to(dev, non_blocking=True)
-            pos_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+            ids_t = _to_device(input_ids, dev)
+            if fixup is not None:
+                self._apply_fixup(ids_t, fixup)
             with set_forward_context(md, self.kv_caches):
-                hidden = self.model(ids_t, pos_t)
+                hidden = self.model(ids_t, _to_device(positions, dev))
             prompt_lp = self._prompt_logprobs(req_ids, rows, computed, n_sched, qsl, hidden)
             logits = None
             if len(sample_idx):
-                logits = self.model.compute_logits(hidden[torch.from_numpy(cu[sample_idx] - 1).to(dev)])
-        logprobs = None
-        if sched.structured_req_ids:
-            self._apply_grammar(sched, req_ids, sample_idx, logits)
-        if len(sample_idx):
-            srows = rows[sample_idx]
-            meta = self.sampling.make_metadata(srows, b.token_ids, b.num_prompt_tokens, b.num_tokens)
-            out = self.sampler(logits, meta)
-            with TIMER.phase("wait_for_sampled_ids"):  # the step's one device->host sync
-                ids = out.sampled_token_ids.tolist()
-            b.token_ids[srows, b.num_tokens[srows]] = ids
-            b.num_tokens[srows] += 1
-            for j, i in enumerate(sample_idx):
-                sampled[i] = [ids[j]]
-            if out.logprobs is not None:
-                lp = out.logprobs.tolists()
-                # Scatter rows back to batch order; rows that sampled nothing get empty placeholders.
-                full_ids: list[list[int]] = [[] for _ in req_ids]
-                full_lp: list[list[float]] = [[] for _ in req_ids]
-                full_rank = [0] * len(req_ids)
-                for j, i in enumerate(sample_idx):
-                    full_ids[i], full_lp[i], full_rank[i] = lp.token_ids[j], lp.logprobs[j], lp.ranks[j]
-                logprobs = LogprobsLists(full_ids, full_lp, full_rank)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt_lp)
+                logits = self.model.compute_logits(hidden[_to_device(cu[sample_idx] - 1, dev)])
+        self._step = _StepState(req_ids, rows, sample_idx, logits, prompt_lp)
 
-    def _apply_grammar(self, sched: SchedulerOutput, req_ids: list[str], sample_idx: np.ndarray,
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarOutput | None) -> "AsyncRunnerOutput":
+        """Mask constrained rows, sample, and start copying the ids to the host. The returned handle's `get()`
+        waits for them. The sampled ids stay on the device so the next step can use them as inputs before the
+        host sees them (the host records a placeholder -1 until then)."""
+        st, b = self._step, self.batch
+        self._step = None
+        if st is None:
+            return AsyncRunnerOutput.empty()
+        if self._last_output is not None:
+            self._last_output.get()  # the previous step's tokens must be on the host (penalties read them)
+        sampled, lp, srows, pos, gens = None, None, st.rows[st.sample_idx], None, None
+        if len(st.sample_idx):
+            if grammar is not None:
+                self._apply_grammar(grammar, st.req_ids, st.sample_idx, st.logits)
+            meta = self.sampling.make_metadata(srows, b.token_ids, b.num_prompt_tokens, b.num_tokens)
+            out = self.sampler(st.logits, meta)
+            sampled, lp = out.sampled_token_ids, out.logprobs
+            pos = b.num_tokens[srows].astype(np.int64)
+            gens = b.row_gen[srows].copy()
+            b.token_ids[srows, pos] = -1  # placeholder until get()
+            b.num_tokens[srows] += 1
+            self._prev_sampled = sampled
+            self._prev_index[srows] = np.arange(len(srows))
+            self._prev_gen[srows] = gens
+        result = AsyncRunnerOutput(self, st, srows, pos, gens, sampled, lp)
+        self._last_output = result
+        return result
+
+    def _placeholder_fixup(self, input_ids: np.ndarray, token_rows: np.ndarray) -> np.ndarray | None:
+        """Input positions whose token is still being sampled by the previous step, and where that step's sampled
+        tensor holds it: a [2, n] (destination, source) index array, or None."""
+        ph = np.flatnonzero(input_ids < 0)
+        if not len(ph):
+            return None
+        r = token_rows[ph]
+        if (self._prev_gen[r] != self.batch.row_gen[r]).any():
+            raise RuntimeError("a placeholder token does not come from the previous step")
+        input_ids[ph] = 0
+        return np.stack([ph, self._prev_index[r]])
+
+    def _apply_fixup(self, ids_dev: torch.Tensor, fixup: np.ndarray) -> None:
+        idx = _to_device(fixup, self.device)
+        ids_dev.index_copy_(0, idx[0], self._prev_sampled.index_select(0, idx[1]))
+
+    def _apply_grammar(self, grammar: GrammarOutput, req_ids: list[str], sample_idx: np.ndarray,
                        logits: torch.Tensor) -> None:
         """Mask the logits of constrained rows with their grammars' allowed tokens, for the batch at once."""
         from tokenmill.structured.backend_xgrammar import apply_bitmask
         pos = {req_ids[i]: j for j, i in enumerate(sample_idx)}
-        rows = [pos[rid] for rid in sched.structured_req_ids]
+        rows = [pos[rid] for rid in grammar.req_ids]
         # The scheduler sends one row per constrained request; xgrammar wants row r of the mask for logits row r.
-        compact = sched.structured_bitmask
-        full = torch.full((logits.shape[0], compact.shape[1]), -1, dtype=compact.dtype)
+        compact = grammar.bitmask
+        full = torch.full((logits.shape[0], compact.shape[1]), -1, dtype=compact.dtype,
+                          pin_memory=self.device.type == "cuda")
         full[rows] = compact
         apply_bitmask(logits, full.to(self.device, non_blocking=True), rows)
 
@@ -216,3 +249,89 @@ class ModelRunner:
             lp = compute_prompt_logprobs(self.model.compute_logits(h), targets, n)
             out[rid] = lp.tolists()
         return out
+
+
+def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without blocking the host: staged through a fresh pinned buffer (the caching host
+    allocator keeps it alive until the copy ran, so a step prepared ahead cannot overwrite inputs in flight)."""
+    t = torch.from_numpy(arr)
+    if device.type != "cuda":
+        return t
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.copy_(t)
+    return pinned.to(device, non_blocking=True)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start a device->host copy into pinned memory; valid once the stream passed this point."""
+    if t.device.type != "cuda":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+class _StepState:
+    """What execute_model leaves for sample_tokens."""
+    __slots__ = ("req_ids", "rows", "sample_idx", "logits", "prompt_lp")
+
+    def __init__(self, req_ids, rows, sample_idx, logits, prompt_lp) -> None:
+        self.req_ids, self.rows, self.sample_idx, self.logits, self.prompt_lp = \
+            req_ids, rows, sample_idx, logits, prompt_lp
+
+
+class AsyncRunnerOutput:
+    """One step's result while its sampled ids travel to the host.
+
+    Contract: `get()` waits for the copy (the step's one device->host sync), writes the ids over the runner's -1
+    placeholders (rows whose request left meanwhile are skipped by their generation counter) and returns the
+    ModelRunnerOutput. It is idempotent; the runner calls it itself before sampling the next step.
+    """
+
+    def __init__(self, runner: ModelRunner | None, st: _StepState | None, srows=None, pos=None, gens=None,
+                 sampled: torch.Tensor | None = None, logprobs: LogprobsTensors | None = None) -> None:
+        self._runner, self._st, self._srows, self._pos, self._gens = runner, st, srows, pos, gens
+        self._result: ModelRunnerOutput | None = None
+        self._event = None
+        self._ids = _to_host(sampled) if sampled is not None else None
+        self._lp = None if logprobs is None else LogprobsTensors(
+            _to_host(logprobs.token_ids), _to_host(logprobs.logprobs), _to_host(logprobs.ranks))
+        if sampled is not None and sampled.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @classmethod
+    def empty(cls) -> "AsyncRunnerOutput":
+        out = cls(None, None)
+        out._result = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        return out
+
+    def get(self) -> ModelRunnerOutput:
+        if self._result is not None:
+            return self._result
+        if self._event is not None:
+            with TIMER.phase("wait_for_sampled_ids"):
+                self._event.synchronize()
+        st = self._st
+        sampled: list[list[int]] = [[] for _ in st.req_ids]
+        logprobs = None
+        if self._ids is not None:
+            ids = self._ids.tolist()
+            b = self._runner.batch
+            valid = b.row_gen[self._srows] == self._gens
+            b.token_ids[self._srows[valid], self._pos[valid]] = np.asarray(ids, dtype=np.int32)[valid]
+            for j, i in enumerate(st.sample_idx):
+                sampled[i] = [ids[j]]
+            if self._lp is not None:
+                lp = self._lp.tolists()
+                # Scatter rows back to batch order; rows that sampled nothing get empty placeholders.
+                full_ids: list[list[int]] = [[] for _ in st.req_ids]
+                full_lp: list[list[float]] = [[] for _ in st.req_ids]
+                full_rank = [0] * len(st.req_ids)
+                for j, i in enumerate(st.sample_idx):
+                    full_ids[i], full_lp[i], full_rank[i] = lp.token_ids[j], lp.logprobs[j], lp.ranks[j]
+                logprobs = LogprobsLists(full_ids, full_lp, full_rank)
+        self._result = ModelRunnerOutput(req_ids=st.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                         prompt_logprobs=st.prompt_lp)
+        self._runner = self._st = self._ids = self._lp = None
+        return self._result

@@ -6,9 +6,9 @@ import torch
 from tokenmill import envs
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
 from tokenmill.logger import init_logger
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_runner import AsyncRunnerOutput, ModelRunner
 
 logger = init_logger(__name__)
 GiB = 1 << 30
@@ -74,5 +74,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(sched)
+    def execute_model(self, sched: SchedulerOutput) -> None:
+        self.runner.execute_model(sched)
+
+    def sample_tokens(self, grammar: GrammarOutput | None) -> AsyncRunnerOutput:
+        return self.runner.sample_tokens(grammar)
