@@ -12,8 +12,8 @@ column key is the same finalizer applied to the column index (cached per (V, dev
 mix(row_key[b] ^ col_key[j]). Because mix is a bijection, the V values of one row are all distinct.
 
 Cost note: eagerly, the [B, V] part is ~15 elementwise int64 passes (H200, B=256, V=152k: ~2.8 ms for noise +
-argmax). `race_argmax` is written so that torch.compile fuses it into one kernel (~0.22 ms there) computing the very
-same integers; `compiled_race_argmax()` returns that compiled version (bit-identical, checked by the tests).
+argmax). On CUDA the sampler uses tokenmill.kernels.triton_sampling instead, which computes the very same integers
+in registers (bit-identical tokens, checked by the tests).
 """
 from __future__ import annotations
 
@@ -107,13 +107,3 @@ def race_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     u = (x >> 9).to(torch.float32) * (2.0 ** -23) + (2.0 ** -24)
     return (logits - u.log().neg().log()).argmax(dim=-1)
 
-
-_compiled_race = None
-
-
-def compiled_race_argmax():
-    """torch.compile(race_argmax), built on first use (dynamic batch size, so one compile serves every B)."""
-    global _compiled_race
-    if _compiled_race is None:
-        _compiled_race = torch.compile(race_argmax, dynamic=True)
-    return _compiled_race

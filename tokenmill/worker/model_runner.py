@@ -17,6 +17,7 @@ from tokenmill.metrics.step_timing import TIMER
 from tokenmill.models.loader import load_model
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.sampling_state import SamplingState
+from tokenmill.worker.transfer import to_device, to_host
 
 _KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -152,25 +153,25 @@ class ModelRunner:
                 self._apply_fixup(self.cuda_graphs.input_ids, fixup)
             logits = self.cuda_graphs.replay(size, len(rows))
             if len(sample_idx) != len(rows):
-                logits = logits[_to_device(sample_idx, dev)]
+                logits = logits[to_device(sample_idx, dev)]
         else:
             TIMER.count("eager_steps")
             md = AttentionMetadata(
-                num_actual_tokens=total, slot_mapping=_to_device(slots, dev),
-                query_start_loc=_to_device(qsl.astype(np.int32), dev),
-                seq_lens=_to_device(seq_lens.astype(np.int32), dev),
-                block_table=_to_device(b.block_table[rows, :max_blocks], dev),
+                num_actual_tokens=total, slot_mapping=to_device(slots, dev),
+                query_start_loc=to_device(qsl.astype(np.int32), dev),
+                seq_lens=to_device(seq_lens.astype(np.int32), dev),
+                block_table=to_device(b.block_table[rows, :max_blocks], dev),
                 max_query_len=int(n_sched.max()), max_seq_len=int(seq_lens.max()),
                 query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-            ids_t = _to_device(input_ids, dev)
+            ids_t = to_device(input_ids, dev)
             if fixup is not None:
                 self._apply_fixup(ids_t, fixup)
             with set_forward_context(md, self.kv_caches):
-                hidden = self.model(ids_t, _to_device(positions, dev))
+                hidden = self.model(ids_t, to_device(positions, dev))
             prompt_lp = self._prompt_logprobs(req_ids, rows, computed, n_sched, qsl, hidden)
             logits = None
             if len(sample_idx):
-                logits = self.model.compute_logits(hidden[_to_device(cu[sample_idx] - 1, dev)])
+                logits = self.model.compute_logits(hidden[to_device(cu[sample_idx] - 1, dev)])
         self._step = _StepState(req_ids, rows, sample_idx, logits, prompt_lp)
 
     @torch.inference_mode()
@@ -215,7 +216,7 @@ class ModelRunner:
         return np.stack([ph, self._prev_index[r]])
 
     def _apply_fixup(self, ids_dev: torch.Tensor, fixup: np.ndarray) -> None:
-        idx = _to_device(fixup, self.device)
+        idx = to_device(fixup, self.device)
         ids_dev.index_copy_(0, idx[0], self._prev_sampled.index_select(0, idx[1]))
 
     def _apply_grammar(self, grammar: GrammarOutput, req_ids: list[str], sample_idx: np.ndarray,
@@ -226,10 +227,9 @@ class ModelRunner:
         rows = [pos[rid] for rid in grammar.req_ids]
         # The scheduler sends one row per constrained request; xgrammar wants row r of the mask for logits row r.
         compact = grammar.bitmask
-        full = torch.full((logits.shape[0], compact.shape[1]), -1, dtype=compact.dtype,
-                          pin_memory=self.device.type == "cuda")
+        full = torch.full((logits.shape[0], compact.shape[1]), -1, dtype=compact.dtype)
         full[rows] = compact
-        apply_bitmask(logits, full.to(self.device, non_blocking=True), rows)
+        apply_bitmask(logits, to_device(full, self.device), rows)
 
     def _prompt_logprobs(self, req_ids, rows, computed, n_sched, qsl, hidden) -> dict[str, LogprobsLists]:
         """Logprobs of the prompt tokens covered by this step's chunk (position p scores prompt token p + 1)."""
@@ -245,30 +245,10 @@ class ModelRunner:
             if end <= start:
                 continue
             h = hidden[int(qsl[i]):int(qsl[i]) + (end - start)]
-            targets = torch.from_numpy(b.token_ids[row, start + 1:end + 1].astype(np.int64)).to(self.device)
+            targets = to_device(b.token_ids[row, start + 1:end + 1].astype(np.int64), self.device)
             lp = compute_prompt_logprobs(self.model.compute_logits(h), targets, n)
             out[rid] = lp.tolists()
         return out
-
-
-def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on `device` without blocking the host: staged through a fresh pinned buffer (the caching host
-    allocator keeps it alive until the copy ran, so a step prepared ahead cannot overwrite inputs in flight)."""
-    t = torch.from_numpy(arr)
-    if device.type != "cuda":
-        return t
-    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    pinned.copy_(t)
-    return pinned.to(device, non_blocking=True)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """Start a device->host copy into pinned memory; valid once the stream passed this point."""
-    if t.device.type != "cuda":
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
 
 
 class _StepState:
@@ -293,9 +273,9 @@ class AsyncRunnerOutput:
         self._runner, self._st, self._srows, self._pos, self._gens = runner, st, srows, pos, gens
         self._result: ModelRunnerOutput | None = None
         self._event = None
-        self._ids = _to_host(sampled) if sampled is not None else None
+        self._ids = to_host(sampled) if sampled is not None else None
         self._lp = None if logprobs is None else LogprobsTensors(
-            _to_host(logprobs.token_ids), _to_host(logprobs.logprobs), _to_host(logprobs.ranks))
+            to_host(logprobs.token_ids), to_host(logprobs.logprobs), to_host(logprobs.ranks))
         if sampled is not None and sampled.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()

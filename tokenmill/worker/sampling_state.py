@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.layers.sampler import LOGPROBS_MODES, SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.transfer import to_device
 
 _GREEDY_EPS = 1e-5
 _NO_LOGPROBS = -2  # sentinel in the logprobs-count array (-1 means the whole vocabulary)
@@ -125,7 +126,7 @@ class SamplingState:
         need_top_p = not all_greedy and bool((f[_TOP_P] < 1).any())
         need_min_p = not all_greedy and bool((f[_MIN_P] > 0).any())
         if need_temp or need_top_p or need_min_p or has_freq or has_pres or has_rep:
-            ft = torch.from_numpy(f).to(dev)                        # one copy for all float params
+            ft = to_device(f, dev)                        # one copy for all float params
             md.temperature = ft[_TEMP] if need_temp else None
             md.top_p = ft[_TOP_P] if need_top_p else None
             md.min_p = ft[_MIN_P] if need_min_p else None
@@ -136,12 +137,12 @@ class SamplingState:
         if not all_greedy:
             top_k = self._top_k[rows]
             has_top_k = bool((top_k > 0).any())
-            ints = torch.from_numpy(np.stack([self._seed[rows], n_out, top_k])).to(dev)
+            ints = to_device(np.stack([self._seed[rows], n_out, top_k]), dev)
             md.seeds, md.positions = ints[0], ints[1]
             if has_top_k:
                 md.top_k, md.max_top_k = ints[2], int(top_k.max())
             if not all_random:
-                md.greedy_mask = torch.from_numpy(greedy).to(dev)
+                md.greedy_mask = to_device(greedy, dev)
 
         if has_freq or has_pres or has_rep:
             pen = (f[_FREQ] != 0) | (f[_PRES] != 0) | (f[_REP] != 1)
@@ -169,7 +170,7 @@ class SamplingState:
             idx = np.minimum(start[:, None] + cols, token_ids.shape[1] - 1)
             window = token_ids[rows[:, None], idx].astype(np.int64)
             window[cols[None, :] >= length[:, None]] = v
-            index = torch.from_numpy(window).to(self.device)
+            index = to_device(window, self.device)
             if presence_only:
                 out.scatter_(1, index, True)
             else:
@@ -188,7 +189,7 @@ class SamplingState:
             def index(pairs_r: list[np.ndarray], pairs_t: list[np.ndarray]) -> torch.Tensor | None:
                 if not pairs_r:
                     return None
-                return torch.from_numpy(np.stack([np.concatenate(pairs_r), np.concatenate(pairs_t)])).to(dev)
+                return to_device(np.stack([np.concatenate(pairs_r), np.concatenate(pairs_t)]), dev)
 
             br, bt, bv = [], [], []
             for r, i in in_batch(self._logit_bias):
@@ -196,15 +197,15 @@ class SamplingState:
                 br.append(np.full(len(toks), i, dtype=np.int64)), bt.append(toks), bv.append(vals)
             md.logit_bias_index = index(br, bt)
             if br:
-                md.logit_bias_values = torch.from_numpy(np.concatenate(bv)).to(dev)
+                md.logit_bias_values = to_device(np.concatenate(bv), dev)
 
             allowed = in_batch(self._allowed)
             if allowed:
                 toks = [self._allowed[r] for r, _ in allowed]
                 local = np.concatenate([np.full(len(t), j, dtype=np.int64) for j, t in enumerate(toks)])
                 mask = torch.ones(len(allowed), self.vocab_size, dtype=torch.bool, device=dev)
-                mask[torch.from_numpy(local).to(dev), torch.from_numpy(np.concatenate(toks)).to(dev)] = False
-                md.allowed_rows = torch.tensor([i for _, i in allowed], dtype=torch.int64, device=dev)
+                mask[to_device(local, dev), to_device(np.concatenate(toks), dev)] = False
+                md.allowed_rows = to_device(np.array([i for _, i in allowed], dtype=np.int64), dev)
                 md.allowed_mask = mask
 
             wr, wt = [], []
