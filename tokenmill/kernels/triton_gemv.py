@@ -41,12 +41,13 @@ _ACTS = (None, "silu_mul")
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+# M, N and split_k never decide vector widths (K and k_per_split do), so they do not key separate compiles.
+@triton.jit(do_not_specialize=["M", "N", "split_k"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, res_ptr, res_out_ptr, ws_ptr, cnt_ptr,
-    M, N, K, k_per_split, eps,
+    M, N, K, k_per_split, split_k, eps,
     stride_xm, stride_wn, stride_ym, stride_rm, stride_rom,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
@@ -110,23 +111,23 @@ def _gemv_kernel(
         part = tl.sum(acc, axis=1)
     ssum = tl.sum(ss, axis=1)
     y_mask = m_mask[:, None] & (offs_n < N)[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         _gemv_epilogue(part, ssum, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM, HAS_BIAS)
     else:
-        tile = pid_n * SPLIT_K
+        tile = pid_n * split_k
         tile_elems = BLOCK_M * BLOCK_N
         ws_tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ss_ptr = ws_ptr + tl.cdiv(N, BLOCK_N) * SPLIT_K * tile_elems         # [n_tiles, SPLIT_K, BLOCK_M]
+        ss_ptr = ws_ptr + tl.cdiv(N, BLOCK_N) * split_k * tile_elems         # [n_tiles, split_k, BLOCK_M]
         tl.store(ws_ptr + (tile + pid_k) * tile_elems + ws_tile, part, mask=m_mask[:, None])
         if NORM:
             tl.store(ss_ptr + (tile + pid_k) * BLOCK_M + offs_m, ssum, mask=m_mask)
         # Every thread's partial store must precede the (single-thread) release of the arrival counter.
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+        if arrived == split_k - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             ss_total = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for s in range(SPLIT_K):
+            for s in range(split_k):
                 # .cg: read from L2, where the other programs' partials are, never from a stale L1 line.
                 total += tl.load(ws_ptr + (tile + s) * tile_elems + ws_tile, mask=m_mask[:, None], other=0.0,
                                  cache_modifier=".cg")
@@ -314,15 +315,20 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvConfig, silu_mul: bool,
-            has_res: bool) -> None:
+def launch_plan(m: int, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int, int]:
+    """(BLOCK_M, N tiles, K splits actually launched, K per split) for a config."""
     block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m)
     n_tiles = triton.cdiv(n, cfg.block_n)
     split = min(cfg.split_k, triton.cdiv(k, cfg.block_k))
     if split > 1 and n_tiles > _MAX_SPLIT_TILES:
         split = 1
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
+    return block_m, n_tiles, triton.cdiv(k, k_per_split), k_per_split
+
+
+def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvConfig, silu_mul: bool,
+            has_res: bool) -> None:
+    block_m, n_tiles, split, k_per_split = launch_plan(m, n, k, cfg)
     if split > 1:
         ws = torch.empty(n_tiles * split * block_m * (cfg.block_n + 1), dtype=torch.float32, device=x2.device)
         cnt = _counters(x2.device)
@@ -331,9 +337,9 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
     _gemv_kernel[(n_tiles, split)](
         x2, weight, bias if bias is not None else weight, y2,
         norm_weight if norm_weight is not None else weight, r2, ro2, ws, cnt,
-        m, n, k, k_per_split, eps,
+        m, n, k, k_per_split, split, eps,
         x2.stride(0), weight.stride(0), y2.stride(0), r2.stride(0), ro2.stride(0),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
