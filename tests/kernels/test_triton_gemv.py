@@ -41,7 +41,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _rand(*shape, dtype, gen, scale=1.0):
-    return (torch.randn(*shape, generator=gen) * scale).to(DEV, dtype)
+    return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
 
 
 def _rms_ref(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,7 +50,7 @@ def _rms_ref(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=False, residual=False, lead=()):
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
     k_in = 2 * k if act == "silu_mul" else k
     x = _rand(*lead, m, k_in, dtype=dtype, gen=gen, scale=2.0)
     w = _rand(n, k, dtype=dtype, gen=gen, scale=k ** -0.5)
@@ -81,8 +81,8 @@ def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=Fals
     assert torch.equal(x, x_before), "x is left alone"
     err = rel_err(y, ref)
     assert err < TOL[dtype], f"rel err {err:.2e} (m={m} n={n} k={k} {config})"
-    if DEV.type == "cpu" and triton_gemv._COUNTERS:
-        assert not triton_gemv._COUNTERS[DEV].any(), "split-K arrival counters must be reset to 0"
+    for counters in triton_gemv._COUNTERS.values():
+        assert not counters.any(), "split-K arrival counters must be reset to 0"
     return err
 
 
@@ -138,6 +138,8 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="overlap"):
         r = torch.zeros_like(x)
         gemv(x, w, norm_weight=torch.ones(32, dtype=x.dtype, device=DEV), residual=r, residual_out=r)
+    with pytest.raises(ValueError, match="out must not overlap"):
+        gemv(x, torch.zeros(32, 32, dtype=torch.bfloat16, device=DEV), out=x)
     with pytest.raises(ValueError, match="norm_weight"):
         gemv(x, w, norm_weight=torch.ones(31, dtype=x.dtype, device=DEV))
     with pytest.raises(ValueError, match="block_n"):
@@ -152,7 +154,7 @@ def test_gemv_gpu_model_shapes(dtype):
     shapes = [(1024, 4096), (2048, 1024), (1024, 6144), (4096, 6144), (4096, 4096), (14336, 4096),
               (1024, 151936), (4096, 28672)]
     for i, (k, n) in enumerate(shapes):
-        for m in (1, 2, 3, 4, 8, 13, 16):
+        for m in (1, 2, 3, 8, 13, 16):
             _check(m, n, k, dtype, seed=100 + i * 20 + m, bias=m == 3)
     x = torch.randn(4, 1024, device=DEV, dtype=dtype)
     assert use_gemv(x, torch.empty(64, 1024, device=DEV, dtype=dtype))
@@ -190,4 +192,4 @@ def test_gemv_gpu_cuda_graph_replays():
         g.replay()
         torch.cuda.synchronize()
         assert rel_err(y, F.linear(x.double(), w.double())) < TOL[dtype]
-    assert not triton_gemv._COUNTERS[x.device].any()
+    assert not any(c.any() for c in triton_gemv._COUNTERS.values())

@@ -280,6 +280,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     elif out.shape != (*lead, n) or out.dtype != x.dtype:
         raise ValueError(f"gemv: out must be {tuple((*lead, n))} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     y2 = _rows(out, "out")
+    if _overlaps(y2, x2):
+        raise ValueError("gemv: out must not overlap x (other programs still read x while one writes its tile)")
     r2 = ro2 = x2
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
