@@ -258,7 +258,7 @@ def bench_rope() -> None:
 # ------------------------------------------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", type=float, default=80.0, help="seconds for the config sweep")
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds for the config sweep")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer sweep configs")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
