@@ -1,0 +1,195 @@
+"""Triton skinny GEMM (tokenmill/kernels/triton_gemv.py) vs plain torch in float64.
+
+On the CPU the kernel runs in Triton's interpreter (tests/kernels/conftest.py sets TRITON_INTERPRET=1); shapes are
+small and deliberately not multiples of the blocks. The `gpu` tests run the compiled kernel at model shapes."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from tokenmill.kernels import triton_gemv  # noqa: E402
+from tokenmill.kernels.triton_gemv import GemvConfig, default_config, gemv, use_gemv  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# The output is rounded to the activation dtype once, so its error vs float64 is about one rounding; the interpreter
+# truncates fp32 -> bf16 (the GPU rounds to nearest), which doubles the bf16 figure; prologues add one or two
+# roundings of the input (as torch rounds them).
+TOL = {torch.float16: 1e-3, torch.bfloat16: 1.2e-2 if INTERPRETED else 6e-3}
+DTYPES = [torch.bfloat16, torch.float16]
+
+# Small configs that exercise: dot and FMA paths, one and several K splits, partial N and K tiles.
+CPU_CONFIGS = [
+    GemvConfig(block_n=32, block_k=32, split_k=1),
+    GemvConfig(block_n=16, block_k=64, split_k=3),
+    GemvConfig(block_n=16, block_k=32, split_k=1, use_dot=False),
+    GemvConfig(block_n=8, block_k=16, split_k=4, use_dot=False),
+]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert not out.isnan().any(), "NaN in output (unwritten element?)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _rand(*shape, dtype, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
+
+
+def _rms_ref(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = h.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=False, residual=False, lead=()):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    k_in = 2 * k if act == "silu_mul" else k
+    x = _rand(*lead, m, k_in, dtype=dtype, gen=gen, scale=2.0)
+    w = _rand(n, k, dtype=dtype, gen=gen, scale=k ** -0.5)
+    b = _rand(n, dtype=dtype, gen=gen) if bias else None
+    nw = _rand(k, dtype=dtype, gen=gen) if norm else None
+    r = _rand(*lead, m, k, dtype=dtype, gen=gen) if residual else None
+    eps = 1e-5
+    # float64 reference; the residual sum is rounded to the activation dtype first, as torch (and the kernel) do.
+    h = (x + r) if residual else x
+    if act == "silu_mul":
+        inp = F.silu(x[..., :k].double()) * x[..., k:].double()
+    elif norm:
+        inp = _rms_ref(h, nw, eps)
+    else:
+        inp = h.double()
+    ref = F.linear(inp, w.double(), b.double() if bias else None)
+    out = torch.full((*lead, m, n), float("nan"), dtype=dtype, device=DEV)     # poison: every element written
+    x_before = x.clone()
+    res = gemv(x, w, b, act=act, norm_weight=nw, eps=eps, residual=r, out=out, config=config)
+    if residual:
+        y, r_out = res
+        if dtype != torch.bfloat16 or not INTERPRETED:                   # the interpreter truncates bf16
+            assert torch.equal(r_out, h), "residual_out is x + residual rounded like torch"
+        assert rel_err(r_out, x.double() + r.double()) < TOL[dtype]
+    else:
+        y = res
+    assert y is out and y.dtype == dtype and y.shape == (*lead, m, n)
+    assert torch.equal(x, x_before), "x is left alone"
+    err = rel_err(y, ref)
+    assert err < TOL[dtype], f"rel err {err:.2e} (m={m} n={n} k={k} {config})"
+    for counters in triton_gemv._COUNTERS.values():
+        assert not counters.any(), "split-K arrival counters must be reset to 0"
+    return err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}"
+                                                             f"{'dot' if c.use_dot else 'fma'}")
+def test_plain_and_bias(config, dtype):
+    for i, (m, n, k) in enumerate(((1, 37, 100), (3, 50, 72), (8, 33, 129))):
+        _check(m, n, k, dtype, seed=i, config=config, bias=i % 2 == 1)
+
+
+@pytest.mark.parametrize("config", CPU_CONFIGS[:2] + CPU_CONFIGS[3:], ids=["dot1", "dot_split", "fma_split"])
+def test_silu_mul_prologue(config):
+    for i, m in enumerate((1, 2, 5)):
+        _check(m, 29, 80 + i, torch.bfloat16, seed=10 + i, config=config, act="silu_mul", bias=i == 1)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("config", CPU_CONFIGS[:2] + CPU_CONFIGS[3:], ids=["dot1", "dot_split", "fma_split"])
+def test_rmsnorm_prologue(config, residual):
+    for i, m in enumerate((1, 4, 7)):
+        _check(m, 45, 96 + 7 * i, torch.float16, seed=20 + i, config=config, norm=True, residual=residual,
+               bias=i == 2)
+
+
+def test_residual_without_norm_and_leading_dims():
+    _check(3, 40, 64, torch.bfloat16, seed=30, config=CPU_CONFIGS[1], residual=True, lead=(2,))
+
+
+def test_every_m_with_default_heuristic():
+    # The default config on an odd shape: split-K with a partial last split and a partial N tile.
+    for m in range(1, 9):
+        _check(m, 70, 300, torch.bfloat16, seed=40 + m)
+    cfg = default_config(1, 70, 300)
+    assert cfg.split_k > 1
+
+
+def test_m16_and_split_larger_than_k_steps():
+    _check(16, 24, 48, torch.float16, seed=50, config=GemvConfig(block_n=16, block_k=16, split_k=64))
+
+
+def test_rejects_bad_arguments():
+    x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEV)
+    w = torch.zeros(16, 32, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="act"):
+        gemv(x, w, act="gelu")
+    with pytest.raises(ValueError, match="silu_mul"):
+        gemv(x, w, act="silu_mul")                                   # x must be [M, 2K]
+    with pytest.raises(TypeError, match="dtype"):
+        gemv(x.float(), w)
+    with pytest.raises(ValueError, match="residual_out"):
+        gemv(x, w, residual_out=torch.empty_like(x))
+    with pytest.raises(ValueError, match="overlap"):
+        r = torch.zeros_like(x)
+        gemv(x, w, norm_weight=torch.ones(32, dtype=x.dtype, device=DEV), residual=r, residual_out=r)
+    with pytest.raises(ValueError, match="out must not overlap"):
+        gemv(x, torch.zeros(32, 32, dtype=torch.bfloat16, device=DEV), out=x)
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv(x, w, norm_weight=torch.ones(31, dtype=x.dtype, device=DEV))
+    with pytest.raises(ValueError, match="block_n"):
+        GemvConfig(block_n=8, use_dot=True)
+    assert not use_gemv(x.cpu(), w.cpu())                            # CPU tensors stay on torch
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_gpu_model_shapes(dtype):
+    shapes = [(1024, 4096), (2048, 1024), (1024, 6144), (4096, 6144), (4096, 4096), (14336, 4096),
+              (1024, 151936), (4096, 28672)]
+    for i, (k, n) in enumerate(shapes):
+        for m in (1, 2, 3, 8, 13, 16):
+            _check(m, n, k, dtype, seed=100 + i * 20 + m, bias=m == 3)
+    x = torch.randn(4, 1024, device=DEV, dtype=dtype)
+    assert use_gemv(x, torch.empty(64, 1024, device=DEV, dtype=dtype))
+    assert not use_gemv(torch.randn(17, 1024, device=DEV, dtype=dtype), torch.empty(64, 1024, device=DEV,
+                                                                                      dtype=dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_gpu_prologues(dtype):
+    for m in (1, 4, 8, 16):
+        _check(m, 1024, 3072, dtype, seed=200 + m, act="silu_mul")
+        _check(m, 4096, 14336, dtype, seed=210 + m, act="silu_mul")
+        _check(m, 4096, 1024, dtype, seed=220 + m, norm=True, residual=True)
+        _check(m, 6144, 4096, dtype, seed=230 + m, norm=True, residual=m > 4, bias=True)
+    for cfg in (GemvConfig(32, 256, 8, 4, 2), GemvConfig(16, 128, 4, 4, 1, use_dot=False),
+                GemvConfig(128, 64, 1, 8, 4)):
+        _check(5, 3000, 2000, dtype, seed=240, config=cfg, norm=True, residual=True, bias=True)
+
+
+@pytest.mark.gpu
+def test_gemv_gpu_cuda_graph_replays():
+    """Split-K counters reset themselves: many replays of a captured graph give the same, right answer."""
+    dtype = torch.bfloat16
+    x = torch.randn(2, 2048, device=DEV, dtype=dtype)
+    w = torch.randn(1024, 2048, device=DEV, dtype=dtype) * 0.02
+    cfg = GemvConfig(block_n=64, block_k=128, split_k=8)
+    y = gemv(x, w, config=cfg)                                         # warm-up outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(5):
+            y = gemv(x, w, config=cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, F.linear(x.double(), w.double())) < TOL[dtype]
+    assert not any(c.any() for c in triton_gemv._COUNTERS.values())

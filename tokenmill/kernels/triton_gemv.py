@@ -1,0 +1,348 @@
+"""Skinny GEMM for decode (Triton): y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for M <= 16, bf16/fp16, fp32 accumulation.
+
+At decode batch sizes a linear layer is a weight stream: every byte of W is read once and the FLOPs are free. So the
+grid is cut to keep every SM busy with wide, in-flight loads of W: programs over N tiles and, when N alone gives too
+few programs, over K splits. Split-K needs no second launch and no atomics on the output: each split writes its fp32
+partial tile to a workspace, then bumps a per-N-tile arrival counter; the split that arrives last sums the partials,
+finishes the epilogue and resets the counter to 0, so the next call (or CUDA-graph replay) finds it clean.
+
+Two inner products, picked per config: `use_dot` stacks the M rows into a 16-row tl.dot (tensor cores, fp32
+accumulator; the padding rows cost no memory traffic), otherwise an FMA loop keeps a [M, BLOCK_K, BLOCK_N] fp32
+accumulator in registers and reduces over K once at the end.
+
+Optional prologues on x, each saving a launch per layer:
+  act="silu_mul"  x is [M, 2K] = [gate | up]; the input is silu(gate) * up, rounded like torch (down_proj).
+  norm_weight     RMSNorm of x (or of h = x + residual, rounded to the activation dtype like torch), with the sum
+                  written once to residual_out by the programs of the first N tile. The row statistic needs all of
+                  K, so the kernel streams x * norm_weight (rounded to the activation dtype) into the product and
+                  scales each output row by rsqrt(mean(h^2) + eps) at the end: one pass over x instead of two.
+                  fp16 caveat: |h * norm_weight| must stay below 65504 (it is rounded before normalisation).
+
+CUDA-graph safe: no host syncs, the launch configuration depends only on shapes, the workspace is allocated per call
+(from the graph pool when capturing), and the counters are one per-device zeroed buffer created on the first eager
+call. That buffer assumes split-K launches of this module on one device do not run concurrently on two streams.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 16                    # rows above this go to cuBLAS: the weight is no longer the only cost
+_MAX_SPLIT_TILES = 8192       # size of the per-device arrival-counter buffer (N tiles of one split-K launch)
+_DTYPES = (torch.bfloat16, torch.float16)
+_ACTS = (None, "silu_mul")
+# Triton's CPU interpreter (3.9) multiplies bf16 dot operands as their raw 16-bit patterns; it gets fp32 operands
+# (exact for bf16/fp16 values) instead. Compiled kernels never take that branch.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# M, N and split_k never decide vector widths (K and k_per_split do), so they do not key separate compiles.
+@triton.jit(do_not_specialize=["M", "N", "split_k"])
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, nw_ptr, res_ptr, res_out_ptr, ws_ptr, cnt_ptr,
+    M, N, K, k_per_split, split_k, eps,
+    stride_xm, stride_wn, stride_ym, stride_rm, stride_rom,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    xdt = x_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    # Rows past N re-read row N-1 instead of being masked, so W loads stay unpredicated; only the store is masked.
+    n_safe = tl.minimum(offs_n, N - 1)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # W^T tile [BLOCK_K, BLOCK_N]: K is contiguous in memory, so each thread loads 16-byte runs along K.
+    w_ptrs = w_ptr + n_safe.to(tl.int64)[None, :] * stride_wn + (k_start + offs_k)[:, None]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
+    ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
+    ro_m = tl.where(pid_n == 0, M, 0)          # only the first N tile writes residual_out
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        if EVEN_K:
+            xm = tl.broadcast_to(m_mask[:, None], [BLOCK_M, BLOCK_K])
+            w = tl.load(w_ptrs)
+        else:
+            xm = m_mask[:, None] & (kk < K)[None, :]
+            w = tl.load(w_ptrs, mask=(kk < K)[:, None], other=0.0)
+        if SILU_MUL:
+            gate = tl.load(x_rows + kk[None, :], mask=xm, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0).to(tl.float32)
+            a = (gate / (1.0 + tl.exp(-gate))).to(xdt).to(tl.float32)       # torch rounds silu(gate) first
+            xin = (a * up).to(xdt)
+        else:
+            xin = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
+            if HAS_RES:
+                r = tl.load(r_rows + kk[None, :], mask=xm, other=0.0)
+                xin = (xin.to(tl.float32) + r.to(tl.float32)).to(xdt)     # torch adds in the activation dtype
+                tl.store(ro_rows + kk[None, :], xin, mask=xm & (offs_m < ro_m)[:, None])
+            if NORM:
+                xf = xin.to(tl.float32)
+                ss += xf * xf
+                nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                xin = (xf * nw[None, :]).to(xdt)
+        if USE_DOT:
+            if DOT_F32:
+                acc += tl.dot(xin.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xin, w)
+        else:
+            acc += xin.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+    if USE_DOT:
+        part = acc
+    else:
+        part = tl.sum(acc, axis=1)
+    ssum = tl.sum(ss, axis=1)
+    y_mask = m_mask[:, None] & (offs_n < N)[None, :]
+    if not SPLIT:
+        _gemv_epilogue(part, ssum, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM, HAS_BIAS)
+    else:
+        tile = pid_n * split_k
+        tile_elems = BLOCK_M * BLOCK_N
+        ws_tile = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ss_ptr = ws_ptr + tl.cdiv(N, BLOCK_N) * split_k * tile_elems         # [n_tiles, split_k, BLOCK_M]
+        tl.store(ws_ptr + (tile + pid_k) * tile_elems + ws_tile, part, mask=m_mask[:, None])
+        if NORM:
+            tl.store(ss_ptr + (tile + pid_k) * BLOCK_M + offs_m, ssum, mask=m_mask)
+        # Every thread's partial store must precede the (single-thread) release of the arrival counter.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            ss_total = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for s in range(split_k):
+                # .cg: read from L2, where the other programs' partials are, never from a stale L1 line.
+                total += tl.load(ws_ptr + (tile + s) * tile_elems + ws_tile, mask=m_mask[:, None], other=0.0,
+                                 cache_modifier=".cg")
+                if NORM:
+                    ss_total += tl.load(ss_ptr + (tile + s) * BLOCK_M + offs_m, mask=m_mask, other=0.0,
+                                        cache_modifier=".cg")
+            _gemv_epilogue(total, ss_total, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM,
+                           HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+@triton.jit
+def _gemv_epilogue(acc, ssum, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym,
+                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if NORM:
+        acc = acc * tl.math.rsqrt(ssum / K + eps)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------- host
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration. split_k is the requested number of K splits; the launch uses
+    ceil(K / k_per_split) with k_per_split rounded up to a multiple of block_k, so it may use fewer."""
+
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {v}")
+            if self.use_dot and v < 16:
+                raise ValueError(f"GemvConfig.{name} must be >= 16 with use_dot=True (tl.dot), got {v}")
+        if self.split_k < 1:
+            raise ValueError(f"GemvConfig.split_k must be >= 1, got {self.split_k}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemvConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"GemvConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+# Per-shape overrides measured on the device (tools/bench_gemv.py prints entries in this form):
+# (max M of the bucket, N, K) -> GemvConfig. Buckets: 1, 2, 4, 8, 16.
+TUNED: dict[tuple[int, int, int], GemvConfig] = {}
+
+
+def _m_bucket(m: int) -> int:
+    return 1 << max(0, m - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def default_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
+    """Heuristic: 64-wide N tiles and 128-deep K steps; split K until there are about two programs per SM, keeping
+    at least one K step per split."""
+    tuned = TUNED.get((_m_bucket(m), n, k))
+    if tuned is not None:
+        return tuned
+    block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(k)))
+    n_tiles = triton.cdiv(n, block_n)
+    target = 2 * num_sms
+    split = 1
+    if n_tiles < target:
+        split = max(1, min(triton.cdiv(target, n_tiles), triton.cdiv(k, block_k), 32))
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3, use_dot=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A zeros() inside a capture would only run at replay: graphs replayed in another order would start
+            # from garbage counters.
+            raise RuntimeError("triton_gemv: run gemv once outside CUDA-graph capture (warm-up) before capturing "
+                               "a graph that uses split-K.")
+        buf = _COUNTERS[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return buf
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor, max_m: int = MAX_M) -> bool:
+    """True when gemv() handles this product on CUDA: at most max_m rows, matching fp16/bf16 dtypes, a 2-D weight
+    with contiguous rows."""
+    return (x.is_cuda and weight.is_cuda and x.dtype == weight.dtype and x.dtype in _DTYPES
+            and weight.dim() == 2 and weight.stride(-1) == 1 and x.numel() // max(1, x.shape[-1]) <= max_m)
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    if t2.stride(-1) != 1:
+        raise ValueError(f"gemv: `{name}` needs a contiguous last dim")
+    return t2
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, act: str | None = None,
+         norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+         residual_out: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         config: GemvConfig | None = None):
+    """F.linear(prologue(x), weight, bias) for a few rows of x.
+
+    x [..., K] (or [..., 2K] with act="silu_mul"), weight [N, K], bias [N] or None; fp16/bf16, x and weight of one
+    dtype; at most MAX_M rows is the intended use (more rows work but re-read W per 16 rows). Prologues:
+      act="silu_mul": input = silu(x[..., :K]) * x[..., K:].
+      norm_weight [K]: input = RMSNorm(h) with h = x (+ residual); eps is the RMSNorm epsilon.
+      residual [..., K] (same shape/dtype as x): h = x + residual; h is written to residual_out (allocated when
+        None; must not overlap x or residual) and the call returns (y, residual_out).
+    Returns y [..., N] in x.dtype (written into `out` when given). config overrides the launch heuristic."""
+    if act not in _ACTS:
+        raise ValueError(f"gemv: unsupported act={act!r}; supported: None, 'silu_mul'")
+    if act is not None and (norm_weight is not None or residual is not None):
+        raise ValueError("gemv: act='silu_mul' cannot be combined with norm_weight or residual")
+    if residual_out is not None and residual is None:
+        raise ValueError("gemv: residual_out needs residual")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise TypeError(f"gemv: x and weight must share dtype float16 or bfloat16, got {x.dtype} and "
+                        f"{weight.dtype}")
+    if weight.dim() != 2 or weight.stride(-1) != 1:
+        raise ValueError(f"gemv: weight must be 2-D with contiguous rows, got shape {tuple(weight.shape)} "
+                         f"strides {weight.stride()}")
+    n, k = weight.shape
+    k_in = 2 * k if act == "silu_mul" else k
+    if x.shape[-1] != k_in:
+        raise ValueError(f"gemv: x has last dim {x.shape[-1]}, expected {k_in} for weight {tuple(weight.shape)}"
+                         f"{' with act=silu_mul' if act else ''}")
+    lead = x.shape[:-1]
+    x2 = _rows(x, "x")
+    m = x2.shape[0]
+    dev = x.device
+    if bias is not None and (bias.shape != (n,) or bias.device != dev):
+        raise ValueError(f"gemv: bias must have shape ({n},) on {dev}, got {tuple(bias.shape)} on {bias.device}")
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.device != dev):
+        raise ValueError(f"gemv: norm_weight must have shape ({k},) on {dev}, got {tuple(norm_weight.shape)}")
+    if out is None:
+        out = torch.empty((*lead, n), dtype=x.dtype, device=dev)
+    elif out.shape != (*lead, n) or out.dtype != x.dtype:
+        raise ValueError(f"gemv: out must be {tuple((*lead, n))} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    y2 = _rows(out, "out")
+    if _overlaps(y2, x2):
+        raise ValueError("gemv: out must not overlap x (other programs still read x while one writes its tile)")
+    r2 = ro2 = x2
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"gemv: residual must match x ({tuple(x.shape)} {x.dtype}), got "
+                             f"{tuple(residual.shape)} {residual.dtype}")
+        r2 = _rows(residual, "residual")
+        if residual_out is None:
+            residual_out = torch.empty_like(x)
+        elif residual_out.shape != x.shape or residual_out.dtype != x.dtype:
+            raise ValueError(f"gemv: residual_out must match x ({tuple(x.shape)} {x.dtype}), got "
+                             f"{tuple(residual_out.shape)} {residual_out.dtype}")
+        ro2 = _rows(residual_out, "residual_out")
+        for other, name in ((x2, "x"), (r2, "residual")):
+            if _overlaps(ro2, other):
+                # Other N tiles still read their inputs while the first tile writes the sum.
+                raise ValueError(f"gemv: residual_out must not overlap {name}")
+    if m and n:
+        if config is None:
+            sms = 132 if dev.type != "cuda" else _num_sms(dev.index if dev.index is not None else
+                                                          torch.cuda.current_device())
+            config = default_config(m, n, k, sms)
+        _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, config, act == "silu_mul",
+                residual is not None)
+    if residual is None:
+        return out
+    return out, residual_out
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + (a.shape[0] - 1) * a.stride(0) * a.element_size() + a.shape[1] * a.element_size()
+    b1 = b0 + (b.shape[0] - 1) * b.stride(0) * b.element_size() + b.shape[1] * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def launch_plan(m: int, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int, int]:
+    """(BLOCK_M, N tiles, K splits actually launched, K per split) for a config."""
+    block_m = max(16, triton.next_power_of_2(m)) if cfg.use_dot else triton.next_power_of_2(m)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    split = min(cfg.split_k, triton.cdiv(k, cfg.block_k))
+    if split > 1 and n_tiles > _MAX_SPLIT_TILES:
+        split = 1
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    return block_m, n_tiles, triton.cdiv(k, k_per_split), k_per_split
+
+
+def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvConfig, silu_mul: bool,
+            has_res: bool) -> None:
+    block_m, n_tiles, split, k_per_split = launch_plan(m, n, k, cfg)
+    if split > 1:
+        ws = torch.empty(n_tiles * split * block_m * (cfg.block_n + 1), dtype=torch.float32, device=x2.device)
+        cnt = _counters(x2.device)
+    else:
+        ws = cnt = y2       # unused
+    _gemv_kernel[(n_tiles, split)](
+        x2, weight, bias if bias is not None else weight, y2,
+        norm_weight if norm_weight is not None else weight, r2, ro2, ws, cnt,
+        m, n, k, k_per_split, split, eps,
+        x2.stride(0), weight.stride(0), y2.stride(0), r2.stride(0), ro2.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
+        SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
+        USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
