@@ -31,6 +31,16 @@ case "$mode" in
       --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json"
     unset TOKENMILL_STEP_TIMING
     ;;
+  probe2)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/layers 2>&1 | tail -15
+    echo "=== bench_gemv"; python3 tools/bench_gemv.py 2>&1
+    echo "=== diag_bf16"; python3 tools/diag_bf16.py 2>&1 | grep -vE "^INFO|Loading weights|it/s"
+    echo "=== profile qwen3-0.6b"; python3 tools/profile_steps.py qwen3-0.6b 2>&1 | grep -vE "^INFO"
+    export TOKENMILL_STEP_TIMING=1
+    bench throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
+      --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json"
+    unset TOKENMILL_STEP_TIMING
+    ;;
   bench-small)
     bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
       --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"

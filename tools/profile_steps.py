@@ -94,3 +94,28 @@ for bs, steps in ((1, 64), (256, 24)):
     eng.abort_request([f"{bs}-{i}" for i in range(bs)])
     while core.has_unfinished_requests():
         eng.step()
+
+# Prefill: one step of 16 prompts x 512 tokens = 8192 tokens (the default token budget), synchronous.
+core.async_scheduling = False
+sp1 = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, detokenize=False,
+                     output_kind=RequestOutputKind.FINAL_ONLY)
+times = []
+for rep in range(4):
+    for i in range(16):
+        base = 1000 + 20000 * rep + 600 * i  # distinct prompts: no prefix-cache hits
+        eng.add_request(f"p{rep}-{i}", {"prompt_token_ids": list(range(base, base + 512))}, sp1)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    eng.step()
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - t)
+    while core.has_unfinished_requests():
+        eng.step()
+print(f"prefill step of 8192 tokens (16 x 512): {[round(1000 * x, 2) for x in times]} ms")
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for i in range(16):
+        base = 90000 + 600 * i
+        eng.add_request(f"q-{i}", {"prompt_token_ids": list(range(base, base + 512))}, sp1)
+    eng.step()
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=60))
