@@ -178,9 +178,40 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.num_stages must be >= 1, got {self.num_stages}")
 
 
-# Per-shape overrides measured on the device (tools/bench_gemv.py prints entries in this form):
-# (max M of the bucket, N, K) -> GemvConfig. Buckets: 1, 2, 4, 8, 16.
-TUNED: dict[tuple[int, int, int], GemvConfig] = {}
+# Where gemv beat cuBLAS (F.linear plus, for a prologue, the separate norm / SiLU kernel) by more than 3%, from
+# `python3 tools/bench_gemv.py` on one H200 (torch 2.11, triton 3.6), 2026-11-30, each timed as a CUDA-graph replay:
+# (M bucket, N, K, prologue) -> (best config, cuBLAS us, gemv us). Only these products take the gemv path in the
+# model (`prefer_gemv`); everything else stays on cuBLAS, which was as fast or faster there.
+MEASURED_FASTER: dict[tuple[int, int, int, str | None], tuple[GemvConfig, float, float]] = {
+    (1, 4096, 1024, 'rmsnorm'): (GemvConfig(16, 256, 1, 4, 1, use_dot=False), 7.12, 6.66),
+    (1, 1024, 2048, None): (GemvConfig(16, 256, 4, 4, 1, use_dot=False), 13.08, 5.57),
+    (2, 1024, 2048, None): (GemvConfig(32, 128, 8, 4, 3, use_dot=True), 10.55, 5.66),
+    (4, 1024, 2048, None): (GemvConfig(32, 128, 8, 4, 3, use_dot=True), 10.36, 5.71),
+    (8, 1024, 2048, None): (GemvConfig(32, 256, 4, 4, 3, use_dot=True), 6.12, 5.78),
+    (1, 6144, 1024, 'rmsnorm'): (GemvConfig(16, 256, 1, 4, 1, use_dot=False), 8.01, 7.34),
+    (1, 1024, 3072, 'silu_mul'): (GemvConfig(16, 256, 8, 4, 1, use_dot=False), 9.06, 6.55),
+    (2, 1024, 3072, 'silu_mul'): (GemvConfig(16, 256, 8, 4, 1, use_dot=False), 9.12, 6.67),
+    (1, 151936, 1024, None): (GemvConfig(128, 128, 1, 4, 3, use_dot=True), 75.37, 72.04),
+    (2, 151936, 1024, None): (GemvConfig(128, 128, 1, 4, 3, use_dot=True), 75.85, 72.43),
+    (4, 151936, 1024, None): (GemvConfig(128, 128, 1, 4, 3, use_dot=True), 77.03, 73.21),
+    (8, 151936, 1024, None): (GemvConfig(64, 256, 1, 4, 3, use_dot=True), 78.0, 75.1),
+    (1, 6144, 4096, None): (GemvConfig(64, 128, 1, 4, 5, use_dot=True), 16.46, 15.35),
+    (2, 6144, 4096, None): (GemvConfig(64, 128, 1, 4, 5, use_dot=True), 15.82, 15.29),
+    (1, 4096, 4096, None): (GemvConfig(64, 128, 4, 4, 3, use_dot=True), 13.2, 11.87),
+    (2, 4096, 4096, None): (GemvConfig(64, 128, 4, 4, 3, use_dot=True), 13.19, 11.88),
+    (4, 4096, 4096, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 13.31, 11.88),
+    (8, 4096, 4096, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 13.3, 12.17),
+    (1, 28672, 4096, None): (GemvConfig(64, 256, 1, 4, 3, use_dot=True), 59.54, 55.49),
+}
+# (M bucket, N, K) -> GemvConfig overrides of the heuristic.
+TUNED: dict[tuple[int, int, int], GemvConfig] = {(m, n, k): cfg for (m, n, k, _), (cfg, _, _) in
+                                                 MEASURED_FASTER.items()}
+
+
+def prefer_gemv(m: int, n: int, k: int, prologue: str | None = None) -> GemvConfig | None:
+    """The measured-faster config for this product, or None: use cuBLAS."""
+    hit = MEASURED_FASTER.get((_m_bucket(m), n, k, prologue))
+    return None if hit is None else hit[0]
 
 
 def _m_bucket(m: int) -> int:
