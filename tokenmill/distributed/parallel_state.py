@@ -1,0 +1,166 @@
+"""Process groups for tensor and pipeline parallelism, and the rank/size queries layers use.
+
+Ranks are laid out tensor-parallel first: world rank = pp_rank * tp_size + tp_rank, so one pipeline stage's TP
+group is a contiguous block of ranks (on one host, contiguous GPUs). Each group has a device group (NCCL on CUDA,
+gloo on CPU) for activations and a gloo CPU group for small host-side agreements (e.g. the KV block count).
+
+A world of size 1 creates no process group at all: every query answers from the defaults below, and the
+communication ops return their input untouched, so the single-process path pays nothing.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class ParallelState:
+    """Where this process sits in the world. Groups are None when the world has one rank."""
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    backend: str | None = None
+    tp_group: Any = None        # device group of this rank's TP group
+    tp_cpu_group: Any = None    # gloo group over the same ranks
+    pp_group: Any = None
+    pp_cpu_group: Any = None
+    world_cpu_group: Any = None  # gloo group over every rank
+
+
+_STATE = ParallelState()
+
+
+def get_parallel_state() -> ParallelState:
+    return _STATE
+
+
+def get_tp_size() -> int:
+    return _STATE.tp_size
+
+
+def get_tp_rank() -> int:
+    return _STATE.tp_rank
+
+
+def get_pp_size() -> int:
+    return _STATE.pp_size
+
+
+def get_pp_rank() -> int:
+    return _STATE.pp_rank
+
+
+def get_tp_group():
+    return _STATE.tp_group
+
+
+def get_world_cpu_group():
+    return _STATE.world_cpu_group
+
+
+def is_distributed_initialized() -> bool:
+    return _STATE.world_size > 1
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(world_size: int, rank: int, local_rank: int, *, tp_size: int, pp_size: int = 1,
+                     backend: str | None = None, device: torch.device | None = None,
+                     init_method: str = "env://", timeout_s: float | None = None) -> ParallelState:
+    """Join the world and build the TP and PP groups (every rank must call this with the same sizes).
+
+    backend: None picks NCCL for a CUDA `device`, gloo otherwise. init_method: "env://" (torchrun's MASTER_ADDR/
+    MASTER_PORT) or "tcp://host:port". timeout_s: None keeps torch's default. A world of size 1 only records the
+    local rank and returns.
+    """
+    global _STATE
+    if tp_size * pp_size != world_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} x pipeline_parallel_size {pp_size} = {tp_size * pp_size} "
+                         f"does not equal the world size {world_size}.")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size} ranks.")
+    if world_size == 1:
+        _STATE = ParallelState(local_rank=local_rank)
+        return _STATE
+    import torch.distributed as dist
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process; one tokenmill engine with "
+                           "tensor parallelism can live in a process at a time (shut the other one down first).")
+    device = device or torch.device("cpu")
+    backend = backend or default_backend(device)
+    if backend == "nccl":
+        # NVLink multicast (NVLS) stays off, as the device rules require; a user's explicit setting wins.
+        from tokenmill import envs
+        os.environ.setdefault(envs.NCCL_NVLS_ENABLE_NAME, "0")
+    kwargs: dict[str, Any] = dict(backend=backend, init_method=init_method, world_size=world_size, rank=rank)
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    timeout = kwargs.get("timeout")
+
+    def new_group(ranks: list[int], group_backend: str):
+        return dist.new_group(ranks, backend=group_backend, timeout=timeout)
+
+    # Every rank creates every group, in the same order (torch requires it), and keeps the ones it belongs to.
+    state = ParallelState(world_size=world_size, rank=rank, local_rank=local_rank, tp_size=tp_size,
+                          tp_rank=rank % tp_size, pp_size=pp_size, pp_rank=rank // tp_size, backend=backend)
+    for stage in range(pp_size):
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        dev = new_group(ranks, backend)
+        cpu = dev if backend == "gloo" else new_group(ranks, "gloo")
+        if rank in ranks:
+            state.tp_group, state.tp_cpu_group = dev, cpu
+    for tp_rank in range(tp_size):
+        ranks = list(range(tp_rank, world_size, tp_size))
+        dev = new_group(ranks, backend)
+        cpu = dev if backend == "gloo" else new_group(ranks, "gloo")
+        if rank in ranks:
+            state.pp_group, state.pp_cpu_group = dev, cpu
+    state.world_cpu_group = dist.group.WORLD if backend == "gloo" else new_group(list(range(world_size)), "gloo")
+    _STATE = state
+    logger.info("Rank %d/%d joined (%s): tp rank %d/%d, pp rank %d/%d", rank, world_size, backend, state.tp_rank,
+                tp_size, state.pp_rank, pp_size)
+    return state
+
+
+def destroy_distributed() -> None:
+    """Leave the world (if joined) and reset to the single-process defaults; safe to call more than once."""
+    global _STATE
+    if _STATE.world_size > 1:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # a peer already gone can make teardown fail; we are leaving anyway
+                logger.debug("destroy_process_group: %s", e)
+    _STATE = ParallelState()
+
+
+def abort_distributed() -> None:
+    """Unblock collectives stuck on a dead peer. gloo fails by itself when a peer's socket closes; NCCL would wait
+    for its timeout, so its communicators are aborted (best effort: the engine is stopping)."""
+    if _STATE.world_size <= 1 or _STATE.backend != "nccl":
+        return
+    import torch.distributed as dist
+    try:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort()
+    except Exception as e:
+        logger.warning("Aborting the NCCL process group failed: %s", e)
