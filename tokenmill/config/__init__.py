@@ -28,6 +28,7 @@ class TokenmillConfig:
 
     def __post_init__(self) -> None:
         self.scheduler_config.finalize(self.model_config.max_model_len)
+        self.parallel_config.verify_model(self.model_config.get_text_config())
         self.parallel_config.verify_devices(self.device_config.device)
 
 

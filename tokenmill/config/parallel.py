@@ -68,6 +68,19 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    def verify_model(self, text_config) -> None:
+        """Fail before any process starts when the model's heads or MLP cannot be split over the TP ranks (the
+        parallel layers check the same when they are built)."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        from tokenmill.distributed.utils import divide, kv_heads_per_rank
+        heads = text_config.num_attention_heads
+        divide(heads, tp, "num_attention_heads")
+        kv_heads_per_rank(getattr(text_config, "num_key_value_heads", None) or heads, tp)
+        if getattr(text_config, "intermediate_size", None):
+            divide(text_config.intermediate_size, tp, "intermediate_size")
+
     def verify_devices(self, device_type: str) -> None:
         """Fail early, naming what was found, when a one-host run asks for more CUDA ranks than devices. CPU ranks
         are processes and always fit; torchrun ranks check their own LOCAL_RANK when they join."""

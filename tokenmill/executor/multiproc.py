@@ -16,6 +16,8 @@ import time
 import weakref
 from typing import Any, Callable
 
+import torch
+
 from tokenmill.config import TokenmillConfig
 from tokenmill.config.parallel import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
 from tokenmill.distributed import abort_distributed, destroy_distributed, get_open_port
@@ -46,10 +48,12 @@ class _WorkerGroup:
         self.handles: list[WorkerHandle] = []
         self.failure: str | None = None
         self.failed_rank: int | None = None
+        self._described: str | None = None
         self.failed = threading.Event()
         self.closing = False
         self._stop_r, self._stop_w = os.pipe()
         self.monitor: threading.Thread | None = None
+        self.num_threads = torch.get_num_threads()  # rank 0's Worker narrows it on CPU; the host process keeps it
 
     def start_monitor(self) -> None:
         self.monitor = threading.Thread(target=self._watch, name="tokenmill-worker-monitor", daemon=True)
@@ -73,10 +77,15 @@ class _WorkerGroup:
                 h.kill()
 
     def describe_failure(self) -> str:
-        """The failure line plus the traceback the dead rank reported, when it reported one."""
-        text = self.failure or "A worker rank failed."
-        error = self.rpc.worker_error(self.failed_rank) if self.failed_rank is not None else None
-        return f"{text}\nIts error:\n{error}" if error else text
+        """The failure line plus the traceback the dead rank reported, when it reported one (main thread only:
+        it reads the reply socket; the answer is kept, so it works after `close` too)."""
+        if self._described is None:
+            text = self.failure or "A worker rank failed."
+            error = None
+            if self.failed_rank is not None and not self.closing:
+                error = self.rpc.worker_error(self.failed_rank)
+            self._described = f"{text}\nIts error:\n{error}" if error else text
+        return self._described
 
     def close(self) -> None:
         if self.closing:
@@ -98,6 +107,7 @@ class _WorkerGroup:
             os.close(fd)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         destroy_distributed()
+        torch.set_num_threads(self.num_threads)
 
 
 class MultiprocExecutor(Executor):
