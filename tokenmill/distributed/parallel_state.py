@@ -37,6 +37,7 @@ class ParallelState:
     pp_group: Any = None
     pp_cpu_group: Any = None
     world_cpu_group: Any = None  # gloo group over every rank
+    owns_world: bool = False     # we called init_process_group (so we destroy it), vs. joined the caller's world
 
 
 _STATE = ParallelState()
@@ -80,12 +81,14 @@ def default_backend(device: torch.device) -> str:
 
 def init_distributed(world_size: int, rank: int, local_rank: int, *, tp_size: int, pp_size: int = 1,
                      backend: str | None = None, device: torch.device | None = None,
-                     init_method: str = "env://", timeout_s: float | None = None) -> ParallelState:
+                     init_method: str = "env://", timeout_s: float | None = None,
+                     adopt_existing: bool = False) -> ParallelState:
     """Join the world and build the TP and PP groups (every rank must call this with the same sizes).
 
     backend: None picks NCCL for a CUDA `device`, gloo otherwise. init_method: "env://" (torchrun's MASTER_ADDR/
-    MASTER_PORT) or "tcp://host:port". timeout_s: None keeps torch's default. A world of size 1 only records the
-    local rank and returns.
+    MASTER_PORT) or "tcp://host:port". timeout_s: None keeps torch's default. adopt_existing: a world the caller
+    already initialized (a torchrun script that set up torch.distributed itself) is joined instead of refused; it
+    must have the same size and this rank. A world of size 1 only records the local rank and returns.
     """
     global _STATE
     if tp_size * pp_size != world_size:
@@ -97,42 +100,58 @@ def init_distributed(world_size: int, rank: int, local_rank: int, *, tp_size: in
         _STATE = ParallelState(local_rank=local_rank)
         return _STATE
     import torch.distributed as dist
-    if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialized in this process; one tokenmill engine with "
-                           "tensor parallelism can live in a process at a time (shut the other one down first).")
     device = device or torch.device("cpu")
     backend = backend or default_backend(device)
-    if backend == "nccl":
-        # NVLink multicast (NVLS) stays off, as the device rules require; a user's explicit setting wins.
-        from tokenmill import envs
-        os.environ.setdefault(envs.NCCL_NVLS_ENABLE_NAME, "0")
-    kwargs: dict[str, Any] = dict(backend=backend, init_method=init_method, world_size=world_size, rank=rank)
-    if timeout_s is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        kwargs["device_id"] = device
-    dist.init_process_group(**kwargs)
-    timeout = kwargs.get("timeout")
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    owns_world = not dist.is_initialized()
+    if not owns_world:
+        if not adopt_existing:
+            raise RuntimeError("torch.distributed is already initialized in this process; one tokenmill engine with "
+                               "tensor parallelism can live in a process at a time (shut the other one down first).")
+        if (dist.get_world_size(), dist.get_rank()) != (world_size, rank):
+            raise ValueError(f"The existing torch.distributed world has size {dist.get_world_size()} and this "
+                             f"process is rank {dist.get_rank()}, but the engine needs size {world_size}, rank "
+                             f"{rank}.")
+        backend = dist.get_backend()
+    else:
+        if backend == "nccl":
+            # NVLink multicast (NVLS) stays off, as the device rules require; a user's explicit setting wins.
+            from tokenmill import envs
+            os.environ.setdefault(envs.NCCL_NVLS_ENABLE_NAME, "0")
+        kwargs: dict[str, Any] = dict(backend=backend, init_method=init_method, world_size=world_size, rank=rank)
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
 
     def new_group(ranks: list[int], group_backend: str):
         return dist.new_group(ranks, backend=group_backend, timeout=timeout)
 
-    # Every rank creates every group, in the same order (torch requires it), and keeps the ones it belongs to.
+    # Every rank creates every group, in the same order (torch requires it), and keeps the ones it belongs to. A
+    # group spanning the whole world reuses the world's communicators instead of opening more.
+    world = list(range(world_size))
+    world_cpu = dist.group.WORLD if backend == "gloo" else new_group(world, "gloo")
     state = ParallelState(world_size=world_size, rank=rank, local_rank=local_rank, tp_size=tp_size,
-                          tp_rank=rank % tp_size, pp_size=pp_size, pp_rank=rank // tp_size, backend=backend)
+                          tp_rank=rank % tp_size, pp_size=pp_size, pp_rank=rank // tp_size, backend=backend,
+                          world_cpu_group=world_cpu, owns_world=owns_world)
+
+    def groups(ranks: list[int]):
+        if ranks == world:
+            return dist.group.WORLD, world_cpu
+        dev = new_group(ranks, backend)
+        return dev, (dev if backend == "gloo" else new_group(ranks, "gloo"))
+
     for stage in range(pp_size):
         ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
-        dev = new_group(ranks, backend)
-        cpu = dev if backend == "gloo" else new_group(ranks, "gloo")
+        dev, cpu = groups(ranks)
         if rank in ranks:
             state.tp_group, state.tp_cpu_group = dev, cpu
     for tp_rank in range(tp_size):
         ranks = list(range(tp_rank, world_size, tp_size))
-        dev = new_group(ranks, backend)
-        cpu = dev if backend == "gloo" else new_group(ranks, "gloo")
+        dev, cpu = groups(ranks)
         if rank in ranks:
             state.pp_group, state.pp_cpu_group = dev, cpu
-    state.world_cpu_group = dist.group.WORLD if backend == "gloo" else new_group(list(range(world_size)), "gloo")
     _STATE = state
     logger.info("Rank %d/%d joined (%s): tp rank %d/%d, pp rank %d/%d", rank, world_size, backend, state.tp_rank,
                 tp_size, state.pp_rank, pp_size)
@@ -142,14 +161,22 @@ def init_distributed(world_size: int, rank: int, local_rank: int, *, tp_size: in
 def destroy_distributed() -> None:
     """Leave the world (if joined) and reset to the single-process defaults; safe to call more than once."""
     global _STATE
-    if _STATE.world_size > 1:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:  # a peer already gone can make teardown fail; we are leaving anyway
-                logger.debug("destroy_process_group: %s", e)
+    st = _STATE
     _STATE = ParallelState()
+    if st.world_size <= 1:
+        return
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return
+    # Our own world goes entirely; in an adopted one only the subgroups we created go, the caller's world stays.
+    groups = [None] if st.owns_world else {id(g): g for g in (st.tp_group, st.tp_cpu_group, st.pp_group,
+                                                              st.pp_cpu_group, st.world_cpu_group)
+                                           if g is not None and g is not dist.group.WORLD}.values()
+    for g in groups:
+        try:
+            dist.destroy_process_group(g)
+        except Exception as e:  # a peer already gone can make teardown fail; we are leaving anyway
+            logger.debug("destroy_process_group: %s", e)
 
 
 def abort_distributed() -> None:

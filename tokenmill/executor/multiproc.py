@@ -20,7 +20,8 @@ import torch
 
 from tokenmill.config import TokenmillConfig
 from tokenmill.config.parallel import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
-from tokenmill.distributed import abort_distributed, destroy_distributed, get_open_port
+from tokenmill.distributed import (abort_distributed, destroy_distributed, get_open_port,
+                                   is_distributed_initialized)
 from tokenmill.executor.abstract import Executor
 from tokenmill.executor.launcher import LocalProcessLauncher, WorkerHandle, WorkerLauncher, WorkerSpec
 from tokenmill.executor.rpc_broadcast import CALL, SHUTDOWN, RpcBroadcaster
@@ -33,6 +34,11 @@ logger = init_logger(__name__)
 # (gloo reports the closed socket a moment before the process is reaped).
 _FAILURE_GRACE_S = 3.0
 _DEFAULT_START_TIMEOUT_S = 600.0
+
+
+def _torch_distributed_initialized() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
 
 
 class WorkerDiedError(RuntimeError):
@@ -53,6 +59,7 @@ class _WorkerGroup:
         self.closing = False
         self._stop_r, self._stop_w = os.pipe()
         self.monitor: threading.Thread | None = None
+        self.owns_world = False  # set once this executor may join the process group (and so must leave it)
         self.num_threads = torch.get_num_threads()  # rank 0's Worker narrows it on CPU; the host process keeps it
 
     def start_monitor(self) -> None:
@@ -106,7 +113,8 @@ class _WorkerGroup:
         for fd in (self._stop_r, self._stop_w):
             os.close(fd)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
-        destroy_distributed()
+        if self.owns_world:
+            destroy_distributed()
         torch.set_num_threads(self.num_threads)
 
 
@@ -123,6 +131,10 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, self.group.close)
         start_timeout = float(pc.distributed_timeout_seconds or _DEFAULT_START_TIMEOUT_S)
         try:
+            if is_distributed_initialized() or _torch_distributed_initialized():
+                raise RuntimeError("This process already belongs to a torch.distributed world (another engine with "
+                                   "tensor parallelism?); one such engine can run per process at a time.")
+            self.group.owns_world = True
             init_method = self._init_method(pc)
             launcher = launcher or LocalProcessLauncher()
             for rank in range(1, self.world_size):
@@ -183,7 +195,7 @@ class MultiprocExecutor(Executor):
         self.group.rpc.send(CALL, (method, args, kwargs))
         try:
             return getattr(self.driver, method)(*args, **kwargs)
-        except Exception as e:
+        except BaseException as e:
             # A collective broken by a dead peer raises RuntimeError here; name the rank that died instead.
             if isinstance(e, RuntimeError) and self.group.failed.wait(_FAILURE_GRACE_S):
                 msg = self.group.describe_failure()

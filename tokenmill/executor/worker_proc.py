@@ -26,12 +26,13 @@ def _exit_when_parent_goes(stdin) -> None:
     os._exit(0)
 
 
-def run_worker(spec, rpc=None) -> int:
+def run_worker(spec) -> int:
+    """Serve rank 0's broadcasts until SHUTDOWN (returns 0); on any error, report it to rank 0 and return 1."""
     from tokenmill.distributed import destroy_distributed
     from tokenmill.executor.rpc_broadcast import CALL, PING, SHUTDOWN, RpcSubscriber
     from tokenmill.worker.worker import Worker
 
-    rpc = rpc or RpcSubscriber(spec.rpc_addr, spec.reply_addr, spec.rank)
+    rpc = RpcSubscriber(spec.rpc_addr, spec.reply_addr, spec.rank)
     try:
         worker = Worker(spec.config, rank=spec.rank, local_rank=spec.local_rank,
                         distributed_init_method=spec.distributed_init_method)

@@ -41,7 +41,8 @@ class Worker:
             init_distributed(pc.world_size, rank, local_rank, tp_size=pc.tensor_parallel_size,
                              pp_size=pc.pipeline_parallel_size, device=self.device,
                              init_method=distributed_init_method or "env://",
-                             timeout_s=pc.distributed_timeout_seconds)
+                             timeout_s=pc.distributed_timeout_seconds,
+                             adopt_existing=pc.distributed_executor_backend == "external_launcher")
         torch.manual_seed(config.model_config.seed)
         self.runner = ModelRunner(config, self.device)
 
