@@ -2,28 +2,19 @@
 parallel state, and the ranks' shards, combined the way the collectives would, must equal the one-rank layer."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.distributed import parallel_state
+from tokenmill.distributed import ParallelState, use_parallel_state
 from tokenmill.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear)
 from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
-@contextlib.contextmanager
 def as_rank(tp_rank: int, tp_size: int):
     """Build layers as TP rank `tp_rank` of `tp_size` would (no process group: only construction and loading)."""
-    old = parallel_state._STATE
-    parallel_state._STATE = parallel_state.ParallelState(world_size=tp_size, rank=tp_rank, tp_size=tp_size,
-                                                         tp_rank=tp_rank)
-    try:
-        yield
-    finally:
-        parallel_state._STATE = old
+    return use_parallel_state(ParallelState(world_size=tp_size, rank=tp_rank, tp_size=tp_size, tp_rank=tp_rank))
 
 
 def build(tp_size: int, make):

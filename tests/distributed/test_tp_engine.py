@@ -15,6 +15,9 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 
+# A broken collective hangs rather than fails: bound every test well below the suite's default.
+pytestmark = pytest.mark.timeout(180)
+
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog because it", "深度学习的优势是什么？"]
 MAX_TOKENS = 8
 ENGINE = dict(max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=8)
@@ -58,23 +61,39 @@ def _shutdown(llm: LLM) -> None:
     llm.llm_engine.engine_core.executor.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_1kv"])
-def test_tp2_matches_tp1(models, reference, arch):
-    ref_greedy, ref_seeded, ref_plp = reference(arch)
+@pytest.fixture(scope="module")
+def tp_llm(models):
+    """arch -> a TP=2 engine (mp executor). One process holds one TP engine at a time, so asking for another
+    model shuts the previous one down; the kill test reuses the last parity test's engine."""
+    live: dict[str, LLM] = {}
     threads = torch.get_num_threads()
-    llm = LLM(models[arch], tensor_parallel_size=2, **ENGINE)
-    try:
-        ex = llm.llm_engine.engine_core.executor
-        assert type(ex).__name__ == "MultiprocExecutor" and len(ex.workers) == 1
-        runner = ex.driver.runner
-        attn = runner.model.model.layers[0].self_attn
-        # Per-rank heads: half the query heads; half the KV heads, or the single KV head replicated on both.
-        assert attn.num_heads == 2 and runner.num_kv_heads == attn.num_kv_heads == 1
-        assert attn.qkv_proj.kv_replicas == (2 if arch == "qwen3_1kv" else 1)
-        greedy, seeded, plp = _generate(llm)
-    finally:
+
+    def get(arch: str) -> LLM:
+        if arch not in live:
+            for llm in live.values():
+                _shutdown(llm)
+            live.clear()
+            live[arch] = LLM(models[arch], tensor_parallel_size=2, **ENGINE)
+        return live[arch]
+    get.threads_before = threads
+    yield get
+    for llm in live.values():
         _shutdown(llm)
-    assert torch.get_num_threads() == threads  # rank 0's CPU thread split is undone on shutdown
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_1kv"])
+def test_tp2_matches_tp1(reference, tp_llm, arch):
+    llm = tp_llm(arch)
+    # The TP=1 reference is built while the TP=2 engine lives in this process: it must neither shard nor talk.
+    ref_greedy, ref_seeded, ref_plp = reference(arch)
+    ex = llm.llm_engine.engine_core.executor
+    assert type(ex).__name__ == "MultiprocExecutor" and len(ex.workers) == 1
+    runner = ex.driver.runner
+    attn = runner.model.model.layers[0].self_attn
+    # Per-rank heads: half the query heads; half the KV heads, or the single KV head replicated on both.
+    assert attn.num_heads == 2 and runner.num_kv_heads == attn.num_kv_heads == 1
+    assert attn.qkv_proj.kv_replicas == (2 if arch == "qwen3_1kv" else 1)
+    greedy, seeded, plp = _generate(llm)
     for (tokens, lps), (ref_tokens, ref_lps) in zip(greedy, ref_greedy):
         assert tokens == ref_tokens
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
@@ -83,21 +102,9 @@ def test_tp2_matches_tp1(models, reference, arch):
     assert max(abs(a - b) for a, b in zip(plp[1:], ref_plp[1:])) < 1e-4
 
 
-def test_external_launcher_under_torchrun(models, reference, tmp_path):
-    from tokenmill.distributed import get_open_port
-    out = tmp_path / "tokens.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(get_open_port()), os.path.join(os.path.dirname(__file__), "torchrun_generate.py"), models["qwen2"],
-           str(out), json.dumps(PROMPTS), str(MAX_TOKENS)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(out.read_text()) == [tokens for tokens, _ in reference("qwen2")[0]]
-
-
-def test_killed_worker_stops_the_engine_with_the_rank(models):
+def test_killed_worker_stops_the_engine_with_the_rank(tp_llm):
     from tokenmill.executor.multiproc import WorkerDiedError
-    llm = LLM(models["qwen3_1kv"], tensor_parallel_size=2, **ENGINE)
+    llm = tp_llm("qwen3_1kv")
     engine = llm.llm_engine
     ex = engine.engine_core.executor
     try:
@@ -116,6 +123,19 @@ def test_killed_worker_stops_the_engine_with_the_rank(models):
         assert ex.workers[0].proc.poll() is not None
     finally:
         _shutdown(llm)
+    assert torch.get_num_threads() == tp_llm.threads_before  # rank 0's CPU thread split is undone on shutdown
+
+
+def test_external_launcher_under_torchrun(models, reference, tmp_path):
+    from tokenmill.distributed import get_open_port
+    out = tmp_path / "tokens.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(get_open_port()), os.path.join(os.path.dirname(__file__), "torchrun_generate.py"), models["qwen2"],
+           str(out), json.dumps(PROMPTS), str(MAX_TOKENS)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text()) == [tokens for tokens, _ in reference("qwen2")[0]]
 
 
 def test_world_larger_than_visible_gpus_fails_naming_both(models, monkeypatch):

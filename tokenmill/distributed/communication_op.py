@@ -1,14 +1,18 @@
-"""Collectives the parallel layers and the worker use. Each is the identity in a world of one rank."""
+"""Collectives the parallel layers and the worker use. Each is the identity in a world of one rank.
+
+Each takes the ParallelState to communicate in; None means the current one (`use_parallel_state`). Layers pass the
+state they were built with, so what runs never depends on which state is current at call time.
+"""
 from __future__ import annotations
 
 import torch
 
-from tokenmill.distributed.parallel_state import get_parallel_state
+from tokenmill.distributed.parallel_state import ParallelState, get_parallel_state
 
 
-def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+def tensor_model_parallel_all_reduce(x: torch.Tensor, state: ParallelState | None = None) -> torch.Tensor:
     """Sum `x` over the TP group, in place; returns `x`."""
-    st = get_parallel_state()
+    st = state or get_parallel_state()
     if st.tp_size == 1:
         return x
     import torch.distributed as dist
@@ -16,9 +20,10 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1,
+                                     state: ParallelState | None = None) -> torch.Tensor:
     """Concatenate every TP rank's `x` along `dim` (rank order); every rank gets the whole result."""
-    st = get_parallel_state()
+    st = state or get_parallel_state()
     if st.tp_size == 1:
         return x
     import torch.distributed as dist
@@ -35,9 +40,9 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     return torch.cat(parts, dim=dim)
 
 
-def world_min(value: int) -> int:
+def world_min(value: int, state: ParallelState | None = None) -> int:
     """The minimum of an integer over every rank, agreed on the CPU group (no device sync)."""
-    st = get_parallel_state()
+    st = state or get_parallel_state()
     if st.world_size == 1:
         return value
     import torch.distributed as dist

@@ -4,11 +4,15 @@ Ranks are laid out tensor-parallel first: world rank = pp_rank * tp_size + tp_ra
 group is a contiguous block of ranks (on one host, contiguous GPUs). Each group has a device group (NCCL on CUDA,
 gloo on CPU) for activations and a gloo CPU group for small host-side agreements (e.g. the KV block count).
 
-A world of size 1 creates no process group at all: every query answers from the defaults below, and the
-communication ops return their input untouched, so the single-process path pays nothing.
+`init_distributed` returns a ParallelState; it is not installed globally. A worker builds its model inside
+`use_parallel_state(state)`, and the parallel layers keep the state they were built with, so a one-rank engine
+built later in the same process (the current state is then the one-rank default) neither shards nor communicates.
+A world of size 1 creates no process group at all and the communication ops return their input untouched, so the
+single-process path pays nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -40,7 +44,19 @@ class ParallelState:
     owns_world: bool = False     # we called init_process_group (so we destroy it), vs. joined the caller's world
 
 
-_STATE = ParallelState()
+_SINGLE = ParallelState()
+_STATE = _SINGLE  # the state layers see while they are built (see use_parallel_state)
+
+
+@contextlib.contextmanager
+def use_parallel_state(state: ParallelState):
+    """Make `state` the one `get_tp_size()` and friends answer from, e.g. while a worker builds its model."""
+    global _STATE
+    prev, _STATE = _STATE, state
+    try:
+        yield state
+    finally:
+        _STATE = prev
 
 
 def get_parallel_state() -> ParallelState:
@@ -71,10 +87,6 @@ def get_world_cpu_group():
     return _STATE.world_cpu_group
 
 
-def is_distributed_initialized() -> bool:
-    return _STATE.world_size > 1
-
-
 def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -90,15 +102,13 @@ def init_distributed(world_size: int, rank: int, local_rank: int, *, tp_size: in
     already initialized (a torchrun script that set up torch.distributed itself) is joined instead of refused; it
     must have the same size and this rank. A world of size 1 only records the local rank and returns.
     """
-    global _STATE
     if tp_size * pp_size != world_size:
         raise ValueError(f"tensor_parallel_size {tp_size} x pipeline_parallel_size {pp_size} = {tp_size * pp_size} "
                          f"does not equal the world size {world_size}.")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size} ranks.")
     if world_size == 1:
-        _STATE = ParallelState(local_rank=local_rank)
-        return _STATE
+        return ParallelState(local_rank=local_rank)
     import torch.distributed as dist
     device = device or torch.device("cpu")
     backend = backend or default_backend(device)
@@ -152,26 +162,25 @@ def init_distributed(world_size: int, rank: int, local_rank: int, *, tp_size: in
         dev, cpu = groups(ranks)
         if rank in ranks:
             state.pp_group, state.pp_cpu_group = dev, cpu
-    _STATE = state
     logger.info("Rank %d/%d joined (%s): tp rank %d/%d, pp rank %d/%d", rank, world_size, backend, state.tp_rank,
                 tp_size, state.pp_rank, pp_size)
     return state
 
 
-def destroy_distributed() -> None:
-    """Leave the world (if joined) and reset to the single-process defaults; safe to call more than once."""
-    global _STATE
-    st = _STATE
-    _STATE = ParallelState()
-    if st.world_size <= 1:
-        return
+def destroy_distributed(state: ParallelState | None) -> None:
+    """Leave the world `state` belongs to: all of it when we created it, only our subgroups in an adopted one.
+    None means rank 0 never finished joining: a world initialized meanwhile is then the one this engine started.
+    Safe to call more than once."""
     import torch.distributed as dist
-    if not dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
         return
-    # Our own world goes entirely; in an adopted one only the subgroups we created go, the caller's world stays.
-    groups = [None] if st.owns_world else {id(g): g for g in (st.tp_group, st.tp_cpu_group, st.pp_group,
-                                                              st.pp_cpu_group, st.world_cpu_group)
-                                           if g is not None and g is not dist.group.WORLD}.values()
+    if state is not None and state.world_size <= 1:
+        return
+    if state is None or state.owns_world:
+        groups = [None]
+    else:
+        groups = {id(g): g for g in (state.tp_group, state.tp_cpu_group, state.pp_group, state.pp_cpu_group,
+                                     state.world_cpu_group) if g is not None and g is not dist.group.WORLD}.values()
     for g in groups:
         try:
             dist.destroy_process_group(g)
@@ -179,10 +188,10 @@ def destroy_distributed() -> None:
             logger.debug("destroy_process_group: %s", e)
 
 
-def abort_distributed() -> None:
+def abort_distributed(state: ParallelState | None) -> None:
     """Unblock collectives stuck on a dead peer. gloo fails by itself when a peer's socket closes; NCCL would wait
     for its timeout, so its communicators are aborted (best effort: the engine is stopping)."""
-    if _STATE.world_size <= 1 or _STATE.backend != "nccl":
+    if state is None or state.world_size <= 1 or state.backend != "nccl":
         return
     import torch.distributed as dist
     try:

@@ -20,8 +20,7 @@ import torch
 
 from tokenmill.config import TokenmillConfig
 from tokenmill.config.parallel import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
-from tokenmill.distributed import (abort_distributed, destroy_distributed, get_open_port,
-                                   is_distributed_initialized)
+from tokenmill.distributed import ParallelState, abort_distributed, destroy_distributed, get_open_port
 from tokenmill.executor.abstract import Executor
 from tokenmill.executor.launcher import LocalProcessLauncher, WorkerHandle, WorkerLauncher, WorkerSpec
 from tokenmill.executor.rpc_broadcast import CALL, SHUTDOWN, RpcBroadcaster
@@ -60,6 +59,7 @@ class _WorkerGroup:
         self._stop_r, self._stop_w = os.pipe()
         self.monitor: threading.Thread | None = None
         self.owns_world = False  # set once this executor may join the process group (and so must leave it)
+        self.parallel_state: ParallelState | None = None  # rank 0's, once it has joined
         self.num_threads = torch.get_num_threads()  # rank 0's Worker narrows it on CPU; the host process keeps it
 
     def start_monitor(self) -> None:
@@ -78,7 +78,7 @@ class _WorkerGroup:
                         f" {dead.exit_description()}; the engine has stopped.")
         logger.error("%s", self.failure)
         self.failed.set()
-        abort_distributed()
+        abort_distributed(self.parallel_state)
         for h in self.handles:
             if h is not dead:
                 h.kill()
@@ -114,7 +114,7 @@ class _WorkerGroup:
             os.close(fd)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         if self.owns_world:
-            destroy_distributed()
+            destroy_distributed(self.parallel_state)
         torch.set_num_threads(self.num_threads)
 
 
@@ -131,7 +131,7 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, self.group.close)
         start_timeout = float(pc.distributed_timeout_seconds or _DEFAULT_START_TIMEOUT_S)
         try:
-            if is_distributed_initialized() or _torch_distributed_initialized():
+            if _torch_distributed_initialized():
                 raise RuntimeError("This process already belongs to a torch.distributed world (another engine with "
                                    "tensor parallelism?); one such engine can run per process at a time.")
             self.group.owns_world = True
@@ -144,6 +144,7 @@ class MultiprocExecutor(Executor):
             self.driver = self._wait_for(lambda: Worker(config, rank=0, local_rank=0,
                                                         distributed_init_method=init_method),
                                          start_timeout, "joining the process group")
+            self.group.parallel_state = self.driver.parallel_state
             rpc.wait_subscribers(set(range(1, self.world_size)), start_timeout, self.check_health)
             self.collective_rpc("load_model")
         except BaseException:

@@ -57,4 +57,4 @@ class ExternalLauncherExecutor(UniProcExecutor):
 
     def shutdown(self) -> None:
         from tokenmill.distributed import destroy_distributed
-        destroy_distributed()
+        destroy_distributed(self.worker.parallel_state)

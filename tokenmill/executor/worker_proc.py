@@ -50,7 +50,7 @@ def run_worker(spec) -> int:
         rpc.report_error()
         rpc.close()
         return 1
-    destroy_distributed()
+    destroy_distributed(worker.parallel_state)
     rpc.close()
     return 0
 

@@ -4,6 +4,7 @@ Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that take
 copies this rank's slice; models only declare which checkpoint names pack into which fused parameter (q/k/v ->
 qkv_proj, gate/up -> gate_up_proj). A sharded parameter also carries `full_shape`, the shape it has with one rank,
 so the dummy loader can draw the full tensor and shard it exactly like a checkpoint (TP=N equals TP=1's weights).
+A layer keeps the parallel state current when it was built (its rank, size and group) and communicates in that.
 
 Column-parallel layers split the output dim and need no communication; row-parallel layers split the input dim and
 sum the partial outputs with one all-reduce. With one rank every layer is a plain `F.linear`.
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed import divide, get_tp_rank, get_tp_size, kv_heads_per_rank
+from tokenmill.distributed import divide, get_parallel_state, get_tp_size, kv_heads_per_rank
 from tokenmill.distributed.communication_op import tensor_model_parallel_all_reduce
 
 
@@ -45,7 +46,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  out_per_rank: int | None = None) -> None:
         super().__init__()
-        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.parallel = get_parallel_state()
+        self.tp_size, self.tp_rank = self.parallel.tp_size, self.parallel.tp_rank
         self.in_features, self.out_features = in_features, out_features
         if out_per_rank is None:
             out_per_rank = divide(out_features, self.tp_size, "output size of a column-parallel layer")
@@ -129,7 +131,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.parallel = get_parallel_state()
+        self.tp_size, self.tp_rank = self.parallel.tp_size, self.parallel.tp_rank
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = divide(in_features, self.tp_size, "input size of a row-parallel layer")
         self.weight = _param((out_features, self.in_per_rank), (out_features, in_features), self.weight_loader)
@@ -143,5 +146,5 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight), self.parallel)
         return y if self.bias is None else y + self.bias

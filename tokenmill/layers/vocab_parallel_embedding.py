@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed import get_tp_rank, get_tp_size
+from tokenmill.distributed import get_parallel_state
 from tokenmill.distributed.communication_op import (tensor_model_parallel_all_gather,
                                                     tensor_model_parallel_all_reduce)
 
@@ -21,7 +21,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
-        self.tp_size, self.tp_rank = get_tp_size(), get_tp_rank()
+        self.parallel = get_parallel_state()  # the state current at build time is the one this layer talks in
+        self.tp_size, self.tp_rank = self.parallel.tp_size, self.parallel.tp_rank
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.per_rank = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.per_rank
@@ -44,14 +45,14 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = torch.where(outside, 0, ids - self.vocab_start)
         emb = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
-        return tensor_model_parallel_all_reduce(emb)
+        return tensor_model_parallel_all_reduce(emb, self.parallel)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> logits [T, vocab], identical on every rank (gathered over the TP group)."""
         logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
-        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        logits = tensor_model_parallel_all_gather(logits, -1, self.parallel)
         if logits.shape[-1] != self.num_embeddings:  # drop the padding rows' logits (samplers want contiguous rows)
             logits = logits[..., :self.num_embeddings].contiguous()
         return logits

@@ -9,7 +9,7 @@ from tokenmill import envs
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.distributed import init_distributed, world_min
+from tokenmill.distributed import ParallelState, init_distributed, use_parallel_state, world_min
 from tokenmill.logger import init_logger
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -37,17 +37,19 @@ class Worker:
         elif self.device.type == "cpu" and pc.world_size > 1:
             # CPU ranks on one host share its cores; oversubscribed threads make every collective wait.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
+        self.parallel_state = ParallelState(local_rank=local_rank)
         if pc.world_size > 1:
-            init_distributed(pc.world_size, rank, local_rank, tp_size=pc.tensor_parallel_size,
-                             pp_size=pc.pipeline_parallel_size, device=self.device,
-                             init_method=distributed_init_method or "env://",
-                             timeout_s=pc.distributed_timeout_seconds,
-                             adopt_existing=pc.distributed_executor_backend == "external_launcher")
+            self.parallel_state = init_distributed(
+                pc.world_size, rank, local_rank, tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size,
+                device=self.device, init_method=distributed_init_method or "env://",
+                timeout_s=pc.distributed_timeout_seconds,
+                adopt_existing=pc.distributed_executor_backend == "external_launcher")
         torch.manual_seed(config.model_config.seed)
         self.runner = ModelRunner(config, self.device)
 
     def load_model(self) -> None:
-        self.runner.load_model()
+        with use_parallel_state(self.parallel_state):  # the layers shard for, and talk in, this worker's world
+            self.runner.load_model()
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the allowed KV memory; raises with the numbers if max_model_len cannot fit."""
@@ -69,7 +71,7 @@ class Worker:
             num_blocks = self._profile_gpu_blocks(per_block)
             source = f"gpu_memory_utilization={cc.gpu_memory_utilization}"
         # Every rank must hold the same blocks: the scheduler's one block table addresses all of them.
-        num_blocks = world_min(int(num_blocks))
+        num_blocks = world_min(int(num_blocks), self.parallel_state)
         need_one = cdiv(mc.max_model_len, cc.block_size)
         if num_blocks < need_one:
             raise ValueError(
