@@ -195,7 +195,7 @@ class MultiprocExecutor(Executor):
                                   "The tensor-parallel executor has been shut down.")
         self.group.rpc.send(CALL, (method, args, kwargs))
         try:
-            return getattr(self.driver, method)(*args, **kwargs)
+            result = getattr(self.driver, method)(*args, **kwargs)
         except BaseException as e:
             # A collective broken by a dead peer raises RuntimeError here; name the rank that died instead.
             if isinstance(e, RuntimeError) and self.group.failed.wait(_FAILURE_GRACE_S):
@@ -204,6 +204,12 @@ class MultiprocExecutor(Executor):
                 raise WorkerDiedError(msg) from e
             self.shutdown()  # the ranks are out of step now: the engine cannot continue
             raise
+        if self.group.failure is not None:
+            # A rank died during the call; aborted NCCL collectives may have let it finish on garbage.
+            msg = self.group.describe_failure()
+            self.shutdown()
+            raise WorkerDiedError(msg)
+        return result
 
     def shutdown(self) -> None:
         self._finalizer()
