@@ -32,7 +32,19 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TOKENMILL_STEP_TIMING": _bool("TOKENMILL_STEP_TIMING", False),
     # API key for the server when --api-key is not given.
     "TOKENMILL_API_KEY": _str("TOKENMILL_API_KEY", None),
+    # Set by torchrun for --distributed-executor-backend external_launcher (read only; None when absent).
+    "RANK": _str("RANK", None),
+    "LOCAL_RANK": _str("LOCAL_RANK", None),
+    "WORLD_SIZE": _str("WORLD_SIZE", None),
+    "MASTER_ADDR": _str("MASTER_ADDR", None),
+    "MASTER_PORT": _str("MASTER_PORT", None),
+    # Which GPUs torch may see (named in the error when a run asks for more ranks than devices).
+    "CUDA_VISIBLE_DEVICES": _str("CUDA_VISIBLE_DEVICES", None),
+    # NCCL's NVLink multicast switch; tokenmill sets it to 0 for its ranks unless the user set it.
+    "NCCL_NVLS_ENABLE": _str("NCCL_NVLS_ENABLE", None),
 }
+
+NCCL_NVLS_ENABLE_NAME = "NCCL_NVLS_ENABLE"
 
 
 def __getattr__(name: str) -> Any:

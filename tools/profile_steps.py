@@ -62,6 +62,16 @@ for bs, steps in ((1, 64), (256, 24)):
         torch.cuda.synchronize()
         print(f"batch {bs}, async_scheduling={mode}: {1000 * (time.perf_counter() - t) / steps:.3f} ms per decode "
               "step (wall, uninstrumented)")
+    if bs == 1:  # where does the host time go at batch 1 (async on, as served)?
+        import cProfile
+        import pstats
+        core.async_scheduling = True
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(steps):
+            eng.step()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(22)
     drain()
     T = collections.defaultdict(float)
     saved = [(runner.sampler, "forward", timed(runner.sampler, "forward", "sampler", T)),

@@ -146,8 +146,8 @@ def test_bad_engine_arguments(llama_dir, tmp_path):
         LLM(llama_dir, max_num_seq=4)
     with pytest.raises(ValueError, match="dtype"):
         LLM(llama_dir, dtype="float8")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(llama_dir, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        LLM(llama_dir, pipeline_parallel_size=2)
     bad = tmp_path / "foo"
     shutil.copytree(llama_dir, bad)
     cfg = json.loads((bad / "config.json").read_text())

@@ -31,6 +31,8 @@ class TokenmillConfig:
         if self.scheduler_config.async_scheduling is None:
             # Overlap pays where the device runs asynchronously to the host; on the CPU the forward is the host.
             self.scheduler_config.async_scheduling = self.device_config.torch_device.type == "cuda"
+        self.parallel_config.verify_model(self.model_config.get_text_config())
+        self.parallel_config.verify_devices(self.device_config.device)
 
 
 __all__ = ["CacheConfig", "CompilationConfig", "DeviceConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",

@@ -24,7 +24,8 @@ from tokenmill.config.model import parse_human_int
 
 HUMAN_INT_FIELDS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
 SHORT_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",),
-                 "quantization": ("-q",), "enable_expert_parallel": ("-ep",), "api_server_count": ("-asc",)}
+                 "quantization": ("-q",), "enable_expert_parallel": ("-ep",), "api_server_count": ("-asc",),
+                 "nnodes": ("-n",), "node_rank": ("-r",)}
 PARSER_CLASSES = (*CONFIG_CLASSES, FrontendConfig)
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _DOTTED = "\x00dotted:"
@@ -87,11 +88,6 @@ NOT_YET_SUPPORTED: dict[str, NotYetSupported] = {
     "guided_decoding_backend": _n("str", None, "vLLM 0.7 structured-output backend; use "
                                                "--structured-outputs-config.", ok=("auto",)),
     # parallelism and distribution
-    "master_addr": _n("str", "127.0.0.1", "Master address for multi-node runs."),
-    "master_port": _n("int", 29501, "Master port for multi-node runs."),
-    "nnodes": _n("int", 1, "Number of nodes.", "-n"),
-    "node_rank": _n("int", 0, "Rank of this node.", "-r"),
-    "distributed_timeout_seconds": _n("int", None, "Timeout of distributed operations."),
     "numa_bind": _n("bool", False, "Bind workers to NUMA nodes."),
     "numa_bind_nodes": _n("list", None, "NUMA node per GPU."),
     "numa_bind_cpus": _n("list", None, "CPU list per GPU."),

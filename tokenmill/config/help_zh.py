@@ -103,8 +103,8 @@ GROUP_DOCS_EN = {
     "CacheConfig": "Layout and size of the paged KV cache.",
     "SchedulerConfig": "The per-step token budget and batching policy; prefill chunks and decodes share one budget.",
     "LoadConfig": "Where weights are read from, and in which format.",
-    "ParallelConfig": "How the model is spread over devices (one device for now; the options exist so vLLM "
-                      "command lines parse).",
+    "ParallelConfig": "How the model is spread over devices: tensor parallelism over local processes or torchrun; "
+                      "pipeline and data parallelism are not supported yet.",
     "DeviceConfig": "Which device runs the model.",
     "CompilationConfig": "CUDA graphs for decode steps (GPU only).",
     "FrontendConfig": "The OpenAI-compatible HTTP server: socket, CORS, authentication, TLS, chat templates, tools "
@@ -198,7 +198,7 @@ GROUP_DOCS_ZH = {
     "CacheConfig": "分页 KV 缓存的布局和容量。",
     "SchedulerConfig": "每一步的 token 预算与批处理策略：预填充分块和解码共享同一份预算。",
     "LoadConfig": "权重从哪里读、以什么格式读。",
-    "ParallelConfig": "模型如何分布到多个设备上（目前只支持单卡，这些选项是为了兼容 vLLM 的命令行）。",
+    "ParallelConfig": "模型如何分布到多个设备上：目前支持张量并行（本机多进程或 torchrun），流水线并行和数据并行尚未支持。",
     "DeviceConfig": "用哪种设备运行模型。",
     "CompilationConfig": "解码步骤使用的 CUDA Graph（仅 GPU）。",
     "FrontendConfig": "兼容 OpenAI 的 HTTP 服务：监听地址、跨域、鉴权、TLS、聊天模板、工具调用与日志。",
@@ -290,11 +290,17 @@ HELP_ZH: dict[str, str] = {
                                  "等网络文件系统），prefetch 预先读入页缓存。",
     "pt_load_map_location": "加载 .pt 检查点时的 map_location，例如 cpu 或 cuda。",
     # ParallelConfig
-    "tensor_parallel_size": "张量并行的卡数（简写 -tp）。目前只支持 1。",
+    "tensor_parallel_size": "张量并行的卡数（简写 -tp）。大于 1 时默认用 mp 后端在本机启动多个进程。",
     "pipeline_parallel_size": "流水线并行的阶段数（简写 -pp）。目前只支持 1。",
     "data_parallel_size": "数据并行的引擎副本数（简写 -dp）。目前只支持 1。",
-    "distributed_executor_backend": "分布式执行后端：uni（单进程）、mp（多进程）、ray 或 external_launcher。",
-    "disable_custom_all_reduce": "不用自定义的 all-reduce 内核，只用 NCCL。",
+    "distributed_executor_backend": "分布式执行后端：uni（单进程）、mp（本机多进程，多卡时的默认值）、"
+                                    "external_launcher（由 torchrun 启动，每个进程各跑一个引擎）；ray 暂不支持。",
+    "disable_custom_all_reduce": "只用 torch 的 NCCL all-reduce（tokenmill 没有自定义 all-reduce，始终走这条路径）。",
+    "nnodes": "mp 后端多机推理的节点数（简写 -n）。目前只支持 1；多机请用 torchrun 加 external_launcher。",
+    "node_rank": "mp 后端多机推理时本节点的序号（简写 -r）。",
+    "master_addr": "mp 后端各进程会合（rendezvous）的地址。与 --master-port 都取默认值时，单机自动选一个空闲的本地端口。",
+    "master_port": "mp 后端各进程会合（rendezvous）的端口。",
+    "distributed_timeout_seconds": "建立进程组和集合通信的超时秒数（不设则用 PyTorch 的默认值）。",
     "enable_expert_parallel": "对 MoE 层使用专家并行（简写 -ep，暂不支持）。",
     # DeviceConfig
     "device": "运行设备：auto 有 CUDA 时用 GPU，否则用 CPU；也可以指定 cuda 或 cpu。",
@@ -396,11 +402,6 @@ HELP_ZH: dict[str, str] = {
     "mamba_cache_philox_rounds": "Mamba 随机舍入所用 Philox 随机数生成器的轮数。",
     "guided_decoding_backend": "vLLM 0.7 的结构化输出后端；请改用 --structured-outputs-config。",
     # NotYetSupported: parallelism and distribution
-    "master_addr": "多机推理时主节点的地址。",
-    "master_port": "多机推理时主节点的端口。",
-    "nnodes": "多机推理的节点数（简写 -n）。",
-    "node_rank": "本节点的序号（简写 -r）。",
-    "distributed_timeout_seconds": "分布式操作的超时秒数。",
     "numa_bind": "把各个 GPU 工作进程绑定到对应的 NUMA 节点。",
     "numa_bind_nodes": "每张 GPU 绑定的 NUMA 节点编号。",
     "numa_bind_cpus": "每张 GPU 绑定的 CPU 列表。",

@@ -1,34 +1,100 @@
-"""Parallelism configuration (one device for now; the fields exist so vLLM command lines parse)."""
+"""Parallelism configuration: tensor parallelism over local processes or torchrun; PP and DP are not built yet."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from tokenmill.config.utils import check_choices, check_range, config_field, not_supported_yet
 
+DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT = "127.0.0.1", 29501
+
 
 @dataclass
 class ParallelConfig:
-    """How the model is spread over devices."""
+    """How the model is spread over devices. `distributed_executor_backend` is resolved here (None -> uni for one
+    rank, mp for more), so the executor registry only reads it."""
     tensor_parallel_size: int = config_field(1, help="Number of tensor-parallel ranks.")
     pipeline_parallel_size: int = config_field(1, help="Number of pipeline stages.")
     data_parallel_size: int = config_field(1, help="Number of data-parallel engine replicas.")
     distributed_executor_backend: str | None = config_field(
-        None, help="uni, mp, ray or external_launcher.", choices=("uni", "mp", "ray", "external_launcher"))
-    disable_custom_all_reduce: bool = config_field(False, help="Use torch's NCCL all-reduce only.")
+        None, help="uni (one process), mp (local worker processes; the default for more than one rank), "
+                   "external_launcher (one engine per torchrun process); ray is not supported yet.",
+        choices=("uni", "mp", "ray", "external_launcher"))
+    disable_custom_all_reduce: bool = config_field(
+        False, help="Use torch's NCCL all-reduce only (tokenmill has no custom all-reduce: that is always the path).")
     enable_expert_parallel: bool = config_field(False, help="Expert parallelism for MoE layers.")
+    nnodes: int = config_field(1, help="Number of nodes of a multi-node mp run (only 1 is supported yet).")
+    node_rank: int = config_field(0, help="Rank of this node in a multi-node mp run.")
+    master_addr: str = config_field(
+        DEFAULT_MASTER_ADDR, help="Rendezvous address of the mp executor's ranks. With the defaults of this and "
+                                  "--master-port, one host rendezvouses on a free loopback port.")
+    master_port: int = config_field(DEFAULT_MASTER_PORT, help="Rendezvous port of the mp executor's ranks.")
+    distributed_timeout_seconds: int | None = config_field(
+        None, help="Timeout of process-group set-up and collectives, in seconds (None: torch's default).")
 
     def __post_init__(self) -> None:
         check_choices(self)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
             check_range(name, getattr(self, name), 1)
+        check_range("master_port", self.master_port, 1, 65535)
+        check_range("distributed_timeout_seconds", self.distributed_timeout_seconds, 1)
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) != 1:
-                raise not_supported_yet(name, getattr(self, name), "Only a single device runs today.")
-        if self.distributed_executor_backend in ("ray", "external_launcher"):
-            raise not_supported_yet("distributed_executor_backend", self.distributed_executor_backend,
-                                    "One process runs the model (uni/mp).")
+                raise not_supported_yet(name, getattr(self, name), "Tensor parallelism is the parallelism "
+                                        "built so far (--tensor-parallel-size).")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"Invalid value {self.node_rank!r} for `node_rank`: must be in [0, nnodes={self.nnodes}).")
+        if self.distributed_executor_backend == "ray":
+            raise not_supported_yet("distributed_executor_backend", "ray", "Use mp (one host) or "
+                                    "external_launcher (torchrun).")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size x "
+                             f"pipeline_parallel_size = {self.world_size} ranks; use 'mp' or 'external_launcher'.")
+        if self.nnodes > 1:
+            # Each node would need its own engine-core feed; torchrun already gives that (external_launcher).
+            raise not_supported_yet("nnodes", self.nnodes, "Multi-node runs are not built for the mp executor; "
+                                    "start every node with torchrun --nnodes N and "
+                                    "--distributed-executor-backend external_launcher.")
+        if self.distributed_executor_backend == "external_launcher" and (
+                self.master_addr, self.master_port) != (DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT):
+            raise ValueError("master_addr/master_port do not apply to external_launcher: torchrun's MASTER_ADDR "
+                             "and MASTER_PORT say where the ranks meet (pass --master-addr/--master-port to "
+                             "torchrun).")
         if self.enable_expert_parallel:
             raise not_supported_yet("enable_expert_parallel", True)
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def verify_model(self, text_config) -> None:
+        """Fail before any process starts when the model's heads or MLP cannot be split over the TP ranks (the
+        parallel layers check the same when they are built)."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        from tokenmill.distributed.utils import divide, kv_heads_per_rank
+        heads = text_config.num_attention_heads
+        divide(heads, tp, "num_attention_heads")
+        kv_heads_per_rank(getattr(text_config, "num_key_value_heads", None) or heads, tp)
+        if getattr(text_config, "intermediate_size", None):
+            divide(text_config.intermediate_size, tp, "intermediate_size")
+
+    def verify_devices(self, device_type: str) -> None:
+        """Fail early, naming what was found, when a one-host run asks for more CUDA ranks than devices. CPU ranks
+        are processes and always fit; torchrun ranks check their own LOCAL_RANK when they join."""
+        if device_type != "cuda" or self.world_size == 1 or self.distributed_executor_backend == "external_launcher":
+            return
+        import torch
+
+        from tokenmill import envs
+        found = torch.cuda.device_count()
+        if self.world_size > found:
+            visible = envs.CUDA_VISIBLE_DEVICES
+            where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                f"{self.pipeline_parallel_size} needs {self.world_size} CUDA devices, but torch sees {found} on "
+                f"this host{where}. Lower --tensor-parallel-size to at most {found}, or run on a host with "
+                f"{self.world_size} GPUs.")

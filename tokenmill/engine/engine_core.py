@@ -7,7 +7,7 @@ from tokenmill.config import TokenmillConfig
 from tokenmill.core.sched_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from tokenmill.executor.uniproc import UniProcExecutor
+from tokenmill.executor import get_executor_class
 from tokenmill.metrics.step_timing import TIMER
 
 
@@ -23,7 +23,7 @@ class EngineCore:
 
     def __init__(self, config: TokenmillConfig) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
+        self.executor = get_executor_class(config)(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(config, self.num_blocks)

@@ -1,29 +1,60 @@
-"""The single-process executor: the worker lives in the engine core's process."""
+"""Executors with one worker in this process: `uni` (a world of one rank) and `external_launcher` (torchrun
+started one process per rank, and each runs its own engine core)."""
 from __future__ import annotations
 
+from typing import Any
+
+from tokenmill import envs
 from tokenmill.config import TokenmillConfig
-from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
-from tokenmill.worker.model_runner import AsyncRunnerOutput
+from tokenmill.executor.abstract import Executor
 from tokenmill.worker.worker import Worker
 
 
-class UniProcExecutor:
-    """Runs every call on one local worker. Multi-rank executors will broadcast the same calls."""
+class UniProcExecutor(Executor):
+    """Runs every call on the one local worker (world size 1: no process group, no communication)."""
 
     def __init__(self, config: TokenmillConfig) -> None:
-        self.worker = Worker(config)
+        super().__init__(config)
+        self.worker = self._make_worker(config)
         self.worker.load_model()
 
-    def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
+    def _make_worker(self, config: TokenmillConfig) -> Worker:
+        return Worker(config)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
+    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
 
-    def execute_model(self, sched: SchedulerOutput) -> None:
-        """Launch the step's forward pass (returns before the device finishes)."""
-        self.worker.execute_model(sched)
 
-    def sample_tokens(self, grammar: GrammarOutput | None) -> AsyncRunnerOutput:
-        """Sample the step launched by execute_model; the handle's get() returns its ModelRunnerOutput."""
-        return self.worker.sample_tokens(grammar)
+class ExternalLauncherExecutor(UniProcExecutor):
+    """For `torchrun --nproc-per-node N script.py`: this process is one rank of a world torchrun set up.
+
+    Every process runs its own engine core; the scheduler is deterministic and every rank samples the same ids
+    (see `tokenmill.executor.abstract`), so all ranks schedule identical steps and their collectives line up
+    without any message between engine cores. The worker joins the world from torchrun's RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+    """
+
+    def _make_worker(self, config: TokenmillConfig) -> Worker:
+        pc = config.parallel_config
+        missing = [n for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                   if getattr(envs, n) is None]
+        if missing:
+            raise RuntimeError(f"distributed_executor_backend='external_launcher' needs torchrun's environment, but "
+                               f"{', '.join(missing)} is not set. Start the script with torchrun "
+                               f"--nproc-per-node {pc.world_size} (or python -m torch.distributed.run).")
+        rank, local_rank, world = int(envs.RANK), int(envs.LOCAL_RANK), int(envs.WORLD_SIZE)
+        if world != pc.world_size:
+            raise ValueError(f"torchrun started {world} processes (WORLD_SIZE) but tensor_parallel_size x "
+                             f"pipeline_parallel_size = {pc.world_size}; they must be equal.")
+        if config.device_config.device == "cuda":
+            import torch
+            found = torch.cuda.device_count()
+            if local_rank >= found:
+                raise ValueError(f"Rank {rank} has LOCAL_RANK {local_rank}, but torch sees {found} CUDA devices on "
+                                 f"this node; start at most {found} processes per node.")
+        self.rank = rank
+        return Worker(config, rank=rank, local_rank=local_rank, distributed_init_method="env://")
+
+    def shutdown(self) -> None:
+        from tokenmill.distributed import destroy_distributed
+        destroy_distributed(self.worker.parallel_state)

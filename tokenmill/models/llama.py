@@ -12,8 +12,10 @@ from torch import nn
 from tokenmill.attention.layer import Attention
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear, VocabEmbedding, default_weight_loader
+from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                     default_weight_loader)
 from tokenmill.layers.rotary import RotaryEmbedding, compute_inv_freq
+from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -22,13 +24,15 @@ class LlamaAttention(nn.Module):
         super().__init__()
         hidden = cfg.hidden_size
         qkv_bias, o_bias = biases
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or hidden // self.num_heads
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // total_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        # This rank's heads (all of them with one rank): the layer decides the split.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias)
         inv_freq, scaling, rotary_dim = compute_inv_freq(cfg, self.head_dim, max_model_len)
         max_pos = max(max_model_len, getattr(cfg, "max_position_embeddings", max_model_len))
         self.rotary_emb = RotaryEmbedding(inv_freq, self.head_dim, rotary_dim, max_pos, scaling)
@@ -55,8 +59,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Unsupported hidden_act {act!r} (only silu).")
@@ -90,7 +94,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg, max_model_len: int, backend_cls: type, biases: tuple[bool, bool],
                  qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, max_model_len, backend_cls, biases, qk_norm)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -123,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
 
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
@@ -135,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_head.weight)
+        return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; returns the parameter names that were loaded."""

@@ -69,10 +69,17 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
 
 
 def _load_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights. A tensor-parallel shard is cut from the full tensor one rank would draw (same seed, same
+    device), through the parameter's own weight loader, so TP=N runs the very weights TP=1 runs."""
     from tokenmill.models.weight_utils import dummy_weight_init
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
+                continue
+            full_shape = getattr(p, "full_shape", p.shape)
+            if full_shape == p.shape:
                 dummy_weight_init(p.data, seed)
+            else:
+                full = dummy_weight_init(torch.empty(full_shape, dtype=p.dtype, device=p.device), seed)
+                p.weight_loader(p, full, None)

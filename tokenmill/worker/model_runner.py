@@ -10,6 +10,7 @@ from tokenmill.attention.registry import get_attention_backend
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from tokenmill.distributed import get_tp_size, kv_heads_per_rank
 from tokenmill.engine.messages import LogprobsLists
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
@@ -59,7 +60,8 @@ class ModelRunner:
         self.model = load_model(self.config, self.device, self.backend_cls)
         text = self.config.model_config.get_text_config()
         self.num_layers = text.num_hidden_layers
-        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        self.num_kv_heads = kv_heads_per_rank(  # this rank's share of the KV heads: its cache holds only those
+            getattr(text, "num_key_value_heads", None) or text.num_attention_heads, get_tp_size())
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
     def kv_cache_bytes_per_block(self) -> int:

@@ -1,12 +1,15 @@
 """A worker: one device, one model runner; sizes the KV cache from the memory it is allowed to use."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tokenmill import envs
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
+from tokenmill.distributed import ParallelState, init_distributed, use_parallel_state, world_min
 from tokenmill.logger import init_logger
 from tokenmill.worker.model_runner import AsyncRunnerOutput, ModelRunner
 
@@ -15,16 +18,38 @@ GiB = 1 << 30
 
 
 class Worker:
-    def __init__(self, config: TokenmillConfig) -> None:
+    """One rank: joins the process groups (when the world has more than one rank), then owns its model runner.
+
+    Every public method is what an executor's `collective_rpc` may call by name on every rank.
+    """
+
+    def __init__(self, config: TokenmillConfig, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
         self.config = config
+        self.rank = rank
         self.device = config.device_config.torch_device
+        pc = config.parallel_config
+        if pc.world_size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
         if self.device.type == "cpu" and envs.TOKENMILL_CPU_NUM_THREADS > 0:
             torch.set_num_threads(envs.TOKENMILL_CPU_NUM_THREADS)
+        elif self.device.type == "cpu" and pc.world_size > 1:
+            # CPU ranks on one host share its cores; oversubscribed threads make every collective wait.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
+        self.parallel_state = ParallelState(local_rank=local_rank)
+        if pc.world_size > 1:
+            self.parallel_state = init_distributed(
+                pc.world_size, rank, local_rank, tp_size=pc.tensor_parallel_size, pp_size=pc.pipeline_parallel_size,
+                device=self.device, init_method=distributed_init_method or "env://",
+                timeout_s=pc.distributed_timeout_seconds,
+                adopt_existing=pc.distributed_executor_backend == "external_launcher")
         torch.manual_seed(config.model_config.seed)
         self.runner = ModelRunner(config, self.device)
 
     def load_model(self) -> None:
-        self.runner.load_model()
+        with use_parallel_state(self.parallel_state):  # the layers shard for, and talk in, this worker's world
+            self.runner.load_model()
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the allowed KV memory; raises with the numbers if max_model_len cannot fit."""
@@ -45,6 +70,8 @@ class Worker:
         else:
             num_blocks = self._profile_gpu_blocks(per_block)
             source = f"gpu_memory_utilization={cc.gpu_memory_utilization}"
+        # Every rank must hold the same blocks: the scheduler's one block table addresses all of them.
+        num_blocks = world_min(int(num_blocks), self.parallel_state)
         need_one = cdiv(mc.max_model_len, cc.block_size)
         if num_blocks < need_one:
             raise ValueError(

@@ -1,0 +1,53 @@
+"""The executor interface the engine core drives: one generic `collective_rpc`, plus named shortcuts.
+
+How sampling works with more than one rank (no broadcast of sampled ids is needed): the LM head all-gathers its
+logits, so every tensor-parallel rank holds identical full logits; every rank runs the same sampler, whose random
+draws are counter-based (seed, output position) and batch-invariant, so all ranks sample identical token ids and
+keep identical runner state. Rank 0's result is what the executor returns; the other ranks' results are dropped.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from tokenmill.config import TokenmillConfig
+from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
+from tokenmill.worker.model_runner import AsyncRunnerOutput
+
+
+class Executor(ABC):
+    """Runs Worker methods on every rank.
+
+    Contract: `collective_rpc(name, *args, **kwargs)` calls `Worker.<name>` on every rank, in the same order on
+    every rank, and returns rank 0's result. The per-step protocol is not spelled out anywhere below the engine
+    core: a new Worker method is reachable by name without touching executors or worker loops. After a rank fails,
+    every later call raises (the engine has stopped); `shutdown()` releases processes and process groups and may be
+    called more than once.
+    """
+
+    def __init__(self, config: TokenmillConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        ...
+
+    def determine_num_blocks(self) -> int:
+        return self.collective_rpc("determine_num_blocks")
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> None:
+        """Launch the step's forward pass on every rank (returns before the devices finish)."""
+        self.collective_rpc("execute_model", sched)
+
+    def sample_tokens(self, grammar: GrammarOutput | None) -> AsyncRunnerOutput:
+        """Sample the step launched by execute_model on every rank; rank 0's handle's get() returns the output."""
+        return self.collective_rpc("sample_tokens", grammar)
+
+    def check_health(self) -> None:
+        """Raises if a rank has died (cheap; no communication)."""
+
+    def shutdown(self) -> None:
+        """Stop worker processes and leave the process groups."""
