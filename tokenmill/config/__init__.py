@@ -28,9 +28,15 @@ class TokenmillConfig:
 
     def __post_init__(self) -> None:
         self.scheduler_config.finalize(self.model_config.max_model_len)
+        pp = self.parallel_config.pipeline_parallel_size
+        if pp > 1 and self.scheduler_config.async_scheduling:
+            raise ValueError(f"async_scheduling=True cannot be combined with pipeline_parallel_size={pp}: the "
+                             "pipeline overlaps micro-batches instead (a request waits for its sampled token "
+                             "before it is scheduled again). Leave async_scheduling unset or pass False.")
         if self.scheduler_config.async_scheduling is None:
             # Overlap pays where the device runs asynchronously to the host; on the CPU the forward is the host.
-            self.scheduler_config.async_scheduling = self.device_config.torch_device.type == "cuda"
+            # Pipeline parallelism keeps several micro-batches in flight instead.
+            self.scheduler_config.async_scheduling = self.device_config.torch_device.type == "cuda" and pp == 1
         self.parallel_config.verify_model(self.model_config.get_text_config())
         self.parallel_config.verify_devices(self.device_config.device)
 

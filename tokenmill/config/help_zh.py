@@ -275,7 +275,7 @@ HELP_ZH: dict[str, str] = {
                          "到达时间。",
     "enable_chunked_prefill": "把长提示词切成多块，与解码请求在同一步中一起执行（默认开启），可以避免长提示词卡住正在"
                               "生成的请求。",
-    "async_scheduling": "设备执行第 N 步时就调度并准备第 N+1 步，减少 GPU 空闲（默认：CUDA 上开启，CPU 上关闭）。",
+    "async_scheduling": "设备执行第 N 步时就调度并准备第 N+1 步，减少 GPU 空闲（默认：CUDA 上开启，CPU 上关闭；流水线并行时关闭且不可开启）。",
     "stream_interval": "流式输出时每攒够多少个 token 发送一次；1 最平滑，调大可以降低主机端开销。",
     "scheduler_cls": "自定义调度器类（暂不支持）。",
     "disable_chunked_mm_input": "不把同一个多模态输入（如一张图片）拆到不同的步里。",
@@ -291,7 +291,7 @@ HELP_ZH: dict[str, str] = {
     "pt_load_map_location": "加载 .pt 检查点时的 map_location，例如 cpu 或 cuda。",
     # ParallelConfig
     "tensor_parallel_size": "张量并行的卡数（简写 -tp）。大于 1 时默认用 mp 后端在本机启动多个进程。",
-    "pipeline_parallel_size": "流水线并行的阶段数（简写 -pp）。目前只支持 1。",
+    "pipeline_parallel_size": "流水线并行的阶段数（简写 -pp）：每个阶段持有连续的一段解码层，可与张量并行组合（共 tensor_parallel_size × pipeline_parallel_size 个进程）；开启时不能使用 async_scheduling。",
     "data_parallel_size": "数据并行的引擎副本数（简写 -dp）。目前只支持 1。",
     "distributed_executor_backend": "分布式执行后端：uni（单进程）、mp（本机多进程，多卡时的默认值）、"
                                     "external_launcher（由 torchrun 启动，每个进程各跑一个引擎）；ray 暂不支持。",

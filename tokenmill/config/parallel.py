@@ -1,4 +1,5 @@
-"""Parallelism configuration: tensor parallelism over local processes or torchrun; PP and DP are not built yet."""
+"""Parallelism configuration: tensor and pipeline parallelism over local processes or torchrun; DP is not built
+yet."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +14,9 @@ class ParallelConfig:
     """How the model is spread over devices. `distributed_executor_backend` is resolved here (None -> uni for one
     rank, mp for more), so the executor registry only reads it."""
     tensor_parallel_size: int = config_field(1, help="Number of tensor-parallel ranks.")
-    pipeline_parallel_size: int = config_field(1, help="Number of pipeline stages.")
+    pipeline_parallel_size: int = config_field(
+        1, help="Number of pipeline stages: each holds a contiguous slice of the decoder layers (combinable with "
+                "tensor parallelism: tensor_parallel_size x pipeline_parallel_size ranks).")
     data_parallel_size: int = config_field(1, help="Number of data-parallel engine replicas.")
     distributed_executor_backend: str | None = config_field(
         None, help="uni (one process), mp (local worker processes; the default for more than one rank), "
@@ -37,10 +40,10 @@ class ParallelConfig:
             check_range(name, getattr(self, name), 1)
         check_range("master_port", self.master_port, 1, 65535)
         check_range("distributed_timeout_seconds", self.distributed_timeout_seconds, 1)
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) != 1:
-                raise not_supported_yet(name, getattr(self, name), "Tensor parallelism is the parallelism "
-                                        "built so far (--tensor-parallel-size).")
+        if self.data_parallel_size != 1:
+            raise not_supported_yet("data_parallel_size", self.data_parallel_size, "Tensor and pipeline "
+                                    "parallelism are built so far (--tensor-parallel-size, "
+                                    "--pipeline-parallel-size).")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"Invalid value {self.node_rank!r} for `node_rank`: must be in [0, nnodes={self.nnodes}).")
         if self.distributed_executor_backend == "ray":
@@ -69,8 +72,12 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def verify_model(self, text_config) -> None:
-        """Fail before any process starts when the model's heads or MLP cannot be split over the TP ranks (the
-        parallel layers check the same when they are built)."""
+        """Fail before any process starts when the model's layers cannot be split over the pipeline stages or its
+        heads or MLP over the TP ranks (the parallel layers check the same when they are built)."""
+        pp = self.pipeline_parallel_size
+        if text_config.num_hidden_layers < pp:
+            raise ValueError(f"pipeline_parallel_size ({pp}) is larger than the model's num_hidden_layers "
+                             f"({text_config.num_hidden_layers}); every stage needs at least one layer.")
         tp = self.tensor_parallel_size
         if tp == 1:
             return

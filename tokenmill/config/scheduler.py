@@ -29,7 +29,8 @@ class SchedulerConfig:
         None, help="Split long prompts into chunks that share steps with decodes (default on).")
     async_scheduling: bool | None = config_field(
         None, help="Schedule and prepare step N+1 while the device runs step N (default: on for CUDA, off on "
-                   "the CPU, where it cannot overlap anything).")
+                   "the CPU, where it cannot overlap anything; off, and not allowed, with pipeline parallelism, "
+                   "which overlaps micro-batches instead).")
     stream_interval: int = config_field(1, help="Send streamed output every N tokens.")
     scheduler_cls: str | None = config_field(None, help="A custom scheduler class (not supported yet).")
     disable_chunked_mm_input: bool = config_field(False, help="Never split multimodal items across steps.")

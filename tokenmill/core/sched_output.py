@@ -25,6 +25,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended this step
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Pipeline parallelism only (empty otherwise): per request, the tokens it gained since it was last scheduled.
+    # Only the last stage samples, so the other stages append these to their copy of the request.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

@@ -19,6 +19,13 @@ class Scheduler:
     share of `max_num_batched_tokens`. Running requests go first (in order); when blocks run out the lowest-ranked
     running request is preempted (its blocks freed, recomputed later). Waiting requests are admitted while budget,
     `max_num_seqs` and blocks allow; a prompt that does not fit the budget is chunked across steps.
+
+    Under pipeline parallelism (pp > 1) several batches are in flight at once, so a batch is built from the
+    requests that are not waiting for a sample: one whose sampled token is in flight is not scheduled again until
+    its output arrives (no placeholders), is never a preemption victim (its output would come back for a request
+    that restarted), and each batch takes at most ceil(unfinished requests / pp) requests so the load spreads over
+    the micro-batches. Cached requests carry the tokens they gained since they last ran (`new_token_ids`), for
+    the stages that do not sample.
     """
 
     def __init__(self, config: TokenmillConfig, num_blocks: int) -> None:
@@ -30,6 +37,8 @@ class Scheduler:
         self.policy = sc.scheduling_policy
         self.max_model_len = config.model_config.max_model_len
         self.block_size = cc.block_size
+        self.pp_size = config.parallel_config.pipeline_parallel_size
+        self._runner_num_tokens: dict[str, int] = {}  # pp > 1: tokens the runners know, per request
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.block_hasher = BlockHasher(cc.block_size, cc.prefix_caching_hash_algo) \
             if cc.enable_prefix_caching else None
@@ -77,6 +86,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
+        self._runner_num_tokens.pop(request.request_id, None)
         self._finished_since_last_step.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -87,9 +97,11 @@ class Scheduler:
         cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
         preempted_any = False
+        pp = self.pp_size > 1
+        max_reqs = cdiv(len(self.requests), self.pp_size) if pp else self.max_num_seqs
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
             req = self.running[i]
             n = self._num_tokens_to_schedule(req, req.num_computed_tokens, budget)
             if n <= 0:
@@ -108,13 +120,17 @@ class Scheduler:
             cached.req_ids.append(req.request_id)
             cached.new_block_ids.append(new_block_ids)
             cached.num_computed_tokens.append(req.num_computed_tokens)
+            if pp:
+                known = self._runner_num_tokens[req.request_id]
+                cached.new_token_ids.append(req.all_token_ids[known:])
+                self._runner_num_tokens[req.request_id] = req.num_tokens
             num_scheduled[req.request_id] = n
             budget -= n
             i += 1
 
         deferred: list[Request] = []  # waiting for their grammar to compile
         while (not preempted_any and len(self.waiting) and budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) < self.max_num_seqs and len(num_scheduled) < max_reqs):
             req = self.waiting.peek()
             if req.grammar_future is not None:
                 ready = self._grammar_ready(req)
@@ -138,6 +154,8 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             self.running.append(req)
+            if pp:
+                self._runner_num_tokens[req.request_id] = req.num_tokens
             new_reqs.append(NewRequestData(
                 req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
@@ -190,6 +208,8 @@ class Scheduler:
 
     def _num_tokens_to_schedule(self, req: Request, num_computed: int, budget: int) -> int:
         ph = req.num_output_placeholders
+        if ph and self.pp_size > 1:
+            return 0  # its sample is in flight: schedule it again once the token is known
         if ph and (req.num_output_tokens + ph >= req.max_tokens or req.num_tokens + ph >= self.max_model_len):
             return 0  # the tokens in flight already end it
         n = req.num_tokens + ph - num_computed
@@ -198,9 +218,11 @@ class Scheduler:
         return min(n, budget, self.max_model_len - num_computed)
 
     def _pick_victim(self) -> Request:
+        # Under pp, never a request whose sample is in flight; the one being scheduled always qualifies.
+        cands = self.running if self.pp_size == 1 else [r for r in self.running if not r.num_output_placeholders]
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(cands, key=lambda r: (r.priority, r.arrival_time))
+        return cands[-1]
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.sched_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
@@ -19,6 +20,10 @@ class EngineCore:
     while the device computes, so the device never waits for the host. Requests in flight count their coming token
     as a placeholder when N+1 is scheduled; a request that stops at N has its token from N+1 dropped. `step()`
     therefore returns the outputs of the previous batch (nothing on the first call).
+
+    Under pipeline parallelism (`executor.max_concurrent_batches` > 1) up to that many batches are in flight: a
+    step schedules and launches batches (each of requests not already in flight, so they are disjoint) until the
+    pipeline is full, then waits for the oldest and returns its outputs; batches complete in launch order.
     """
 
     def __init__(self, config: TokenmillConfig) -> None:
@@ -29,6 +34,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.num_blocks)
         self.async_scheduling = bool(config.scheduler_config.async_scheduling)
         self._in_flight: tuple[SchedulerOutput, object] | None = None  # (batch, AsyncRunnerOutput)
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self._batches: deque[tuple[SchedulerOutput, object]] = deque()  # pipeline parallelism, oldest first
+        self.max_batches_in_flight = 0  # the most batches ever in flight at once (observability, tests)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)
@@ -37,9 +45,11 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batches)
 
     def step(self) -> EngineCoreOutputs:
+        if self.max_concurrent_batches > 1:
+            return self._step_pipelined()
         sched = None
         if self.scheduler.has_unfinished_requests():
             with TIMER.phase("schedule"):
@@ -62,6 +72,33 @@ class EngineCore:
         if outputs is None:
             outputs = self.scheduler.update_from_output(sched, EMPTY_MODEL_RUNNER_OUTPUT) \
                 if sched is not None else EngineCoreOutputs()
+        outputs.scheduler_stats = self.scheduler.make_stats()
+        outputs.timestamp = time.monotonic()
+        return outputs
+
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        early = None  # outputs that need no batch (requests rejected before running)
+        while len(self._batches) < self.max_concurrent_batches and self.scheduler.has_unfinished_requests():
+            with TIMER.phase("schedule"):
+                sched = self.scheduler.schedule()
+            if sched.is_empty:
+                # Everything runnable is in flight. The runners still must forget finished requests.
+                if sched.finished_req_ids:
+                    self.executor.execute_model(sched)
+                early = self.scheduler.update_from_output(sched, EMPTY_MODEL_RUNNER_OUTPUT)
+                break
+            with TIMER.phase("execute_model"):
+                self.executor.execute_model(sched)
+            grammar = self.scheduler.get_grammar_bitmask(sched)  # its requests have no sample in flight
+            with TIMER.phase("sample"):
+                self._batches.append((sched, self.executor.sample_tokens(grammar)))
+            self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._batches))
+        outputs = EngineCoreOutputs()
+        if self._batches:
+            sched, handle = self._batches.popleft()
+            outputs = self._update(sched, handle.get())
+        if early is not None and early.outputs:
+            outputs.outputs = early.outputs + outputs.outputs
         outputs.scheduler_stats = self.scheduler.make_stats()
         outputs.timestamp = time.monotonic()
         return outputs

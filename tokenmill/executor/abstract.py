@@ -4,6 +4,7 @@ How sampling works with more than one rank (no broadcast of sampled ids is neede
 logits, so every tensor-parallel rank holds identical full logits; every rank runs the same sampler, whose random
 draws are counter-based (seed, output position) and batch-invariant, so all ranks sample identical token ids and
 keep identical runner state. Rank 0's result is what the executor returns; the other ranks' results are dropped.
+Under pipeline parallelism only the last stage samples; its output reaches rank 0 through executor/pp_output.py.
 """
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ class Executor(ABC):
     def __init__(self, config: TokenmillConfig) -> None:
         self.config = config
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many launched steps may be unresolved at once: one per pipeline stage, so every stage has work
+        (the engine core launches the next micro-batch before it waits for the oldest)."""
+        return self.config.parallel_config.pipeline_parallel_size
+
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
         ...
@@ -43,7 +50,8 @@ class Executor(ABC):
         self.collective_rpc("execute_model", sched)
 
     def sample_tokens(self, grammar: GrammarOutput | None) -> AsyncRunnerOutput:
-        """Sample the step launched by execute_model on every rank; rank 0's handle's get() returns the output."""
+        """Sample the step launched by execute_model on every rank; the returned handle's get() gives the step's
+        output (rank 0's, or under pipeline parallelism the last stage's)."""
         return self.collective_rpc("sample_tokens", grammar)
 
     def check_health(self) -> None:

@@ -17,13 +17,15 @@ from tokenmill.config import TokenmillConfig
 
 @dataclass
 class WorkerSpec:
-    """Everything a worker rank needs to join: the config, its place in the world, and rank 0's RPC addresses."""
+    """Everything a worker rank needs to join: the config, its place in the world, and rank 0's RPC addresses
+    (result_addr: where the pipeline's output rank sends sampled outputs; None without pipeline parallelism)."""
     config: TokenmillConfig
     rank: int
     local_rank: int
     distributed_init_method: str
     rpc_addr: str
     reply_addr: str
+    result_addr: str | None = None
 
 
 class WorkerHandle(ABC):

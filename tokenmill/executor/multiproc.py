@@ -1,7 +1,8 @@
 """The `mp` executor: rank 0 runs in the engine core's process, ranks 1..N-1 in local worker processes.
 
 Each call is published once to every worker (see rpc_broadcast) and then run by rank 0 itself; rank 0's result is
-returned. A monitor thread waits on the workers' sentinels: when one dies it records which rank and how, kills
+returned, except a step's sampled output under pipeline parallelism, which the last stage sends back (see
+pp_output): `sample_tokens` then returns at once and the handle waits for it. A monitor thread waits on the workers' sentinels: when one dies it records which rank and how, kills
 the other workers and aborts NCCL communicators, so a collective in flight fails instead of hanging and every later
 call raises an error that names the rank.
 """
@@ -22,7 +23,9 @@ from tokenmill.config import TokenmillConfig
 from tokenmill.config.parallel import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
 from tokenmill.distributed import ParallelState, abort_distributed, destroy_distributed, get_open_port
 from tokenmill.executor.abstract import Executor
+from tokenmill.core.sched_output import GrammarOutput
 from tokenmill.executor.launcher import LocalProcessLauncher, WorkerHandle, WorkerLauncher, WorkerSpec
+from tokenmill.executor.pp_output import ResultReceiver
 from tokenmill.executor.rpc_broadcast import CALL, SHUTDOWN, RpcBroadcaster
 from tokenmill.logger import init_logger
 from tokenmill.worker.worker import Worker
@@ -50,6 +53,7 @@ class _WorkerGroup:
 
     def __init__(self, rpc: RpcBroadcaster, tmpdir: str) -> None:
         self.rpc, self.tmpdir = rpc, tmpdir
+        self.results: ResultReceiver | None = None  # pipeline parallelism: the last stage's outputs
         self.handles: list[WorkerHandle] = []
         self.failure: str | None = None
         self.failed_rank: int | None = None
@@ -74,7 +78,7 @@ class _WorkerGroup:
         dead = by_fd[next(fd for fd in ready if fd in by_fd)]
         pid = getattr(dead, "pid", None)
         self.failed_rank = dead.rank
-        self.failure = (f"Tensor-parallel worker rank {dead.rank}" + (f" (pid {pid})" if pid else "") +
+        self.failure = (f"Worker rank {dead.rank}" + (f" (pid {pid})" if pid else "") +
                         f" {dead.exit_description()}; the engine has stopped.")
         logger.error("%s", self.failure)
         self.failed.set()
@@ -110,6 +114,8 @@ class _WorkerGroup:
         if self.monitor is not None:
             self.monitor.join(2.0)
         self.rpc.close()
+        if self.results is not None:
+            self.results.close()
         for fd in (self._stop_r, self._stop_w):
             os.close(fd)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
@@ -129,6 +135,10 @@ class MultiprocExecutor(Executor):
         rpc = RpcBroadcaster(f"ipc://{tmpdir}/rpc", f"ipc://{tmpdir}/replies")
         self.group = _WorkerGroup(rpc, tmpdir)
         self._finalizer = weakref.finalize(self, self.group.close)
+        result_addr = None
+        if pc.pipeline_parallel_size > 1:
+            result_addr = f"ipc://{tmpdir}/results"
+            self.group.results = ResultReceiver(result_addr, self.check_health)
         start_timeout = float(pc.distributed_timeout_seconds or _DEFAULT_START_TIMEOUT_S)
         try:
             if _torch_distributed_initialized():
@@ -138,7 +148,8 @@ class MultiprocExecutor(Executor):
             init_method = self._init_method(pc)
             launcher = launcher or LocalProcessLauncher()
             for rank in range(1, self.world_size):
-                spec = WorkerSpec(config, rank, rank, init_method, f"ipc://{tmpdir}/rpc", f"ipc://{tmpdir}/replies")
+                spec = WorkerSpec(config, rank, rank, init_method, f"ipc://{tmpdir}/rpc", f"ipc://{tmpdir}/replies",
+                                  result_addr)
                 self.group.handles.append(launcher.launch(spec))
             self.group.start_monitor()
             self.driver = self._wait_for(lambda: Worker(config, rank=0, local_rank=0,
@@ -210,6 +221,14 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise WorkerDiedError(msg)
         return result
+
+    def sample_tokens(self, grammar: GrammarOutput | None):
+        handle = self.collective_rpc("sample_tokens", grammar)
+        if self.group.results is None:
+            return handle
+        # Rank 0 is the first stage and sampled nothing; the last stage's output comes back through the result
+        # path (a failure there surfaces through check_health while the handle waits).
+        return self.group.results.handle()
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -30,8 +30,9 @@ class ExternalLauncherExecutor(UniProcExecutor):
 
     Every process runs its own engine core; the scheduler is deterministic and every rank samples the same ids
     (see `tokenmill.executor.abstract`), so all ranks schedule identical steps and their collectives line up
-    without any message between engine cores. The worker joins the world from torchrun's RANK, LOCAL_RANK,
-    WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+    without any message between engine cores. Under pipeline parallelism the last stage's output is broadcast to
+    every rank when a step's handle is resolved (see pp_output), so every engine core sees it. The worker joins
+    the world from torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
     """
 
     def _make_worker(self, config: TokenmillConfig) -> Worker:

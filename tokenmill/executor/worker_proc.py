@@ -35,7 +35,8 @@ def run_worker(spec) -> int:
     rpc = RpcSubscriber(spec.rpc_addr, spec.reply_addr, spec.rank)
     try:
         worker = Worker(spec.config, rank=spec.rank, local_rank=spec.local_rank,
-                        distributed_init_method=spec.distributed_init_method)
+                        distributed_init_method=spec.distributed_init_method,
+                        result_addr=getattr(spec, "result_addr", None))
         while True:
             kind, body = rpc.recv()
             if kind == PING:
@@ -50,6 +51,7 @@ def run_worker(spec) -> int:
         rpc.report_error()
         rpc.close()
         return 1
+    worker.close()
     destroy_distributed(worker.parallel_state)
     rpc.close()
     return 0

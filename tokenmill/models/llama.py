@@ -10,6 +10,9 @@ import torch
 from torch import nn
 
 from tokenmill.attention.layer import Attention
+from tokenmill.distributed import get_parallel_state
+from tokenmill.distributed.pp import (IntermediateTensors, PPMissingLayer, is_pp_missing, missing_prefixes,
+                                      pp_layer_range)
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -91,19 +94,35 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack. Under pipeline parallelism it holds only this stage's layers (others are
+    PPMissingLayer placeholders without parameters), the embedding only on the first stage and the final norm only
+    on the last; a stage other than the first continues from the previous stage's IntermediateTensors, and one
+    other than the last returns its own."""
+
     def __init__(self, cfg, max_model_len: int, backend_cls: type, biases: tuple[bool, bool],
                  qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, max_model_len, backend_cls, biases, qk_norm)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        pp = get_parallel_state()
+        self.is_first, self.is_last = pp.pp_rank == 0, pp.pp_rank == pp.pp_size - 1
+        self.start, self.end = pp_layer_range(cfg.num_hidden_layers, pp.pp_rank, pp.pp_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first \
+            else PPMissingLayer()
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, max_model_len, backend_cls, biases, qk_norm) if self.start <= i < self.end
+            else PPMissingLayer() for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else PPMissingLayer()
+        self._own_layers = tuple(self.layers[self.start:self.end])  # a plain tuple: no per-step slicing
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
+        for layer in self._own_layers:
             hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last:
+            return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -124,9 +143,13 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, max_model_len, backend_cls, self.attention_biases(hf_config),
                                 self.qk_norm)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if not self.model.is_last:
+            self.lm_head = PPMissingLayer()
+        elif self.tie_word_embeddings and self.model.is_first:
             self.lm_head = self.model.embed_tokens
         else:
+            # A tied head on a last stage that lacks the embedding gets its own copy of the table (loaded from
+            # the embedding's checkpoint tensor).
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
 
     @staticmethod
@@ -135,8 +158,10 @@ class LlamaForCausalLM(nn.Module):
         b = bool(getattr(cfg, "attention_bias", False))
         return b, b
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """Final hidden states on the last pipeline stage; IntermediateTensors for the next stage elsewhere."""
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
@@ -144,12 +169,21 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; returns the parameter names that were loaded."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        other_stages = missing_prefixes(self)
+        # A tied head on a stage without the embedding is filled from the embedding's tensor.
+        head_from_embedding = self.tie_word_embeddings and self.lm_head is not self.model.embed_tokens \
+            and not is_pp_missing(self.lm_head)
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the embedding is the head
+            if head_from_embedding and name == "model.embed_tokens.weight":
+                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor.to(self.lm_head.weight.dtype))
+                loaded.add("lm_head.weight")
+            if name.startswith(other_stages):
+                continue  # another pipeline stage's tensor
             shard = None
             for ckpt, (fused, shard_id) in self.packed_modules_mapping.items():
                 if f".{ckpt}." in name:

@@ -10,7 +10,8 @@ from tokenmill.attention.registry import get_attention_backend
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
-from tokenmill.distributed import get_tp_size, kv_heads_per_rank
+from tokenmill.distributed import get_parallel_state, kv_heads_per_rank
+from tokenmill.distributed.pp import StageLink, pp_layer_range
 from tokenmill.engine.messages import LogprobsLists
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
@@ -29,6 +30,10 @@ class ModelRunner:
     Per step: forget finished requests, add new ones, append new blocks, build flat inputs with numpy gathers, run
     the model, sample the requests whose known tokens are all computed, and append the sampled ids. The only
     device->host sync is the one that returns sampled ids.
+
+    Under pipeline parallelism the runner holds its stage's layers and their KV cache only: a stage other than the
+    first receives the micro-batch's hidden states from the previous stage, one other than the last sends its own
+    on and samples nothing; such stages learn the sampled tokens from the scheduler (`new_token_ids`).
     """
 
     def __init__(self, config: TokenmillConfig, device: torch.device) -> None:
@@ -43,6 +48,7 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         self.backend_cls = get_attention_backend(envs.TOKENMILL_ATTENTION_BACKEND, device)
         self.model: torch.nn.Module | None = None
+        self.link: StageLink | None = None  # pipeline parallelism: to/from the neighbouring stages
         self.kv_caches: list[torch.Tensor] = []
         # On CUDA the random draw is one compiled kernel instead of ~15 int64 passes over [batch, vocab].
         self.sampler = Sampler(fuse_noise=device.type == "cuda")
@@ -59,19 +65,25 @@ class ModelRunner:
     def load_model(self) -> None:
         self.model = load_model(self.config, self.device, self.backend_cls)
         text = self.config.model_config.get_text_config()
+        ps = self.parallel = get_parallel_state()  # called inside the worker's use_parallel_state
+        self.is_first_stage, self.is_last_stage = ps.pp_rank == 0, ps.pp_rank == ps.pp_size - 1
         self.num_layers = text.num_hidden_layers
+        self.own_layers = range(*pp_layer_range(self.num_layers, ps.pp_rank, ps.pp_size))
+        self.link = StageLink(ps, text.hidden_size, self.dtype, self.device) if ps.pp_size > 1 else None
         self.num_kv_heads = kv_heads_per_rank(  # this rank's share of the KV heads: its cache holds only those
-            getattr(text, "num_key_value_heads", None) or text.num_attention_heads, get_tp_size())
+            getattr(text, "num_key_value_heads", None) or text.num_attention_heads, ps.tp_size)
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * len(self.own_layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.backend_cls.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(self.num_layers)]
+        # Indexed by global layer; other stages' layers get an empty stand-in (they never run here).
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) if i in self.own_layers
+                          else torch.empty(0, dtype=self.kv_dtype, device=self.device)
+                          for i in range(self.num_layers)]
         self.batch = InputBatch(self.max_num_reqs, self.max_model_len, cdiv(self.max_model_len, self.block_size))
         self.sampling = SamplingState(self.max_num_reqs, self.vocab_size, self.device,
                                       global_seed=self.config.model_config.seed,
@@ -85,17 +97,24 @@ class ModelRunner:
             self.cuda_graphs.capture()
 
     def use_cuda_graphs(self) -> bool:
-        """Graphs need a device, a backend without host-side planning per step, and enforce_eager off."""
-        return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
+        """Graphs need a device, a backend without host-side planning per step, and enforce_eager off; pipeline
+        stages run eagerly (the graphs capture a whole model's forward, not a stage's send/receive)."""
+        return (self.device.type == "cuda" and not self.config.model_config.enforce_eager and self.link is None
                 and getattr(self.backend_cls, "supports_cuda_graphs", False))
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
         """A forward over `num_tokens` dummy tokens without a KV cache, to measure peak activation memory."""
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        inter = None
+        if not self.is_first_stage:  # stand-in activations: no stage exchanges anything while profiling
+            from tokenmill.distributed.pp import IntermediateTensors
+            h = torch.zeros(num_tokens, self.link.hidden_size, dtype=self.dtype, device=self.device)
+            inter = IntermediateTensors(h, h.clone())
         with set_forward_context(None, []):
-            hidden = self.model(ids, ids)
-            self.model.compute_logits(hidden[-min(num_tokens, self.max_num_reqs):])
+            hidden = self.model(ids, ids, inter)
+            if self.is_last_stage:
+                self.model.compute_logits(hidden[-min(num_tokens, self.max_num_reqs):])
 
     # ----- one step -----
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -116,6 +135,13 @@ class ModelRunner:
             row = b.req_id_to_row[rid]
             b.append_blocks(row, blocks)
             b.num_computed_tokens[row] = num_computed
+        if c.new_token_ids and not self.is_last_stage:
+            # Tokens the last stage sampled since this request last ran (only it sampled them).
+            for rid, toks in zip(c.req_ids, c.new_token_ids):
+                if toks:
+                    row, n = b.req_id_to_row[rid], len(toks)
+                    b.token_ids[row, b.num_tokens[row]:b.num_tokens[row] + n] = toks
+                    b.num_tokens[row] += n
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> None:
@@ -168,8 +194,12 @@ class ModelRunner:
             ids_t = to_device(input_ids, dev)
             if fixup is not None:
                 self._apply_fixup(ids_t, fixup)
+            inter = None if self.is_first_stage else self.link.recv(total)
             with set_forward_context(md, self.kv_caches):
-                hidden = self.model(ids_t, to_device(positions, dev))
+                hidden = self.model(ids_t, to_device(positions, dev), inter)
+            if not self.is_last_stage:
+                self.link.send(hidden)  # returns at once: the next stage takes it from here
+                return
             prompt_lp = self._prompt_logprobs(req_ids, rows, computed, n_sched, qsl, hidden)
             logits = None
             if len(sample_idx):

@@ -10,6 +10,7 @@ from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
 from tokenmill.distributed import ParallelState, init_distributed, use_parallel_state, world_min
+from tokenmill.executor.pp_output import BroadcastOutput, ResultSender, output_rank
 from tokenmill.logger import init_logger
 from tokenmill.worker.model_runner import AsyncRunnerOutput, ModelRunner
 
@@ -20,11 +21,14 @@ GiB = 1 << 30
 class Worker:
     """One rank: joins the process groups (when the world has more than one rank), then owns its model runner.
 
-    Every public method is what an executor's `collective_rpc` may call by name on every rank.
+    Every public method is what an executor's `collective_rpc` may call by name on every rank. Under pipeline
+    parallelism the last stage resolves its sampled output at once, and the output rank hands it on: to
+    `result_addr` (the mp executor's driver) when given, otherwise, under external_launcher, as a broadcast to every
+    rank when the step's handle is resolved (see executor/pp_output.py).
     """
 
     def __init__(self, config: TokenmillConfig, rank: int = 0, local_rank: int = 0,
-                 distributed_init_method: str | None = None) -> None:
+                 distributed_init_method: str | None = None, result_addr: str | None = None) -> None:
         self.config = config
         self.rank = rank
         self.device = config.device_config.torch_device
@@ -46,6 +50,12 @@ class Worker:
                 adopt_existing=pc.distributed_executor_backend == "external_launcher")
         torch.manual_seed(config.model_config.seed)
         self.runner = ModelRunner(config, self.device)
+        ps = self.parallel_state
+        self.pp = ps.pp_size > 1
+        self.broadcast_output = self.pp and pc.distributed_executor_backend == "external_launcher"
+        self.result_sender = None
+        if self.pp and result_addr is not None and ps.rank == output_rank(ps):
+            self.result_sender = ResultSender(result_addr)
 
     def load_model(self) -> None:
         with use_parallel_state(self.parallel_state):  # the layers shard for, and talk in, this worker's world
@@ -104,5 +114,25 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> None:
         self.runner.execute_model(sched)
 
-    def sample_tokens(self, grammar: GrammarOutput | None) -> AsyncRunnerOutput:
-        return self.runner.sample_tokens(grammar)
+    def sample_tokens(self, grammar: GrammarOutput | None):
+        """The step's output handle: the runner's own without pipeline parallelism."""
+        handle = self.runner.sample_tokens(grammar)
+        if not self.pp:
+            return handle
+        out = None
+        if self.runner.is_last_stage:
+            # Now, not when someone asks: the next micro-batch on this stage may hold other requests, and the
+            # runner's device-side hand-over of sampled ids only reaches back one step.
+            out = handle.get()
+            if self.result_sender is not None:
+                self.result_sender.send(out)
+        if self.broadcast_output:
+            return BroadcastOutput(self.parallel_state, out if self.rank == output_rank(self.parallel_state)
+                                   else None)
+        return handle
+
+    def close(self) -> None:
+        """Release the result socket (sends still queued there get a second to leave)."""
+        if self.result_sender is not None:
+            self.result_sender.close()
+            self.result_sender = None
