@@ -147,7 +147,7 @@ def test_bad_engine_arguments(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="dtype"):
         LLM(llama_dir, dtype="float8")
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        LLM(llama_dir, pipeline_parallel_size=2)
+        LLM(llama_dir, pipeline_parallel_size=64)  # more stages than layers
     bad = tmp_path / "foo"
     shutil.copytree(llama_dir, bad)
     cfg = json.loads((bad / "config.json").read_text())

@@ -2,6 +2,7 @@
 started one process per rank, and each runs its own engine core)."""
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from tokenmill import envs
@@ -56,6 +57,12 @@ class ExternalLauncherExecutor(UniProcExecutor):
         self.rank = rank
         return Worker(config, rank=rank, local_rank=local_rank, distributed_init_method="env://")
 
-    def shutdown(self) -> None:
+    def __init__(self, config: TokenmillConfig) -> None:
+        super().__init__(config)
         from tokenmill.distributed import destroy_distributed
-        destroy_distributed(self.worker.parallel_state)
+        # Leave the process groups before the interpreter tears down: a gloo group left alive at exit can abort
+        # the process while its peers disconnect.
+        self._finalizer = weakref.finalize(self, destroy_distributed, self.worker.parallel_state)
+
+    def shutdown(self) -> None:
+        self._finalizer()
