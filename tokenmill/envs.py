@@ -24,6 +24,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TOKENMILL_LOGGING_LEVEL": _str("TOKENMILL_LOGGING_LEVEL", "INFO"),
     # Default attention backend name (see tokenmill/attention/registry.py); empty = pick by device.
     "TOKENMILL_ATTENTION_BACKEND": _str("TOKENMILL_ATTENTION_BACKEND", ""),
+    # Small-batch decode GEMV (tokenmill/layers/linear_ops.py): "auto" = only where measured faster than cuBLAS,
+    # "always" = every eligible product (tests use it to cover the fused path on tiny shapes), "never" = cuBLAS.
+    "TOKENMILL_GEMV": _str("TOKENMILL_GEMV", "auto"),
     # KV cache size on CPU when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given.
     "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _int("TOKENMILL_CPU_KVCACHE_SPACE_GIB", 1),
     # Number of torch intra-op threads on CPU (0 = torch's default).
