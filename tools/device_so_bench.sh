@@ -61,7 +61,8 @@ WARM=$(mktemp -d)
 OUT="$WARM" bench warmup --num-prompts 96 > "$WARM/warmup.txt"
 OUT="$WARM" bench warmup_regex --num-prompts 16 --structured-output-ratio 0.5 --structured-output-kind regex \
   --structured-output-disable-any-whitespace > "$WARM/warmup_regex.txt"
-grep -E "^(Successful|Failed) requests" "$WARM"/warmup*.txt
+grep -m2 -E "^(Successful|Failed) requests" "$WARM"/warmup*.txt
+rm -rf "$WARM"
 bench free --num-prompts $NUM_PROMPTS
 bench mixed --num-prompts $NUM_PROMPTS --structured-output-ratio 0.5 --structured-output-disable-any-whitespace
 bench free2 --num-prompts $NUM_PROMPTS
