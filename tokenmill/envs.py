@@ -32,6 +32,12 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TOKENMILL_STEP_TIMING": _bool("TOKENMILL_STEP_TIMING", False),
     # API key for the server when --api-key is not given.
     "TOKENMILL_API_KEY": _str("TOKENMILL_API_KEY", None),
+    # Not ours, read here so every variable lives in one place: the CUDA devices this process may use (each local
+    # data-parallel engine core gets its own slice of them).
+    "CUDA_VISIBLE_DEVICES": _str("CUDA_VISIBLE_DEVICES", None),
+    # prometheus_client's multiprocess directory; set by tokenmill when several API server processes share the
+    # metrics (--api-server-count > 1).
+    "PROMETHEUS_MULTIPROC_DIR": _str("PROMETHEUS_MULTIPROC_DIR", None),
 }
 
 

@@ -70,6 +70,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One engine step's outputs; `engine_index` is the data-parallel rank of the engine core that sent them."""
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    engine_index: int = 0
