@@ -91,7 +91,7 @@ class AsyncMPClient:
         ready: dict[int, int] = {}
         out = self._sync[-1]
         try:
-            while len(ready) < self.num_engines:
+            while len(ready) < self.num_engines or (self.manager is not None and not self.manager.all_ready()):
                 if self.manager is not None:
                     self.manager.poll(0)
                     why = self.manager.failure()
@@ -128,6 +128,11 @@ class AsyncMPClient:
 
     def is_alive(self) -> bool:
         return self.dead_error is None and (self.manager is None or self.manager.dead_local() is None)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Engine requests routed and not yet finished or aborted (tracked only with several engines)."""
+        return len(self._owner)
 
     def owner(self, request_id: str) -> int | None:
         """The engine running engine request `request_id`, while it is unfinished."""

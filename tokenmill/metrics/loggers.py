@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from tokenmill.engine.messages import SchedulerStats
+from tokenmill.engine.messages import SchedulerStats, combine_scheduler_stats
 from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
@@ -79,15 +79,7 @@ class StatLogger:
 
     @property
     def last(self) -> SchedulerStats | None:
-        seen = [e.last for e in self.engines if e.last is not None]
-        if len(self.engines) == 1 or not seen:
-            return self.engines[0].last
-        return SchedulerStats(num_running_reqs=sum(s.num_running_reqs for s in seen),
-                              num_waiting_reqs=sum(s.num_waiting_reqs for s in seen),
-                              kv_cache_usage=sum(s.kv_cache_usage for s in seen) / len(seen),
-                              prefix_cache_queries=sum(s.prefix_cache_queries for s in seen),
-                              prefix_cache_hits=sum(s.prefix_cache_hits for s in seen),
-                              num_preemptions=sum(s.num_preemptions for s in seen))
+        return combine_scheduler_stats([e.last for e in self.engines if e.last is not None])
 
     def engine_stats(self, engine: int) -> SchedulerStats | None:
         return self.engines[engine].last
