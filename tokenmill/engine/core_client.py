@@ -11,7 +11,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tokenmill.engine.core_proc import (ABORT, ADD, FAILED, OUTPUTS, READY, SHUTDOWN, UTILITY, UTILITY_RESULT)
+from tokenmill.engine.core_proc import ABORT, ADD, FAILED, OUTPUTS, READY, UTILITY, UTILITY_RESULT
 from tokenmill.engine.launcher import EngineAddresses, EngineManager, make_addresses
 from tokenmill.engine.load_balancer import DPLoadBalancer
 from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest
@@ -242,11 +242,7 @@ class AsyncMPClient:
     # ----- shutdown -----
     def shutdown(self) -> None:
         try:
-            if self.manager is not None and not self.ctx.closed:
-                # Engines of headless nodes are not ours to kill: ask them to stop (the local ones are terminated).
-                for rank in self.manager.remote_ranks:
-                    with contextlib.suppress(zmq.ZMQError):
-                        self._sync[rank].send_multipart([SHUTDOWN, b""], flags=zmq.NOBLOCK)
+            if self.manager is not None:
                 self.manager.shutdown()
         finally:
             self._close_sockets()
@@ -260,8 +256,7 @@ class AsyncMPClient:
         monitor = getattr(self, "_monitor_sync", None)
         if monitor is not None:
             monitor.close(linger=0)
-        remote = set(self.manager.remote_ranks) if self.manager is not None else set()
-        for i, sock in enumerate(self._sync):
-            sock.close(linger=1000 if i in remote else 0)
+        for sock in self._sync:
+            sock.close(linger=0)
         self._sync = []
         self.ctx.term()

@@ -3,7 +3,8 @@
 Start-up (see engine/launcher.py): the process connects a DEALER to the head's handshake socket and sends HELLO
 {rank, pid, host}; the head answers WELCOME {inputs, outputs} (one input and one output address per client, i.e. per
 API server process) or REJECT {error}. After building the EngineCore it sends READY {engine_index, num_blocks} on
-every output socket and on the handshake socket, or FAILED {rank, error, traceback} on the handshake socket.
+every output socket and on the handshake socket, or FAILED {rank, error, traceback} on the handshake socket. The
+handshake socket stays open: the head stops engines of other nodes by sending SHUTDOWN there.
 
 Client k -> engine, on input socket k: (kind, msgpack payload). ADD carries an EngineCoreRequest, ABORT a list of
 request ids, UTILITY a (call_id, method name, args) tuple, SHUTDOWN nothing. Engine -> client k, on output socket k:
@@ -43,7 +44,7 @@ class EngineCoreProc:
     """
 
     def __init__(self, config, engine_index: int, input_paths: list[str], output_paths: list[str],
-                 parent_pid: int) -> None:
+                 parent_pid: int, control: zmq.Socket | None = None) -> None:
         from tokenmill.engine.engine_core import EngineCore
         self.core = EngineCore(config)
         self.engine_index = engine_index
@@ -59,6 +60,7 @@ class EngineCoreProc:
             sock.connect(path)
             self.outputs.append(sock)
         self._client_of_socket = {sock: k for k, sock in enumerate(self.inputs)}
+        self.control = control  # the handshake socket: only SHUTDOWN arrives there
         self.client_of: dict[str, int] = {}  # request id -> client index, only with several clients
         self.req_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.encoder = msgspec.msgpack.Encoder()
@@ -130,6 +132,8 @@ class EngineCoreProc:
         poller = zmq.Poller()
         for sock in self.inputs:
             poller.register(sock, zmq.POLLIN)
+        if self.control is not None:
+            poller.register(self.control, zmq.POLLIN)
         client_of_socket = self._client_of_socket
         while self.running:
             busy = self.core.has_unfinished_requests()
@@ -141,7 +145,10 @@ class EngineCoreProc:
                     break
                 for sock, _ in events:
                     kind, payload = sock.recv_multipart()
-                    self._handle(kind, payload, client_of_socket[sock])
+                    if sock is self.control:
+                        self.running = self.running and kind != SHUTDOWN
+                    else:
+                        self._handle(kind, payload, client_of_socket[sock])
                 timeout = 0
             if not self.running:
                 break
@@ -202,7 +209,7 @@ def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: 
         ctx.term()
         os._exit(1)
     try:
-        proc = EngineCoreProc(config, engine_index, welcome["inputs"], welcome["outputs"], parent_pid)
+        proc = EngineCoreProc(config, engine_index, welcome["inputs"], welcome["outputs"], parent_pid, control=hs)
     except BaseException as e:
         hs.send_multipart([FAILED, msgspec.msgpack.encode({"rank": engine_index, "error": f"{type(e).__name__}: {e}",
                                                            "traceback": traceback.format_exc()})])

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 
 from tokenmill import envs
-from tokenmill.engine.core_proc import FAILED, HELLO, NODE_HELLO, READY, REJECT, WELCOME, run_engine_core
+from tokenmill.engine.core_proc import FAILED, HELLO, NODE_HELLO, READY, REJECT, SHUTDOWN, WELCOME, run_engine_core
 from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
@@ -145,8 +145,8 @@ class EngineManager:
 
     Contract: the constructor binds and spawns; `poll(timeout_ms)` handles handshake traffic and must be called
     until `all_ready()`; `failure()` returns the first start-up error or dead local process as a sentence (None
-    while all is well); `shutdown()` stops the local processes and removes the ipc directory. Remote engines are
-    stopped by their clients (a SHUTDOWN message), not here.
+    while all is well); `shutdown()` asks the engines of other nodes to stop (SHUTDOWN over the handshake socket),
+    terminates the local processes and removes the ipc directory.
     """
 
     def __init__(self, config, addresses: EngineAddresses, parent_pid: int | None = None) -> None:
@@ -166,6 +166,7 @@ class EngineManager:
             raise ValueError(f"Cannot bind the data-parallel handshake socket {addresses.handshake} ({e}); "
                              "pick another --data-parallel-rpc-port or --data-parallel-address.") from None
         self.hosts: dict[int, str] = {}  # rank -> "pid P on host H" of the engine that said HELLO
+        self.idents: dict[int, bytes] = {}  # rank -> its handshake routing id
         self.node_ranks: dict[int, str] = {}  # rank -> host of the headless node that claimed it
         self.ready: dict[int, int] = {}  # rank -> number of KV blocks
         self.errors: list[str] = []
@@ -231,7 +232,7 @@ class EngineManager:
             if why is not None:
                 logger.error("Turned away engine core %s: %s.", where, why)
                 return self._reply(ident, REJECT, {"error": why})
-            self.hosts[rank] = where
+            self.hosts[rank], self.idents[rank] = where, ident
             self._reply(ident, WELCOME, {"inputs": [per_client[rank] for per_client in self.addresses.inputs],
                                          "outputs": list(self.addresses.outputs)})
         elif kind == READY:
@@ -274,8 +275,12 @@ class EngineManager:
     def shutdown(self) -> None:
         if self.ctx.closed:
             return
+        for rank, ident in self.idents.items():
+            if rank not in self.local_ranks:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.hs.send_multipart([ident, SHUTDOWN, b""], flags=zmq.NOBLOCK)
         stop_processes(list(self.procs.values()))
-        self.hs.close(linger=0)
+        self.hs.close(linger=1000 if self.remote_ranks else 0)
         self.ctx.term()
         if self.addresses.tmp_dir:
             shutil.rmtree(self.addresses.tmp_dir, ignore_errors=True)
