@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import shutil
 import time
 
 import msgspec
@@ -19,6 +20,7 @@ from tokenmill.engine.protocol import EngineDeadError
 from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
+SEND_WAIT_MS = 5000  # how long a send may wait for an engine's input connection before the engine counts as gone
 
 
 class AsyncMPClient:
@@ -47,7 +49,8 @@ class AsyncMPClient:
         self._sync: list[zmq.Socket] = []
         try:
             for path in self.addresses.inputs[client_index]:
-                self._sync.append(self._bind(zmq.PUSH, path))
+                # No high-water mark: a send only fails when the engine is not connected at all (see _send).
+                self._sync.append(self._bind(zmq.PUSH, path, sndhwm=0))
             out = self._bind(zmq.PULL, self.addresses.outputs[client_index])
             self._sync.append(out)
             self._monitor_sync = out.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -55,6 +58,8 @@ class AsyncMPClient:
                 self.manager = EngineManager(config, self.addresses)
         except BaseException:
             self._close_sockets()
+            if owns and self.addresses.tmp_dir:
+                shutil.rmtree(self.addresses.tmp_dir, ignore_errors=True)
             raise
         # asyncio views of the same sockets; the synchronous ones own them (start-up and shutdown use those)
         self.inputs = [zmq.asyncio.Socket.shadow(s.underlying) for s in self._sync[:-1]]
@@ -76,8 +81,10 @@ class AsyncMPClient:
         if wait:
             self.wait_ready()
 
-    def _bind(self, kind: int, path: str) -> zmq.Socket:
+    def _bind(self, kind: int, path: str, sndhwm: int | None = None) -> zmq.Socket:
         sock = self.ctx.socket(kind)
+        if sndhwm is not None:
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
         try:
             sock.bind(path)
         except zmq.ZMQError as e:
@@ -127,7 +134,17 @@ class AsyncMPClient:
         return self.manager.pids if self.manager is not None else []
 
     def is_alive(self) -> bool:
-        return self.dead_error is None and (self.manager is None or self.manager.dead_local() is None)
+        """Also usable before any request started the output loop: checks the local processes and whether an
+        engine's connection dropped."""
+        if self.ctx.closed:  # shut down
+            return False
+        if self.dead_error is None:
+            if self._monitor_sync.poll(0):
+                self._monitor_sync.recv_multipart()
+                self._mark_dead(self._why_disconnected())
+            elif self.manager is not None and self.manager.dead_local() is not None:
+                self._mark_dead(self.manager.dead_local())
+        return self.dead_error is None
 
     @property
     def num_unfinished(self) -> int:
@@ -147,10 +164,22 @@ class AsyncMPClient:
             engine = self.balancer.choose(reqs[0].prompt_token_ids, len(reqs))
             for r in reqs:
                 self._owner[r.request_id] = engine
-        sock = self.inputs[engine]
         for r in reqs:
-            await sock.send_multipart([ADD, self.encoder.encode(r)])
+            await self._send(engine, [ADD, self.encoder.encode(r)])
         return engine
+
+    async def _send(self, engine: int, frames: list[bytes]) -> None:
+        """Sends without blocking; waits (briefly) only while the engine's input connection is not up."""
+        sock = self._sync[engine]
+        try:
+            return sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        if await self.inputs[engine].poll(SEND_WAIT_MS, zmq.POLLOUT):
+            with contextlib.suppress(zmq.Again):
+                return sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        self._mark_dead(self.dead_error or f"data-parallel engine core {engine} is not connected")
+        raise EngineDeadError(self.dead_error)
 
     def _by_engine(self, request_ids: list[str]) -> dict[int, list[str]]:
         if self.num_engines == 1:
@@ -166,18 +195,19 @@ class AsyncMPClient:
         """Usable from synchronous cleanup code: queues the abort without awaiting."""
         if request_ids and self.dead_error is None:
             for engine, ids in self._by_engine(request_ids).items():
-                self.inputs[engine].send_multipart([ABORT, self.encoder.encode(ids)])
+                with contextlib.suppress(zmq.Again):  # not connected: the engine is gone and so are its requests
+                    self._sync[engine].send_multipart([ABORT, self.encoder.encode(ids)], flags=zmq.NOBLOCK)
 
     async def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_error is None:
             for engine, ids in self._by_engine(request_ids).items():
-                await self.inputs[engine].send_multipart([ABORT, self.encoder.encode(ids)])
+                await self._send(engine, [ABORT, self.encoder.encode(ids)])
 
     async def call_utility(self, name: str, *args, engine: int = 0):
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._utility_futures[call_id] = fut
-        await self.inputs[engine].send_multipart([UTILITY, self.encoder.encode((call_id, name, list(args)))])
+        await self._send(engine, [UTILITY, self.encoder.encode((call_id, name, list(args)))])
         return await fut
 
     async def call_utility_all(self, name: str, *args) -> list:

@@ -192,12 +192,12 @@ class EngineManager:
             self._handle(ident, kind, msgspec.msgpack.decode(payload))
             timeout_ms = 0
         if not self.all_ready() and time.monotonic() - self._last_wait_log > WAIT_LOG_INTERVAL_S:
+            # Local engines log their own loading; ranks of other nodes would otherwise be waited for silently.
             self._last_wait_log = time.monotonic()
-            missing = [r for r in range(self.dp_size) if r not in self.ready]
-            remote = [r for r in missing if r not in self.local_ranks and r not in self.hosts]
-            hint = (f"; ranks {remote} must come from `tokenmill serve --headless` nodes connecting to "
-                    f"{self.addresses.handshake}") if remote else ""
-            logger.info("Waiting for data-parallel engine cores %s%s.", missing, hint)
+            remote = [r for r in self.remote_ranks if r not in self.hosts]
+            if remote:
+                logger.info("Waiting for data-parallel ranks %s: start them with `tokenmill serve --headless` on "
+                            "other nodes, connecting to %s.", remote, self.addresses.handshake)
 
     def _reply(self, ident: bytes, kind: bytes, msg: dict) -> None:
         self.hs.send_multipart([ident, kind, msgspec.msgpack.encode(msg)])
