@@ -253,10 +253,14 @@ class AsyncMPClient:
 
     def _why_disconnected(self) -> str:
         if self.manager is not None:
-            time.sleep(0.05)  # let a local process that just closed its sockets finish exiting
-            dead = self.manager.dead_local()
-            if dead is not None:
-                return dead
+            # A local process that just closed its sockets is finishing its exit; a headless node reports which of
+            # its engines died over the handshake socket.
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                self.manager.poll(20)
+                why = self.manager.failure()
+                if why is not None:
+                    return why
         return ("lost the connection to a data-parallel engine core (its process or its node went away); see the "
                 "log of the node that ran it")
 

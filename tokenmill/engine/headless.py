@@ -10,7 +10,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tokenmill.engine.core_proc import NODE_HELLO, REJECT
+from tokenmill.engine.core_proc import FAILED, NODE_HELLO, REJECT
 from tokenmill.engine.launcher import spawn_engine_cores, stop_processes
 from tokenmill.logger import init_logger
 
@@ -54,12 +54,12 @@ class HeadlessNode:
             if not self._join(node):
                 return 0 if self.stopping else 1
             procs = spawn_engine_cores(self.config, self.ranks, self.handshake, os.getpid())
-            return self._watch(procs, monitor)
+            return self._watch(procs, node, monitor)
         finally:
             stop_processes(list(procs.values()))
             node.disable_monitor()
             monitor.close(linger=0)
-            node.close(linger=0)
+            node.close(linger=1000)
             ctx.term()
 
     def _join(self, node: zmq.Socket) -> bool:
@@ -80,12 +80,19 @@ class HeadlessNode:
             return False
         return True
 
-    def _watch(self, procs: dict, monitor: zmq.Socket) -> int:
+    def _watch(self, procs: dict, node: zmq.Socket, monitor: zmq.Socket) -> int:
         while True:
             if self.stopping:
                 logger.info("Headless node stopping its engine cores.")
                 return 0
-            if any(not p.is_alive() for p in procs.values()):
+            dead = [(r, p) for r, p in procs.items() if not p.is_alive()]
+            if dead:
+                rank, proc = dead[0]
+                if proc.exitcode != 0:  # tell the head which rank died (it only sees a dropped connection)
+                    node.send_multipart([FAILED, msgspec.msgpack.encode(
+                        {"rank": rank, "running": True, "error": f"data-parallel engine core {rank} (pid {proc.pid} "
+                                                                 f"on {socket.gethostname()}) exited unexpectedly "
+                                                                 f"(exit code {proc.exitcode})"})])
                 return self._finish(procs, "an engine core exited")
             while monitor.poll(0):
                 if recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:

@@ -239,6 +239,8 @@ class EngineManager:
             self.ready[rank] = msg["num_blocks"]
             logger.info("Data-parallel engine core %d ready (%s): %d KV blocks.", rank, self.hosts.get(rank, "?"),
                         msg["num_blocks"])
+        elif kind == FAILED and msg.get("running"):  # a headless node reports one of its engines died
+            self.errors.append(msg.get("error"))
         elif kind == FAILED:
             self.errors.append(f"engine core {rank} failed to start: {msg.get('error')}")
             logger.error("Engine core %d failed to start:\n%s", rank, msg.get("traceback", ""))

@@ -368,7 +368,12 @@ async def _watchdog(app: FastAPI) -> None:
     while True:
         await asyncio.sleep(WATCHDOG_INTERVAL_S)
         if engine.errored:
-            app.state.engine_died("the engine core stopped")
+            try:
+                await engine.check_health()
+                why = "the engine core stopped"
+            except EngineDeadError as e:  # says which engine and how
+                why = str(e)
+            app.state.engine_died(why)
             return
 
 
