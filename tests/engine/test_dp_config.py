@@ -89,3 +89,60 @@ def test_each_local_engine_gets_its_own_devices(monkeypatch):
                                          r"but 3 are visible \(3,5,7\)"):
         check_devices(cfg, 2)
     assert check_devices(SimpleNamespace(device_config=SimpleNamespace(device="cpu")), 2) is None
+
+
+def test_handshake_welcomes_each_rank_once_and_ignores_garbage(tiny_model_factory):
+    """The head's side of the start-up protocol, driven by hand (no engine processes: all ranks are 'remote')."""
+    import msgspec
+    import zmq
+
+    from tests.entrypoints.openai.server_utils import free_port
+    from tokenmill.config.engine_args import create_engine_config
+    from tokenmill.engine.core_proc import HELLO, NODE_HELLO, READY, REJECT, WELCOME
+    from tokenmill.engine.launcher import EngineManager
+    cfg = create_engine_config(model=tiny_model_factory("llama"), data_parallel_size=2, data_parallel_size_local=0,
+                               data_parallel_rpc_port=free_port())
+    manager = EngineManager(cfg, make_addresses(cfg.parallel_config, 2))
+    ctx = zmq.Context()
+    socks = []
+
+    def ask(kind: bytes, msg) -> tuple[bytes, dict]:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(manager.addresses.handshake)
+        socks.append(sock)
+        sock.send_multipart([kind, msgspec.msgpack.encode(msg)])
+        for _ in range(100):
+            manager.poll(20)
+            if sock.poll(10):
+                reply_kind, payload = sock.recv_multipart()
+                return reply_kind, msgspec.msgpack.decode(payload)
+        raise AssertionError("no reply")
+
+    try:
+        assert ask(NODE_HELLO, {"ranks": [0, 1], "host": "n1"})[0] == WELCOME
+        kind, msg = ask(NODE_HELLO, {"ranks": [1], "host": "n2"})
+        assert kind == REJECT and "ranks [1] already run elsewhere" in msg["error"]
+        assert "outside 0..1" in ask(NODE_HELLO, {"ranks": [5], "host": "n3"})[1]["error"]
+        kind, msg = ask(HELLO, {"rank": 1, "pid": 1, "host": "n1"})
+        assert kind == WELCOME and msg["inputs"] == [per[1] for per in manager.addresses.inputs]
+        assert msg["outputs"] == manager.addresses.outputs and len(msg["outputs"]) == 2
+        kind, msg = ask(HELLO, {"rank": 1, "pid": 2, "host": "n1"})
+        assert kind == REJECT and "already has an engine core" in msg["error"]
+        garbage = ctx.socket(zmq.DEALER)
+        garbage.connect(manager.addresses.handshake)
+        socks.append(garbage)
+        garbage.send_multipart([b"??", b"\xc1"])
+        garbage.send(b"one frame")
+        assert ask(HELLO, {"rank": 0, "pid": 3, "host": "n1"})[0] == WELCOME  # still serving
+        socks[-1].send_multipart([READY, msgspec.msgpack.encode({"rank": 0, "num_blocks": 7})])
+        socks[3].send_multipart([READY, msgspec.msgpack.encode({"rank": 1, "num_blocks": 9})])
+        for _ in range(100):
+            manager.poll(20)
+            if manager.all_ready():
+                break
+        assert manager.ready == {0: 7, 1: 9} and manager.failure() is None
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+        manager.shutdown()

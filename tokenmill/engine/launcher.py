@@ -188,9 +188,17 @@ class EngineManager:
 
     def poll(self, timeout_ms: int = 0) -> None:
         while self.hs.poll(timeout_ms):
-            ident, kind, payload = self.hs.recv_multipart()
-            self._handle(ident, kind, msgspec.msgpack.decode(payload))
             timeout_ms = 0
+            frames = self.hs.recv_multipart()
+            try:  # the port is open to the network: something else may knock
+                ident, kind, payload = frames
+                msg = msgspec.msgpack.decode(payload)
+                if not isinstance(msg, dict):
+                    raise ValueError("not a mapping")
+            except ValueError as e:
+                logger.warning("Ignored a malformed message on the data-parallel handshake socket: %s", e)
+                continue
+            self._handle(ident, kind, msg)
         if not self.all_ready() and time.monotonic() - self._last_wait_log > WAIT_LOG_INTERVAL_S:
             # Local engines log their own loading; ranks of other nodes would otherwise be waited for silently.
             self._last_wait_log = time.monotonic()
@@ -204,9 +212,10 @@ class EngineManager:
 
     def _handle(self, ident: bytes, kind: bytes, msg: dict) -> None:
         if kind == NODE_HELLO:
-            ranks, host = list(msg.get("ranks", [])), msg.get("host", "?")
-            bad = [r for r in ranks if not 0 <= r < self.dp_size]
-            taken = [r for r in ranks if r in self.local_ranks or r in self.node_ranks]
+            ranks, host = msg.get("ranks"), msg.get("host", "?")
+            ranks = ranks if isinstance(ranks, list) else []
+            bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.dp_size]
+            taken = [] if bad else [r for r in ranks if r in self.local_ranks or r in self.node_ranks]
             if bad or taken or not ranks:
                 why = (f"ranks {bad} are outside 0..{self.dp_size - 1} (data_parallel_size={self.dp_size})" if bad
                        else f"ranks {taken} already run elsewhere (head node ranks: {list(self.local_ranks)})"
@@ -217,7 +226,7 @@ class EngineManager:
                 self.node_ranks[r] = host
             logger.info("Headless node %s joined with data-parallel ranks %s.", host, ranks)
             return self._reply(ident, WELCOME, {})
-        rank = msg.get("rank", -1)
+        rank = msg.get("rank") if isinstance(msg.get("rank"), int) else -1
         if kind == HELLO:
             where = f"pid {msg.get('pid')} on host {msg.get('host')}"
             local = self.procs.get(rank)
@@ -235,12 +244,12 @@ class EngineManager:
             self.hosts[rank], self.idents[rank] = where, ident
             self._reply(ident, WELCOME, {"inputs": [per_client[rank] for per_client in self.addresses.inputs],
                                          "outputs": list(self.addresses.outputs)})
-        elif kind == READY:
-            self.ready[rank] = msg["num_blocks"]
-            logger.info("Data-parallel engine core %d ready (%s): %d KV blocks.", rank, self.hosts.get(rank, "?"),
-                        msg["num_blocks"])
+        elif kind == READY and rank in self.hosts:
+            self.ready[rank] = msg.get("num_blocks", 0)
+            logger.info("Data-parallel engine core %d ready (%s): %d KV blocks.", rank, self.hosts[rank],
+                        self.ready[rank])
         elif kind == FAILED and msg.get("running"):  # a headless node reports one of its engines died
-            self.errors.append(msg.get("error"))
+            self.errors.append(str(msg.get("error")))
         elif kind == FAILED:
             self.errors.append(f"engine core {rank} failed to start: {msg.get('error')}")
             logger.error("Engine core %d failed to start:\n%s", rank, msg.get("traceback", ""))
