@@ -42,11 +42,9 @@ def test_head_and_headless_node_serve_together(tmp_path, tiny_model_factory):
     intruder = None
     try:
         head.wait_healthy(240)
-        intruder = subprocess.run(SERVER + common + ["--headless", "-dpr", "1"], capture_output=True, env=env,
-                                  timeout=120)
-        assert intruder.returncode == 1
-        assert b"turned this node away: ranks [1] already run elsewhere" in intruder.stderr
-
+        # A second node claiming rank 1 is turned away (checked at the end; it runs meanwhile).
+        intruder = subprocess.Popen(SERVER + common + ["--headless", "-dpr", "1"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
         with head.client() as http:
             body = {"prompt": "Same prompt on both replicas", "max_tokens": 12, "temperature": 0,
                     "ignore_eos": True}
@@ -59,13 +57,16 @@ def test_head_and_headless_node_serve_together(tmp_path, tiny_model_factory):
             assert set(gen) == {"0", "1"} and gen["0"] > 0 and gen["1"] > 0, gen
             assert sum(gen.values()) == 8 * 12
             assert set(metrics_by_engine(http, "vllm:num_requests_running")) == {"0", "1"}
+        out, _ = intruder.communicate(timeout=120)
+        assert intruder.returncode == 1 and b"turned this node away: ranks [1] already run elsewhere" in out
         assert head.stop(signal.SIGTERM) == 0, head.log()
         assert node.wait(30) == 0  # the head's shutdown stops the remote engine, and the node exits cleanly
     finally:
         head.stop(signal.SIGKILL)
-        if node.poll() is None:
-            os.killpg(node.pid, signal.SIGKILL)
-            node.wait(10)
+        for proc in (node, intruder):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
         node_log.close()
     log = (tmp_path / "node.log").read_text()
     assert "Headless node: data-parallel ranks [1]" in log and "The head node stopped" in log
