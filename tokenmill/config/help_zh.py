@@ -292,7 +292,13 @@ HELP_ZH: dict[str, str] = {
     # ParallelConfig
     "tensor_parallel_size": "张量并行的卡数（简写 -tp）。大于 1 时默认用 mp 后端在本机启动多个进程。",
     "pipeline_parallel_size": "流水线并行的阶段数（简写 -pp）。目前只支持 1。",
-    "data_parallel_size": "数据并行的引擎副本数（简写 -dp）。目前只支持 1。",
+    "data_parallel_size": "数据并行的引擎副本数（简写 -dp）：每个副本是一个独立的引擎核心进程，有自己的设备和 KV 缓存，"
+                          "由同一个 API 服务按队列长度和前缀缓存亲和性分发请求。",
+    "data_parallel_size_local": "本节点上运行的数据并行副本数（简写 -dpl）；不填则运行从 data_parallel_start_rank 起的"
+                                "全部副本。主节点填 0 表示只运行 API 服务。",
+    "data_parallel_start_rank": "本节点上第一个数据并行序号（简写 -dpr），用于 --headless 的从节点；不填为 0。",
+    "data_parallel_address": "数据并行主节点的地址（简写 -dpa），其他节点的引擎核心连到这里；不填为 127.0.0.1。",
+    "data_parallel_rpc_port": "主节点上引擎启动握手用的 TCP 端口（简写 -dpp）；不填为 29550。",
     "distributed_executor_backend": "分布式执行后端：uni（单进程）、mp（本机多进程，多卡时的默认值）、"
                                     "external_launcher（由 torchrun 启动，每个进程各跑一个引擎）；ray 暂不支持。",
     "disable_custom_all_reduce": "只用 torch 的 NCCL all-reduce（tokenmill 没有自定义 all-reduce，始终走这条路径）。",
@@ -319,8 +325,9 @@ HELP_ZH: dict[str, str] = {
     "disable_fastapi_docs": "不提供 /docs、/redoc 和 /openapi.json 这几个接口文档页面。",
     "enable_request_id_headers": "在每个响应中加上 X-Request-Id 头。",
     "disable_frontend_multiprocessing": "让引擎与 API 服务运行在同一个进程里，而不是单独的进程。",
-    "api_server_count": "API 服务进程的数量（简写 -asc），目前只支持 1。",
-    "headless": "只启动引擎、不启动 API 服务（用于多机数据并行，暂不支持）。",
+    "api_server_count": "API 服务进程的数量（简写 -asc）；多个进程共用同一个端口（SO_REUSEPORT），每个都连到全部引擎核心。",
+    "headless": "只运行本节点的数据并行引擎核心（序号从 --data-parallel-start-rank 开始），连到 "
+                "--data-parallel-address:--data-parallel-rpc-port 上的主节点，不启动 API 服务。",
     "shutdown_timeout": "关闭服务时等待进行中请求完成的秒数；0 表示立即中止。",
     "allow_credentials": "CORS：允许携带凭据（Cookie、认证头等）。",
     "allowed_origins": "CORS：允许的来源，可以写多个，也可以写 JSON 列表，例如 "
@@ -411,10 +418,6 @@ HELP_ZH: dict[str, str] = {
     "cp_kv_cache_interleave_size": "上下文并行时 KV 缓存的交错粒度。",
     "prefill_context_parallel_size": "预填充阶段上下文并行的组大小（简写 -pcp）。",
     "data_parallel_rank": "本实例的数据并行序号（简写 -dpn）。",
-    "data_parallel_start_rank": "本节点上第一个数据并行序号（简写 -dpr）。",
-    "data_parallel_size_local": "本节点上运行的数据并行副本数（简写 -dpl）。",
-    "data_parallel_address": "数据并行主节点的地址（简写 -dpa）。",
-    "data_parallel_rpc_port": "数据并行主节点的 RPC 端口（简写 -dpp）。",
     "data_parallel_backend": "数据并行后端，mp 或 ray（简写 -dpb）。",
     "data_parallel_hybrid_lb": "数据并行的混合负载均衡模式（简写 -dph）。",
     "data_parallel_external_lb": "数据并行的外部负载均衡模式（简写 -dpe）。",
