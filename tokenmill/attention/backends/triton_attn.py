@@ -31,7 +31,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_num_splits: int | None = None
 
     def forward(self, q, k, v, kv_cache, md: AttentionMetadata, k_scale=None, v_scale=None):
-        if is_fp8(kv_cache.dtype) and kv_cache.is_cuda:
+        fp8 = is_fp8(kv_cache.dtype)
+        if fp8 and kv_cache.is_cuda:
             check_triton_fp8_support(kv_cache.dtype, kv_cache.device.index or 0)
         t = md.num_actual_tokens
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
@@ -52,7 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
             splits = self.decode_num_splits
             if splits is None:
                 splits = decode_num_splits(md.seq_lens.shape[0], hkv, md.max_seq_len, q.device,
-                                           block_n=decode_config(d, hq // hkv, q.dtype)[0])
+                                           block_n=decode_config(d, hq // hkv, q.dtype, fp8)[0])
             decode_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
                              num_splits=splits, k_scale=k_scale, v_scale=v_scale)
         return out.view(t, hq * d)
