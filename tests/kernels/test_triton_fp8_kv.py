@@ -39,11 +39,13 @@ def scalar(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32, device=DEV)
 
 
-def fp8_cache(shape, fp8, k_scale, v_scale, seed):
-    """A cache of random contents, as the reference would have stored them (so every byte is a valid value)."""
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(shape, generator=g) * 3).to(DEV)
-    return torch.stack([quantize(x[0], k_scale, fp8), quantize(x[1], v_scale, fp8)])
+def fp8_cache(x, fp8, k_scale, v_scale):
+    """An fp8 cache holding 3 * x [2, ...] as the reference stores it (so every byte is a valid value)."""
+    return torch.stack([quantize(x[0].float() * 3, k_scale, fp8), quantize(x[1].float() * 3, v_scale, fp8)])
+
+
+def random_cache(shape, fp8, k_scale, v_scale, seed):
+    return fp8_cache(torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(DEV), fp8, k_scale, v_scale)
 
 
 def representable(shape, fp8, scale, seed, dtype):
@@ -78,7 +80,7 @@ def assert_same_fp8(a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
 def test_store_kv_fp8_quantises_with_scales_and_skips_negative_slots(fp8):
     n, bs, h, d, t = 5, 8, 2, 32, 9
     k_scale, v_scale = scalar(0.25), scalar(8.0)
-    cache = fp8_cache((2, n, bs, h, d), fp8, k_scale, v_scale, seed=1)
+    cache = random_cache((2, n, bs, h, d), fp8, k_scale, v_scale, seed=1)
     before = cache.clone()
     slots = torch.randperm(n * bs, generator=torch.Generator().manual_seed(2))[:t].to(DEV)
     slots[[2, 5]] = -1
@@ -122,7 +124,7 @@ def test_prefill_and_decode_kernels_read_fp8_with_scales(case):
     md, base, q, k, v = make_batch(ql, ctx, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=torch.float32,
                                    seed=500 + case)
     k_scale, v_scale = scalar(0.37), scalar(2.9)
-    cache = fp8_cache(base.shape, fp8, k_scale, v_scale, seed=600 + case)
+    cache = fp8_cache(base, fp8, k_scale, v_scale)
     scale = d ** -0.5
     ref_out, ref_cache = reference(md, cache, q, k, v, hq, hkv, d, scale, k_scale, v_scale)
     t = md.num_actual_tokens
@@ -140,7 +142,7 @@ def test_scales_change_the_result():
     ql, ctx, hq, hkv, d, bs = [1, 5], [20, 3], 4, 2, 32, 8
     md, base, q, k, v = make_batch(ql, ctx, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=torch.float32, seed=9)
     fp8 = torch.float8_e4m3fn
-    cache = fp8_cache(base.shape, fp8, scalar(1.0), scalar(1.0), seed=10)
+    cache = fp8_cache(base, fp8, scalar(1.0), scalar(1.0))
     t = md.num_actual_tokens
     outs = []
     for ks, vs in ((1.0, 1.0), (0.5, 1.0), (1.0, 0.5)):
@@ -159,7 +161,7 @@ def check_fp8_backend(query_lens, ctx_lens, *, hq, hkv, d, block_size, dtype, fp
     md, base, q, k, v = make_batch(query_lens, ctx_lens, hq=hq, hkv=hkv, d=d, block_size=block_size, dtype=dtype,
                                    seed=seed, pad_rows=pad_rows)
     k_scale, v_scale = scalar(scales[0]), scalar(scales[1])
-    cache = fp8_cache(base.shape, fp8, k_scale, v_scale, seed=seed + 1)
+    cache = fp8_cache(base, fp8, k_scale, v_scale)
     if exact_inputs:
         k = representable(k.shape, fp8, scales[0], seed + 2, dtype)
         v = representable(v.shape, fp8, scales[1], seed + 3, dtype)
@@ -218,7 +220,7 @@ def test_backend_fp8_gpu(case, fp8):
 def test_store_kv_fp8_gpu(fp8, dtype):
     n, bs, h, d, t = 300, 16, 8, 128, 1000
     k_scale, v_scale = scalar(0.023), scalar(1.7)
-    cache = fp8_cache((2, n, bs, h, d), fp8, k_scale, v_scale, seed=3)
+    cache = random_cache((2, n, bs, h, d), fp8, k_scale, v_scale, seed=3)
     before = cache.clone()
     slots = torch.randperm(n * bs, device=DEV)[:t]
     slots[::7] = -1
