@@ -252,14 +252,17 @@ HELP_ZH: dict[str, str] = {
                               "全部分给 KV 缓存。只约束当前实例：同一张卡上跑两个实例时可以各设 0.45。遇到显存不足时"
                               "先调低它。",
     "swap_space": "每张 GPU 的 CPU 交换空间，单位 GiB。为兼容保留；tokenmill 的抢占方式是重新计算，不会换出到 CPU。",
-    "kv_cache_dtype": "KV 缓存的数据类型；auto 表示与模型相同。目前只支持 auto、bfloat16 和 float16，fp8 系列暂不支持。",
+    "kv_cache_dtype": "KV 缓存的数据类型；auto 表示与模型相同。fp8（即 fp8_e4m3）和 fp8_e5m2 每个 K/V 元素只占一个字节，"
+                      "KV 容量翻倍；每层的 k/v 缩放因子取自检查点（没有则为 1.0）。GPU 上的 fp8_e4m3 需要计算能力 8.9 "
+                      "及以上。其余 vLLM 取值暂不支持。",
     "num_gpu_blocks_override": "直接指定 KV 缓存块的数量，不再根据显存估算（用于测试和排查问题）。",
     "enable_prefix_caching": "复用相同前缀（如系统提示词、多轮对话历史）已经算好的 KV 缓存，默认开启。用 "
                              "--no-enable-prefix-caching 关闭。",
     "prefix_caching_hash_algo": "前缀缓存块键使用的哈希算法：sha256（默认，最稳妥）、sha256_cbor，或更快但非加密的 "
                                 "xxhash、xxhash_cbor（需要安装 xxhash 包；多租户场景要考虑碰撞风险）。",
     "cpu_offload_gb": "把多少 GiB 的权重放到 CPU 内存中（暂不支持）。",
-    "calculate_kv_scales": "使用 fp8 KV 缓存时动态计算 k/v 的缩放因子。",
+    "calculate_kv_scales": "根据第一次前向计算 fp8 KV 的缩放因子（vLLM 已弃用）。fp8 缓存下暂不支持；"
+                           "非 fp8 缓存没有缩放因子，此选项不起作用。",
     "kv_cache_memory_bytes": "直接指定 KV 缓存的字节数，指定后不再按 --gpu-memory-utilization 计算缓存大小。支持 "
                              "4G、512M 这类写法（大写按 1024 进位）。",
     # SchedulerConfig

@@ -9,6 +9,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from tokenmill.attention.kv_quant import kv_scale_targets, load_kv_scale
 from tokenmill.attention.layer import Attention
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -142,11 +143,21 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into parameters; returns the parameter names that were loaded."""
+        """Copy checkpoint tensors into parameters; returns the parameter names that were loaded. KV-cache scales
+        (k_scale / v_scale / kv_scale, see attention/kv_quant.py) go into the Attention layers' scale buffers."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        buffers = dict(self.named_buffers())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
+                continue
+            targets = kv_scale_targets(name)
+            if targets is not None:
+                for target in targets:
+                    if target not in buffers:
+                        raise ValueError(f"Checkpoint tensor {name!r} looks like a KV-cache scale but "
+                                         f"{type(self).__name__} has no {target!r}.")
+                    load_kv_scale(buffers[target], tensor, name)
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the embedding is the head
