@@ -51,6 +51,9 @@ class LlamaAttention(nn.Module):
         return self._attend(positions, qkv), residual
 
     def _attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        out = self.attn.forward_qkv(qkv, positions, self.rotary_emb, self.q_norm, self.k_norm)
+        if out is not None:
+            return self.o_proj(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             t = q.shape[0]

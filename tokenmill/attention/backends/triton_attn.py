@@ -23,6 +23,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "TRITON"
     supports_cuda_graphs = True  # pure-decode steps plan nothing on the host
+    supports_prestored_kv = True  # forward(q, None, None, ...) when the K/V of the step are already in the cache
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
         super().__init__(num_heads, head_size, num_kv_heads, scale)
@@ -37,9 +38,8 @@ class TritonAttentionBackend(AttentionBackend):
         t = md.num_actual_tokens
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         q = q[:t].view(t, hq, d)
-        k = k[:t].view(t, hkv, d)
-        v = v[:t].view(t, hkv, d)
-        store_kv(k, v, kv_cache, md.slot_mapping[:t], k_scale, v_scale)
+        if k is not None:  # None: the caller already stored this step's K/V (fused rope + store)
+            store_kv(k[:t].view(t, hkv, d), v[:t].view(t, hkv, d), kv_cache, md.slot_mapping[:t], k_scale, v_scale)
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
         kc, vc = kv_cache[0], kv_cache[1]
         has_decode = True
