@@ -41,6 +41,21 @@ case "$mode" in
       --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json"
     unset TOKENMILL_STEP_TIMING
     ;;
+  probe3)
+    python3 -m pytest -q -p no:cacheprovider -x tests/kernels tests/layers tests/gpu tests/worker 2>&1 | tail -12
+    echo "=== profile qwen3-0.6b"; python3 tools/profile_steps.py qwen3-0.6b 2>&1 | grep -vE "^INFO"
+    bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
+      --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"
+    TOKENMILL_GEMV=never bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 \
+      --num-iters 3 --num-iters-warmup 1 --max-model-len 2048
+    bench latency --model llama-3-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
+      --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_llama8b.json"
+    bench throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
+      --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json"
+    bench throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
+      --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --kv-cache-dtype fp8 \
+      --output-json "$OUT/tp_qwen3_fp8.json"
+    ;;
   bench-small)
     bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
       --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"
