@@ -12,13 +12,14 @@ from tokenmill.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks=100, block_size=4, max_tokens_step=32, max_seqs=8, max_model_len=64,
-                   chunked=True, policy="fcfs", caching=True):
+                   chunked=True, policy="fcfs", caching=True, pp=1):
     sc = SchedulerConfig(max_num_batched_tokens=max_tokens_step, max_num_seqs=max_seqs,
                          enable_chunked_prefill=chunked, scheduling_policy=policy)
     sc.finalize(max_model_len)
     cfg = SimpleNamespace(scheduler_config=sc,
                           cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=caching),
-                          model_config=SimpleNamespace(max_model_len=max_model_len))
+                          model_config=SimpleNamespace(max_model_len=max_model_len),
+                          parallel_config=SimpleNamespace(pipeline_parallel_size=pp))
     return Scheduler(cfg, num_blocks)
 
 
@@ -159,3 +160,47 @@ def test_request_needing_more_blocks_than_exist_is_rejected():
     s = make_scheduler(num_blocks=2, block_size=4, max_model_len=64)
     with pytest.raises(ValueError, match="KV blocks"):
         s.add_request(req("a", 20))
+
+
+def test_pipeline_batches_are_disjoint_and_carry_new_tokens():
+    """pp=2: a request whose sample is in flight is not scheduled again; each batch takes at most
+    ceil(unfinished / pp) requests; a rescheduled request brings the tokens it gained (for non-sampling stages)."""
+    s = make_scheduler(pp=2)
+    for rid in "abc":
+        s.add_request(req(rid, 4, max_tokens=3))
+    first = s.schedule()
+    assert list(first.num_scheduled_tokens) == ["a", "b"]  # ceil(3 / 2) requests
+    second = s.schedule()
+    assert list(second.num_scheduled_tokens) == ["c"]  # a and b are in flight
+    assert s.schedule().is_empty  # everything is in flight
+    s.update_from_output(first, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[11], [12]]))
+    third = s.schedule()
+    c = third.scheduled_cached_reqs
+    assert c.req_ids == ["a", "b"] and c.new_token_ids == [[11], [12]]
+    assert third.num_scheduled_tokens == {"a": 1, "b": 1}
+    s.update_from_output(second, ModelRunnerOutput(req_ids=["c"], sampled_token_ids=[[13]]))
+    fourth = s.schedule()
+    assert fourth.scheduled_cached_reqs.new_token_ids == [[13]]
+    # Without pipeline parallelism nothing is filled in.
+    s1 = make_scheduler()
+    s1.add_request(req("x", 4))
+    out, _ = fake_step(s1)
+    assert s1.schedule().scheduled_cached_reqs.new_token_ids == []
+
+
+def test_pipeline_never_preempts_a_request_in_flight():
+    """Its output would come back for a request that restarted. b runs first, then a; b's decode needs a block and
+    none is free: plain fcfs would pick the last running request, a, whose sample is still in flight."""
+    s = make_scheduler(num_blocks=2, pp=2, caching=False)
+    s.add_request(req("b", 4, max_tokens=8))
+    s.add_request(req("a", 4, max_tokens=8))
+    first, second = s.schedule(), s.schedule()
+    assert list(first.num_scheduled_tokens) == ["b"] and list(second.num_scheduled_tokens) == ["a"]
+    s.update_from_output(first, ModelRunnerOutput(req_ids=["b"], sampled_token_ids=[[5]]))
+    third = s.schedule()
+    assert third.is_empty and "b" in third.finished_req_ids  # b gave up its block instead
+    assert s.requests["a"].status.name == "RUNNING" and s.requests["a"].num_output_placeholders == 1
+    assert s.requests["b"].status.name == "PREEMPTED"
+    s.update_from_output(second, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[6]]))
+    assert s.requests["a"].output_token_ids == [6]
+    assert s.schedule().num_scheduled_tokens == {"a": 1}

@@ -12,7 +12,7 @@ from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
 from tokenmill.distributed import ParallelState, init_distributed, use_parallel_state, world_min
 from tokenmill.executor.pp_output import BroadcastOutput, ResultSender, output_rank
 from tokenmill.logger import init_logger
-from tokenmill.worker.model_runner import AsyncRunnerOutput, ModelRunner
+from tokenmill.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
 GiB = 1 << 30
