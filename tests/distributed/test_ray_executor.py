@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.ray_utils import Placement, assign_ranks, check_world_fits, NodeResources
@@ -22,7 +23,7 @@ def ray_cluster():
     ray = pytest.importorskip("ray", reason="Ray is optional: pip install 'tokenmill[ray]'")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=CLUSTER_CPUS, include_dashboard=False,
+    ray.init(address="local", num_cpus=CLUSTER_CPUS, num_gpus=torch.cuda.device_count(), include_dashboard=False,
              object_store_memory=80 * 1024 * 1024, log_to_driver=False)
     yield ray
     ray.shutdown()
@@ -86,6 +87,26 @@ def test_killed_actor_stops_the_engine_with_the_rank(ray_llm, ray_cluster):
     assert ray_cluster.available_resources().get("CPU", 0) == CLUSTER_CPUS
 
 
+def test_a_call_that_fails_on_one_actor_stops_the_engine_with_its_traceback(ray_cluster, model):
+    """An actor that raises (rather than dies) is out of step: the engine stops and reports its error."""
+    from tokenmill.executor.abstract import WorkerDiedError
+    llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    engine = llm.llm_engine
+    ex = engine.engine_core.executor
+    try:
+        engine.add_request("long", PROMPTS[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        engine.step()
+        ex.actors[0].execute_method.remote("no_such_method", (), {})  # only rank 1 runs it, and fails
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"(?s)rank 1 \(Ray actor .*\) failed; the engine has stopped.*"
+                                                  r"Its error:.*AttributeError.*no_such_method"):
+            while time.monotonic() - start < 60:
+                engine.step()
+        assert time.monotonic() - start < 10
+    finally:
+        ex.shutdown()
+
+
 def test_ranks_are_numbered_per_node_and_share_the_node_gpus():
     driver = Placement("head", "10.0.0.1", ["3"])
     workers = [Placement("b", "10.0.0.2", ["1"]), Placement("head", "10.0.0.1", ["5"]),
@@ -126,3 +147,17 @@ def test_missing_ray_names_the_extra(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_ray)
     with pytest.raises(ImportError, match=r"pip install 'tokenmill\[ray\]'"):
         import_ray()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tp2_on_ray_with_two_gpus_matches_tp1(ray_cluster, model):
+    kw = dict(ENGINE, device="cuda", dtype="float32")
+    ref = _greedy(LLM(model, **kw))
+    llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **kw)
+    try:
+        # Rank 0's GPU is reserved too (by the bundle-holding actor), not only rank 1's.
+        assert ray_cluster.available_resources().get("GPU", 0) == torch.cuda.device_count() - 2
+        assert _greedy(llm) == ref
+    finally:
+        llm.llm_engine.engine_core.executor.shutdown()
