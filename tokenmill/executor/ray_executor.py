@@ -24,7 +24,7 @@ from tokenmill.config.parallel import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
 from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
 from tokenmill.distributed import ParallelState, abort_distributed, destroy_distributed, get_open_port
 from tokenmill.executor.abstract import Executor, WorkerDiedError, call_while_healthy
-from tokenmill.executor.ray_utils import (Placement, assign_ranks, check_world_fits, cluster_nodes, connect_ray,
+from tokenmill.executor.ray_utils import (Placement, RaySession, assign_ranks, check_world_fits, cluster_nodes,
                                           import_ray, reserve_bundles)
 from tokenmill.logger import init_logger
 from tokenmill.worker.model_runner import AsyncRunnerOutput
@@ -42,8 +42,8 @@ class _ActorGroup:
     """The actors, the placement group and the monitor thread; holds no reference to the executor, so a forgotten
     executor is garbage-collected and its `weakref.finalize` releases the actors."""
 
-    def __init__(self, ray, started_ray: bool) -> None:
-        self.ray, self.started_ray = ray, started_ray
+    def __init__(self, ray, session: RaySession) -> None:
+        self.ray, self.session = ray, session
         self.actors: list[Any] = []        # ranks 1..N-1, index = rank - 1
         self.info: list[Placement] = []    # where each of them runs
         self.pids: list[int] = []
@@ -135,8 +135,7 @@ class _ActorGroup:
         if self.owns_world:
             destroy_distributed(self.parallel_state)
         torch.set_num_threads(self.num_threads)
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
+        self.session.close()
 
     def _kill(self, actor) -> None:
         try:
@@ -159,8 +158,9 @@ class RayExecutor(Executor):
         pc = config.parallel_config
         self.world_size = pc.world_size
         self._ray = ray
-        self.group = _ActorGroup(ray, started_ray=connect_ray(ray))
+        self.group = _ActorGroup(ray, RaySession(ray))
         self._finalizer = weakref.finalize(self, self.group.close)
+        self.group.session.connect(on_sigterm=self.group.close)
         start_timeout = float(pc.distributed_timeout_seconds or _DEFAULT_START_TIMEOUT_S)
         try:
             self._start(config, start_timeout)

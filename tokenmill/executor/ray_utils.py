@@ -5,9 +5,12 @@ Ray is an optional dependency (`pip install 'tokenmill[ray]'`); nothing here imp
 """
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from tokenmill.logger import init_logger
 
@@ -29,15 +32,59 @@ def import_ray():
     return ray
 
 
-def connect_ray(ray) -> bool:
-    """Join the running Ray cluster (RAY_ADDRESS, or the one `ray start` left on this host), or start a local
-    one when none runs. Returns True when this call started or connected Ray (so the executor disconnects on
-    shutdown); a session the caller already opened is left alone."""
-    if ray.is_initialized():
-        return False
-    # address=None is Ray's own "auto, else local": an existing cluster is joined, otherwise one is started here.
-    ray.init(address=None, log_to_driver=True)
-    return True
+class RaySession:
+    """This process's connection to Ray, as the executor opened it.
+
+    `connect()` joins the running Ray cluster (RAY_ADDRESS, or the one `ray start` left on this host) or starts a
+    local one when none runs; a session the caller had already opened is used and left alone. While it is open,
+    SIGTERM first runs `on_sigterm` (the executor's own shutdown) and disconnects, stopping a local cluster started
+    here whose helper processes would otherwise outlive a process that exits at once on SIGTERM, as the engine
+    core does; then it runs the handler the process had. `close()` restores that handler and disconnects.
+    """
+
+    def __init__(self, ray) -> None:
+        self.ray = ray
+        self.opened = False
+        self._previous_sigterm: Any = None
+        self._on_exit: Callable[[], None] = lambda: None
+
+    def connect(self, on_sigterm: Callable[[], None]) -> None:
+        ray = self.ray
+        if ray.is_initialized():
+            return
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGTERM) if main else None
+        # address=None is Ray's own "auto, else local": an existing cluster is joined, else one starts here.
+        ray.init(address=None, log_to_driver=True)
+        self.opened = True
+        if main:
+            self._previous_sigterm, self._on_exit = previous, on_sigterm
+            signal.signal(signal.SIGTERM, self._on_sigterm)  # also replaces ray.init's own (raise SystemExit)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        try:
+            self._on_exit()  # stops threads that call into Ray: Ray ends the process if they do after shutdown
+            if self.ray.is_initialized():
+                self.ray.shutdown()
+        except Exception:
+            pass
+        previous = self._previous_sigterm
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:  # the default action: die of the signal, as without us
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def close(self) -> None:
+        if not self.opened:
+            return
+        self.opened = False
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._previous_sigterm if self._previous_sigterm is not None
+                          else signal.SIG_DFL)
+        if self.ray.is_initialized():
+            self.ray.shutdown()
 
 
 @dataclass
