@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.executor.ray_utils import Placement, assign_ranks, check_world_fits, NodeResources
+from tokenmill.executor.ray_utils import NodeResources, Placement, assign_ranks, check_world_fits
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,7 +11,6 @@ Start-up and other non-step calls wait for every actor and name the rank that fa
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import weakref
 from typing import Any
@@ -24,8 +23,8 @@ from tokenmill.config.parallel import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
 from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
 from tokenmill.distributed import ParallelState, abort_distributed, destroy_distributed, get_open_port
 from tokenmill.executor.abstract import Executor, WorkerDiedError, call_while_healthy
-from tokenmill.executor.ray_utils import (Placement, RaySession, assign_ranks, check_world_fits, cluster_nodes,
-                                          import_ray, reserve_bundles)
+from tokenmill.executor.ray_utils import (RAY_INSTALL_HINT, Placement, RaySession, assign_ranks, check_world_fits,
+                                          cluster_nodes, import_ray, reserve_bundles)
 from tokenmill.logger import init_logger
 from tokenmill.worker.model_runner import AsyncRunnerOutput
 from tokenmill.worker.worker import Worker
@@ -174,9 +173,10 @@ class RayExecutor(Executor):
         ray, group, pc = self._ray, self.group, config.parallel_config
         use_gpu = config.device_config.device == "cuda"
         bundle = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
-        driver_ip = ray.util.get_node_ip_address()
         driver_node = ray.get_runtime_context().get_node_id()
         nodes = cluster_nodes(ray)
+        # The address this node registered with Ray: what its `node:<ip>` resource and the other nodes know.
+        driver_ip = next((n.ip for n in nodes if n.node_id == driver_node), None) or ray.util.get_node_ip_address()
         logger.info("Ray cluster: %s", "; ".join(f"{n.ip}: {n.resources.get('GPU', 0):g} GPU, "
                                                  f"{n.resources.get('CPU', 0):g} CPU" for n in nodes))
         check_world_fits(self.world_size, bundle, nodes, driver_node,
@@ -199,8 +199,12 @@ class RayExecutor(Executor):
         workers = [actor(i) for i in range(1, self.world_size)]
         if use_gpu:
             group.holder = actor(0)  # holds rank 0's GPU in Ray's books and tells us which one it is
-        found = ray.get([a.placement.remote() for a in workers] +
-                        ([group.holder.placement.remote()] if use_gpu else []), timeout=timeout_s)
+        try:
+            found = ray.get([a.placement.remote() for a in workers] +
+                            ([group.holder.placement.remote()] if use_gpu else []), timeout=timeout_s)
+        except Exception as e:
+            raise RuntimeError(f"The Ray actors of ranks 1..{self.world_size - 1} did not start (is the same "
+                               f"tokenmill installed on every node, e.g. {RAY_INSTALL_HINT}?): {e}") from e
         placements = [Placement(n, ip, gpus) for n, ip, gpus, _ in found]
         driver = placements.pop() if use_gpu else Placement(driver_node, driver_ip, [])
         rank0_local, assignments = assign_ranks(driver, placements[:len(workers)], envs.CUDA_VISIBLE_DEVICES)
