@@ -24,6 +24,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TOKENMILL_LOGGING_LEVEL": _str("TOKENMILL_LOGGING_LEVEL", "INFO"),
     # Default attention backend name (see tokenmill/attention/registry.py); empty = pick by device.
     "TOKENMILL_ATTENTION_BACKEND": _str("TOKENMILL_ATTENTION_BACKEND", ""),
+    # Small-batch decode GEMV (tokenmill/layers/linear_ops.py): "auto" = only where measured faster than cuBLAS,
+    # "always" = every eligible product (tests use it to cover the fused path on tiny shapes), "never" = cuBLAS.
+    "TOKENMILL_GEMV": _str("TOKENMILL_GEMV", "auto"),
     # KV cache size on CPU when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given.
     "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _int("TOKENMILL_CPU_KVCACHE_SPACE_GIB", 1),
     # Number of torch intra-op threads on CPU (0 = torch's default).
@@ -42,6 +45,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "CUDA_VISIBLE_DEVICES": _str("CUDA_VISIBLE_DEVICES", None),
     # NCCL's NVLink multicast switch; tokenmill sets it to 0 for its ranks unless the user set it.
     "NCCL_NVLS_ENABLE": _str("NCCL_NVLS_ENABLE", None),
+    # prometheus_client's multiprocess directory; set by tokenmill when several API server processes share the
+    # metrics (--api-server-count > 1).
+    "PROMETHEUS_MULTIPROC_DIR": _str("PROMETHEUS_MULTIPROC_DIR", None),
 }
 
 NCCL_NVLS_ENABLE_NAME = "NCCL_NVLS_ENABLE"

@@ -41,6 +41,37 @@ case "$mode" in
       --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json"
     unset TOKENMILL_STEP_TIMING
     ;;
+  probe3)
+    python3 -m pytest -q -p no:cacheprovider -x tests/kernels tests/layers tests/gpu tests/worker 2>&1 | tail -12
+    echo "=== profile qwen3-0.6b"; python3 tools/profile_steps.py qwen3-0.6b 2>&1 | grep -vE "^INFO"
+    bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
+      --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"
+    TOKENMILL_GEMV=never bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 \
+      --num-iters 3 --num-iters-warmup 1 --max-model-len 2048
+    bench latency --model llama-3-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
+      --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_llama8b.json"
+    bench throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
+      --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json"
+    bench throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 --output-len 562 \
+      --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 --kv-cache-dtype fp8 \
+      --output-json "$OUT/tp_qwen3_fp8.json"
+    ;;
+  final2)
+    echo "=== structured outputs serve bench"; timeout 330 bash tools/device_so_bench.sh 2>&1 | tail -45
+    echo "=== gpu tests"; timeout 170 python3 -m pytest -q -p no:cacheprovider --tb=line -rf tests/gpu tests/worker \
+      --deselect "tests/gpu/test_gpu_e2e.py::test_greedy_matches_hf_on_cuda[float32-auto-llama]" 2>&1 | tail -14
+    echo "=== cold start llama-3-8b (process start to first token, graphs captured)"
+    t0=$(date +%s.%N)
+    timeout 90 python3 -c "
+from tokenmill import LLM, SamplingParams
+from tokenmill.benchmarks.offline_common import shipped_model_dir
+llm = LLM(shipped_model_dir('llama-3-8b'), load_format='dummy', skip_tokenizer_init=True, max_model_len=2048)
+llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+" 2>&1 | grep -E "Captured|KV cache" ; t1=$(date +%s.%N); echo "cold start: $(python3 -c "print(round($t1 - $t0, 1))") s"
+    timeout 100 python3 -m tokenmill.benchmarks.throughput --model llama-3-8b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+      --output-json "$OUT/tp_llama8b.json" 2>&1 | grep -E "Throughput|Total"
+    ;;
   bench-small)
     bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
       --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"

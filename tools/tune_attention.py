@@ -1,23 +1,31 @@
 """Sweep Triton attention launch configs on the GPU and print the fastest per shape (with achieved KV bandwidth).
-Usage (on the device): python3 tools/tune_attention.py"""
+Usage (on the device): python3 tools/tune_attention.py [auto|fp8|fp8_e5m2]   (the KV cache dtype; auto = bf16)"""
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 from triton.testing import do_bench
 
-from tokenmill.kernels.triton_decode_attention import decode_attention, decode_num_splits
+from tokenmill.attention.kv_quant import FP8_KV_CACHE_DTYPES
+from tokenmill.kernels.triton_decode_attention import decode_attention, decode_config, decode_num_splits
 from tokenmill.kernels.triton_prefill_attention import prefill_attention
 
 dev, dt = torch.device("cuda"), torch.bfloat16
+KV_ARG = sys.argv[1] if len(sys.argv) > 1 else "auto"
+if KV_ARG not in ("auto", *FP8_KV_CACHE_DTYPES):
+    sys.exit(f"unknown KV cache dtype {KV_ARG!r}; use auto, {', '.join(FP8_KV_CACHE_DTYPES)}")
+KV_DT = FP8_KV_CACHE_DTYPES.get(KV_ARG, dt)
+KV_ELEM = torch.empty((), dtype=KV_DT).element_size()
+SCALES = dict(k_scale=torch.ones((), device=dev), v_scale=torch.ones((), device=dev))
 HQ, HKV, D, BS = 16, 8, 128, 16
 
 
 def paged(batch: int, ctx: int):
     nb = batch * (-(-ctx // BS))
-    kc = torch.randn(nb, BS, HKV, D, device=dev, dtype=dt)
-    vc = torch.randn_like(kc)
+    kc = torch.randn(nb, BS, HKV, D, device=dev, dtype=dt).to(KV_DT)
+    vc = torch.randn(nb, BS, HKV, D, device=dev, dtype=dt).to(KV_DT)
     bt = torch.randperm(nb, device=dev, dtype=torch.int32).view(batch, -1)
     return kc, vc, bt
 
@@ -28,19 +36,21 @@ def tune_decode(batch: int, ctx: int) -> None:
     out = torch.empty_like(q)
     qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
     sl = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
-    kv_bytes = 2 * batch * ctx * HKV * D * 2
+    kv_bytes = 2 * batch * ctx * HKV * D * KV_ELEM
     default = decode_num_splits(batch, HKV, ctx, dev)
+    cfg = decode_config(D, HQ // HKV, dt, KV_ELEM == 1)
     results = []
     for bn, w, st, sp in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3), sorted({1, 2, 4, 8, 16, default})):
         try:
             ms = do_bench(lambda: decode_attention(q, kc, vc, out, qsl, sl, bt, D ** -0.5, num_splits=sp,
-                                                   block_n=bn, num_warps=w, num_stages=st), warmup=5, rep=20)
+                                                   block_n=bn, num_warps=w, num_stages=st, **SCALES),
+                          warmup=5, rep=20)
         except Exception as e:  # resource limits for some combinations
             continue
         results.append((ms, bn, w, st, sp))
     results.sort()
-    base = [r for r in results if (r[1], r[2], r[3], r[4]) == (64, 4, 2, default)]
-    print(f"decode B={batch} ctx={ctx}: default(64,4,2,{default}) "
+    base = [r for r in results if (r[1], r[2], r[3], r[4]) == (*cfg, default)]
+    print(f"decode B={batch} ctx={ctx} kv={KV_DT}: default({cfg[0]},{cfg[1]},{cfg[2]},{default}) "
           f"{base[0][0] * 1e3 if base else float('nan'):.1f}us; best:")
     for ms, bn, w, st, sp in results[:4]:
         print(f"   {ms * 1e3:8.1f}us  {kv_bytes / ms / 1e9:6.0f} GB/s  block_n={bn} warps={w} stages={st} splits={sp}")
@@ -59,12 +69,12 @@ def tune_prefill(batch: int, qlen: int, ctx: int) -> None:
         try:
             ms = do_bench(lambda: prefill_attention(q, kc, vc, out, qsl, sl, bt, D ** -0.5, num_tokens=t,
                                                     max_query_len=qlen, block_m=bm, block_n=bn, num_warps=w,
-                                                    num_stages=st), warmup=3, rep=10)
+                                                    num_stages=st, **SCALES), warmup=3, rep=10)
         except Exception:
             continue
         results.append((ms, bm, bn, w, st))
     results.sort()
-    print(f"prefill B={batch} q={qlen} ctx={ctx}:")
+    print(f"prefill B={batch} q={qlen} ctx={ctx} kv={KV_DT}:")
     for ms, bm, bn, w, st in results[:3]:
         print(f"   {ms * 1e3:8.1f}us  {flops / ms / 1e9:6.0f} TFLOP/s  block_m={bm} block_n={bn} warps={w} stages={st}")
 

@@ -1,136 +1,29 @@
-"""`tokenmill bench serve` against an in-process fake OpenAI-compatible server (FastAPI + uvicorn, loopback).
+"""`tokenmill bench serve` against an in-process fake OpenAI-compatible server (fake_openai.py).
 
 The fake tokenizer maps id i <-> word "w{i}", so /tokenize and /detokenize round-trip exactly and prompt
 lengths are checkable; completions stream one word per token with small sleeps.
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
-import threading
-import time
 
 import numpy as np
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
+from tests.benchmarks.fake_openai import MODEL, run_bench, running_fake_server
 from tokenmill.benchmarks import serve
-
-MODEL = "fake/tiny-model"
-
-
-class FakeServer:
-    def __init__(self):
-        self.fail = False
-        self.in_flight = 0
-        self.peak = 0
-        self.payloads: list[dict] = []
-        self.auth: set[str | None] = set()
-        self.lock = threading.Lock()
-        self.app = self._build_app()
-
-    def reset(self):
-        with self.lock:
-            self.fail, self.in_flight, self.peak = False, 0, 0
-            self.payloads.clear()
-            self.auth.clear()
-
-    def _build_app(self) -> FastAPI:
-        app = FastAPI()
-
-        @app.get("/v1/models")
-        async def models():
-            return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
-
-        @app.post("/tokenize")
-        async def tokenize(req: Request):
-            body = await req.json()
-            ids = [int(w[1:]) if w[1:].isdigit() else 0 for w in body["prompt"].split()]
-            return {"count": len(ids), "tokens": ids, "max_model_len": 4096}
-
-        @app.post("/detokenize")
-        async def detokenize(req: Request):
-            body = await req.json()
-            return {"prompt": " ".join(f"w{i}" for i in body["tokens"])}
-
-        async def handle(req: Request, chat: bool):
-            body = await req.json()
-            with self.lock:
-                self.payloads.append(body)
-                self.auth.add(req.headers.get("authorization"))
-                if self.fail:
-                    return JSONResponse({"error": {"message": "boom"}}, status_code=500)
-                self.in_flight += 1
-                self.peak = max(self.peak, self.in_flight)
-            n = body["max_completion_tokens" if chat else "max_tokens"]
-            prompt = body["messages"][0]["content"] if chat else body["prompt"]
-            return StreamingResponse(self._stream(n, len(prompt.split()), chat), media_type="text/event-stream")
-
-        @app.post("/v1/completions")
-        async def completions(req: Request):
-            return await handle(req, chat=False)
-
-        @app.post("/v1/chat/completions")
-        async def chat_completions(req: Request):
-            return await handle(req, chat=True)
-
-        return app
-
-    async def _stream(self, n: int, prompt_tokens: int, chat: bool):
-        def chunk(text, finish=None):
-            choice = {"index": 0, "finish_reason": finish}
-            if chat:
-                choice["delta"] = {"content": text}
-            else:
-                choice["text"] = text
-            return f"data: {json.dumps({'id': 'x', 'choices': [choice]})}\n\n"
-        try:
-            if chat:  # chat streams start with a content-less role delta, which must not count as TTFT
-                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'role': 'assistant'}}]})}\n\n"
-            await asyncio.sleep(0.005)  # "prefill"
-            for i in range(n):
-                yield chunk(f" w{i}", "length" if i == n - 1 else None)
-                await asyncio.sleep(0.002)
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
-            yield f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            with self.lock:
-                self.in_flight -= 1
 
 
 @pytest.fixture(scope="module")
 def server():
-    fake = FakeServer()
-    config = uvicorn.Config(fake.app, host="127.0.0.1", port=0, log_level="error", lifespan="off")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 10
-    while not srv.started:
-        assert time.time() < deadline, "fake server did not start"
-        time.sleep(0.01)
-    fake.port = srv.servers[0].sockets[0].getsockname()[1]
-    yield fake
-    srv.should_exit = True
-    thread.join(timeout=5)
+    with running_fake_server() as fake:
+        yield fake
 
 
 @pytest.fixture
 def fake(server):
     server.reset()
     return server
-
-
-def run_bench(fake, *argv: str) -> dict:
-    parser = argparse.ArgumentParser()
-    serve.add_cli_args(parser)
-    args = parser.parse_args(["--port", str(fake.port), "--num-prompts", "20", "--random-input-len", "16",
-                              "--random-output-len", "8", "--disable-tqdm", *argv])
-    return serve.main(args)
 
 
 EXPECTED_LINES = ["============ Serving Benchmark Result ============", "Successful requests:",

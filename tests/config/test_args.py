@@ -215,7 +215,7 @@ def test_config_fields_validate_themselves(capsys):
     assert "tool_call_parser" in fails("--enable-auto-tool-choice", capsys)
     assert "port" in fails("--port 70000", capsys)
     assert "not supported yet" in fails("--lora-modules name=/path", capsys)
-    assert "not supported yet" in fails("--api-server-count 2", capsys)
+    assert "cannot be combined with uds" in fails("--api-server-count 2 --uds /tmp/tm.sock", capsys)
 
 
 def test_unknown_flag_suggests(capsys):

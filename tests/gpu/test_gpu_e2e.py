@@ -30,9 +30,11 @@ def _hf_greedy(d, dtype, prompts, n):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_matches_hf_on_cuda(tiny_model_factory, arch, dtype):
+@pytest.mark.parametrize("dtype,gemv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "always")])
+def test_greedy_matches_hf_on_cuda(tiny_model_factory, monkeypatch, arch, dtype, gemv):
+    """gemv=always puts every decode product of the tiny model (batch <= 16) on the fused Triton gemv path."""
     from tokenmill import LLM, SamplingParams
+    monkeypatch.setenv("TOKENMILL_GEMV", gemv)
     d = tiny_model_factory(arch)
     n = 12
     ref, margins = _hf_greedy(d, getattr(torch, dtype), PROMPTS, n)

@@ -30,6 +30,10 @@ class AttentionBackend(abc.ABC):
     The cache of one layer is one tensor [2, num_blocks, block_size, num_kv_heads, head_size] (K then V). A backend
     must write every token's K/V before any request reads it within the same call: a prefix hit may point at blocks
     that another request of the same step is filling.
+
+    The cache dtype is the activation dtype or, with kv_cache_dtype=fp8*, an fp8 dtype: then K/V are stored as
+    fp8(x / k_scale or v_scale) and read back multiplied by the scale (attention/kv_quant.py). A backend must honour
+    that or raise; it must never read the scales on the host (they are device scalars, possibly under a CUDA graph).
     """
 
     name: str = "abstract"
@@ -46,5 +50,7 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq*D], k/v [T, Hkv*D] -> out [T, Hq*D]."""
+                md: AttentionMetadata, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> out [T, Hq*D]. k_scale / v_scale: float32 device scalars, required when
+        kv_cache is fp8 and ignored otherwise."""

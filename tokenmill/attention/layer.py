@@ -8,15 +8,52 @@ from tokenmill.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
+    """Paged attention of one decoder layer through an `AttentionBackend`.
+
+    Owns the layer's KV quantisation scales `k_scale` / `v_scale` (float32 device scalars, 1.0 unless the checkpoint
+    supplies them; see attention/kv_quant.py). They are buffers, not parameters, so a checkpoint without them still
+    loads completely; loaders must update them in place, because kernels and CUDA graphs hold their addresses. The
+    backend applies them only when the layer's cache tensor is fp8.
+    """
+
     def __init__(self, layer_idx: int, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
                  backend_cls: type) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.impl = backend_cls(num_heads, head_size, num_kv_heads, scale)
+        # Explicit float32: models are built under their activation dtype as the default dtype.
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary_emb, q_norm=None,
+                    k_norm=None) -> torch.Tensor | None:
+        """Attention straight from the fused qkv projection, or None when the fused path does not apply.
+
+        On CUDA with a backend that reads K/V only from the cache, one kernel normalises q/k per head (Qwen3),
+        rotates them and writes K/V into the paged cache (tokenmill.kernels.triton_qk_norm_rope_store), replacing
+        four to five launches per layer. fp8 caches keep the unfused path (the fused store does not scale)."""
+        ctx = get_forward_context()
+        md = ctx.attn_metadata
+        if md is None or not qkv.is_cuda or not getattr(self.impl, "supports_prestored_kv", False):
+            return None
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        if kv_cache.dtype != qkv.dtype:
+            return None
+        from tokenmill.kernels.triton_qk_norm_rope_store import qk_norm_rope_store
+        t = md.num_actual_tokens
+        q = qk_norm_rope_store(
+            qkv, positions, md.slot_mapping, kv_cache, rotary_emb.cos_cache, rotary_emb.sin_cache,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
+            rotary_dim=rotary_emb.rotary_dim, is_neox=rotary_emb.is_neox_style,
+            q_norm_weight=None if q_norm is None else q_norm.weight,
+            k_norm_weight=None if k_norm is None else k_norm.weight,
+            eps=q_norm.eps if q_norm is not None else 1e-6, num_tokens=t)
+        return self.impl.forward(q, None, None, kv_cache, md, self.k_scale, self.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         if ctx.attn_metadata is None:  # profiling run without a cache: skip attention math
             return q
-        return self.impl.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata)
+        return self.impl.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
+                                 self.k_scale, self.v_scale)

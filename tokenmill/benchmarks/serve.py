@@ -9,6 +9,9 @@ Contract (mirrors `vllm bench serve` so numbers and flags are comparable):
   * Requests stream (`stream: true`, `stream_options.include_usage`). TTFT = time to the first chunk with
     content, ITL = gaps between content chunks, E2EL = whole request, TPOT = (E2EL - TTFT) / (out - 1).
     Output token counts come from the final usage block (fallback: number of content chunks).
+  * `--structured-output-ratio R` gives that fraction of the requests, interleaved with the others, an output
+    constraint (structured_dataset.py says which and how it is sent); the report then adds TTFT/TPOT/ITL for the
+    structured and the free requests apart, and structured median TPOT / free median TPOT.
 """
 from __future__ import annotations
 
@@ -26,14 +29,14 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tokenmill.benchmarks import structured_dataset as sd
+from tokenmill.benchmarks.serve_metrics import (METRIC_HEADERS, compute_metrics, format_report,
+                                                format_split_report, split_metrics)
+
 DEFAULT_VOCAB_SIZE = 32000
 # Long enough that a slow server at high load is measured instead of cut off (vLLM uses 6 hours too).
 REQUEST_TIMEOUT_S = 6 * 60 * 60
 BACKEND_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
-METRIC_HEADERS = {"ttft": ("TTFT", "Time to First Token"),
-                  "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
-                  "itl": ("ITL", "Inter-token Latency"),
-                  "e2el": ("E2EL", "End-to-end Latency")}
 
 _EPILOG = """\
 Tokenizer: with --tokenizer (a local directory or cached HF id) prompts are built with that transformers
@@ -77,10 +80,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add("--top-p", type=float, default=None)
     add("--top-k", type=int, default=None)
     add("--api-key", default=None, help="Bearer token (default: $OPENAI_API_KEY).")
+    add("--structured-output-ratio", type=float, default=0.0,
+        help="Fraction of requests (0..1, spread evenly through the run) that carry an output constraint; "
+             "the report then splits TTFT/TPOT/ITL into structured and free requests.")
+    add("--structured-output-kind", default=None, choices=sd.KINDS,
+        help="Constraint of the structured requests (default json): json = a set of JSON schemas (nested "
+             "objects, arrays, enums, bounded numbers), regex = a set of regular expressions, choice = lists of "
+             "choices. Sent as structured_outputs, or response_format json_schema for chat + json.")
+    add("--structured-output-disable-any-whitespace", action="store_true",
+        help="Send structured_outputs.disable_any_whitespace=true (compact JSON; chat + json then uses "
+             "structured_outputs, since response_format has no such option).")
     add("--save-result", action="store_true", help="Write the result JSON.")
     add("--result-dir", default=None, help="Directory for the result JSON (default: cwd).")
     add("--result-filename", default=None,
         help="Default: {backend}-{rate}qps[-concurrency{n}]-{model}-{YYYYMMDD-HHMMSS}.json")
+    add("--output-json", default=None, metavar="PATH",
+        help="Also write the result JSON to this path (the same dict as --save-result).")
     add("--metadata", metavar="KEY=VALUE", nargs="*", default=None, help="Extra fields for the result JSON.")
     add("--percentile-metrics", default="ttft,tpot,itl", help="Comma list of ttft,tpot,itl,e2el to print.")
     add("--metric-percentiles", default="99", help="Comma list of percentiles, e.g. 25,50,99.")
@@ -316,87 +331,6 @@ async def run_benchmark(url: str, requests: list[SampleRequest], payloads: list[
     return list(outputs), duration, t0
 
 
-# ---------------------------------------------------------------------------------------------- metrics
-def compute_metrics(outputs: list[RequestOutput], duration: float, t0: float,
-                    percentiles: list[float]) -> dict[str, Any]:
-    """Aggregate metrics with vLLM's result keys (latencies in ms; `pXX_` per requested percentile).
-
-    Peak output throughput is the most content chunks landing in one 1-second bucket; peak concurrent
-    requests is the exact maximum overlap of request lifetimes (vLLM counts per-second buckets instead,
-    which can exceed --max-concurrency).
-    """
-    ok = [o for o in outputs if o.success]
-    total_in = sum(o.prompt_len for o in ok)
-    total_out = sum(o.output_tokens for o in ok)
-    series = {"ttft": [o.ttft for o in ok],
-              "tpot": [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1],
-              "itl": [x for o in ok for x in o.itl],
-              "e2el": [o.latency for o in ok]}
-    buckets: dict[int, int] = {}
-    for o in ok:
-        for t in o.chunk_times:
-            buckets[int(t - t0)] = buckets.get(int(t - t0), 0) + 1
-    events = sorted([(o.start_time, 1) for o in outputs] + [(o.start_time + o.latency, -1) for o in outputs],
-                    key=lambda e: (e[0], e[1]))  # at equal times, an end (-1) sorts before a start
-    live = peak = 0
-    for _, d in events:
-        live += d
-        peak = max(peak, live)
-    dur = max(duration, 1e-9)
-    m: dict[str, Any] = {
-        "duration": duration, "completed": len(ok), "failed": len(outputs) - len(ok),
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(ok) / dur, "output_throughput": total_out / dur,
-        "total_token_throughput": (total_in + total_out) / dur,
-        "max_output_tokens_per_s": float(max(buckets.values(), default=0)),
-        "max_concurrent_requests": float(peak),
-    }
-    for name, values in series.items():
-        arr = np.asarray(values, dtype=np.float64) * 1000.0
-        empty = arr.size == 0  # all failed: report zeros like vLLM rather than NaN
-        m[f"mean_{name}_ms"] = 0.0 if empty else float(arr.mean())
-        m[f"median_{name}_ms"] = 0.0 if empty else float(np.median(arr))
-        m[f"std_{name}_ms"] = 0.0 if empty else float(arr.std())
-        for p in percentiles:
-            m[f"p{_pword(p)}_{name}_ms"] = 0.0 if empty else float(np.percentile(arr, p))
-    return m
-
-
-def _pword(p: float) -> str:
-    return str(int(p)) if int(p) == p else str(p)
-
-
-def format_report(m: dict[str, Any], max_concurrency: int | None, rate: float,
-                  metrics: list[str], percentiles: list[float]) -> str:
-    """The result block, line for line as `vllm bench serve` prints it."""
-    row = "{:<40} {:<10}".format
-    rowf = "{:<40} {:<10.2f}".format
-    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="),
-             row("Successful requests:", m["completed"]), row("Failed requests:", m["failed"])]
-    if max_concurrency is not None:
-        lines.append(row("Maximum request concurrency:", max_concurrency))
-    if rate != float("inf"):
-        lines.append(rowf("Request rate configured (RPS):", rate))
-    lines += [rowf("Benchmark duration (s):", m["duration"]),
-              row("Total input tokens:", m["total_input_tokens"]),
-              row("Total generated tokens:", m["total_output_tokens"]),
-              rowf("Request throughput (req/s):", m["request_throughput"]),
-              rowf("Output token throughput (tok/s):", m["output_throughput"]),
-              rowf("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"]),
-              rowf("Peak concurrent requests:", m["max_concurrent_requests"]),
-              rowf("Total token throughput (tok/s):", m["total_token_throughput"])]
-    for key, (name, header) in METRIC_HEADERS.items():
-        if key not in metrics:
-            continue
-        lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
-        lines.append(rowf(f"Mean {name} (ms):", m[f"mean_{key}_ms"]))
-        lines.append(rowf(f"Median {name} (ms):", m[f"median_{key}_ms"]))
-        for p in percentiles:
-            lines.append(rowf(f"P{_pword(p)} {name} (ms):", m[f"p{_pword(p)}_{key}_ms"]))
-    lines.append("=" * 50)
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------------------------------- main
 def _validate(args: argparse.Namespace) -> tuple[list[str], list[float], dict[str, str]]:
     if args.dataset_name != "random":
@@ -420,6 +354,14 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], list[float], dict[st
         raise ValueError("--metric-percentiles must be a comma list of numbers.") from None
     if any(not 0 <= p <= 100 for p in percentiles):
         raise ValueError("--metric-percentiles must be within [0, 100].")
+    if args.structured_output_ratio == 0.0:
+        given = [f for f, v in (("--structured-output-kind", args.structured_output_kind),
+                                ("--structured-output-disable-any-whitespace",
+                                 args.structured_output_disable_any_whitespace)) if v]
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} "
+                             "--structured-output-ratio > 0.")
+    sd.structured_flags(1, args.structured_output_ratio)  # raises for a ratio outside [0, 1]
     metadata = {}
     for item in args.metadata or []:
         key, sep, value = item.partition("=")
@@ -471,6 +413,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     # vLLM's random dataset always asks for ignore_eos so every request generates its full output length.
     ignore_eos = args.ignore_eos or args.dataset_name == "random"
     payloads = [_build_payload(args.backend, model, r, ignore_eos, sampling) for r in requests]
+    kind = args.structured_output_kind or "json"
+    structured = sd.structured_flags(len(requests), args.structured_output_ratio)
+    specs: list[Any] = [None] * len(requests)
+    for k, i in enumerate(i for i, s in enumerate(structured) if s):
+        specs[i] = sd.constraint_for(kind, k)
+        sd.add_constraint(payloads[i], args.backend, kind, specs[i], k,
+                          args.structured_output_disable_any_whitespace)
 
     dist = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
     print(f"Traffic request rate: {args.request_rate}")
@@ -485,6 +434,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         first = next(o.error for o in outputs if not o.success)
         print(f"{m['failed']} request(s) failed; first error: {first}", file=sys.stderr)
     print(format_report(m, args.max_concurrency, args.request_rate, metrics, percentiles))
+    split: dict[str, Any] = {}
+    valid: list[bool | None] = [None] * len(outputs)
+    if any(structured):
+        valid = [sd.answer_is_valid(kind, spec, o.generated_text) if s and o.success else None
+                 for o, s, spec in zip(outputs, structured, specs)]
+        split = split_metrics(outputs, structured, valid, duration, t0, percentiles)
+        split.update(structured_output_ratio=args.structured_output_ratio, structured_output_kind=kind,
+                     structured_flags=structured, structured_valid=valid)
+        print(format_split_report(split, kind, metrics, percentiles))
 
     now = datetime.now()
     result: dict[str, Any] = {
@@ -495,8 +453,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "input_lens": [o.prompt_len for o in outputs], "output_lens": [o.output_tokens for o in outputs],
         "ttfts": [o.ttft for o in outputs], "itls": [o.itl for o in outputs],
         "start_times": [o.start_time - t0 for o in outputs], "e2els": [o.latency for o in outputs],
-        "generated_texts": [o.generated_text for o in outputs], "errors": [o.error for o in outputs],
+        "generated_texts": [o.generated_text for o in outputs], "errors": [o.error for o in outputs], **split,
     }
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f)
+        print(f"Result written to {args.output_json}")
     if args.save_result:
         name = args.result_filename
         if not name:

@@ -25,7 +25,9 @@ from tokenmill.config.model import parse_human_int
 HUMAN_INT_FIELDS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
 SHORT_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",),
                  "quantization": ("-q",), "enable_expert_parallel": ("-ep",), "api_server_count": ("-asc",),
-                 "nnodes": ("-n",), "node_rank": ("-r",)}
+                 "nnodes": ("-n",), "node_rank": ("-r",),
+                 "data_parallel_size_local": ("-dpl",), "data_parallel_start_rank": ("-dpr",),
+                 "data_parallel_address": ("-dpa",), "data_parallel_rpc_port": ("-dpp",)}
 PARSER_CLASSES = (*CONFIG_CLASSES, FrontendConfig)
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _DOTTED = "\x00dotted:"
@@ -97,10 +99,6 @@ NOT_YET_SUPPORTED: dict[str, NotYetSupported] = {
     "cp_kv_cache_interleave_size": _n("int", 1, "KV interleave size under context parallelism."),
     "prefill_context_parallel_size": _n("int", 1, "Prefill context-parallel group size.", "-pcp"),
     "data_parallel_rank": _n("int", None, "Data-parallel rank of this instance.", "-dpn"),
-    "data_parallel_start_rank": _n("int", None, "First data-parallel rank on this node.", "-dpr"),
-    "data_parallel_size_local": _n("int", None, "Data-parallel replicas on this node.", "-dpl"),
-    "data_parallel_address": _n("str", None, "Address of the data-parallel head node.", "-dpa"),
-    "data_parallel_rpc_port": _n("int", None, "RPC port of the data-parallel head node.", "-dpp"),
     "data_parallel_backend": _n("str", "mp", "Data-parallel backend (mp or ray).", "-dpb"),
     "data_parallel_hybrid_lb": _n("bool", False, "Hybrid data-parallel load balancing.", "-dph"),
     "data_parallel_external_lb": _n("bool", False, "External data-parallel load balancing.", "-dpe"),

@@ -5,7 +5,11 @@ from dataclasses import dataclass
 
 from tokenmill.config.utils import check_choices, check_range, config_field, not_supported_yet
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's choices, so a vLLM command line parses; those after fp8_e5m2 are rejected in __post_init__.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "fp8_inc",
+                   "fp8_per_token_head", "int8_per_token_head", "nvfp4", "turboquant_3bit_nc", "turboquant_4bit_nc",
+                   "turboquant_k3v4_nc", "turboquant_k8v4")
+SUPPORTED_KV_CACHE_DTYPES = KV_CACHE_DTYPES[:6]
 
 
 @dataclass
@@ -16,15 +20,19 @@ class CacheConfig:
         0.92, help="Fraction of GPU memory this instance may use (weights, activations and KV cache).")
     swap_space: float = config_field(4, help="CPU swap space per GPU in GiB (accepted for compatibility; "
                                              "tokenmill preempts by recomputation).")
-    kv_cache_dtype: str = config_field("auto", help="KV cache data type; auto = the model's dtype.",
-                                       choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = config_field(
+        "auto", help="KV cache data type; auto = the model's dtype. fp8 (= fp8_e4m3) and fp8_e5m2 store K/V in one "
+                     "byte, doubling the KV capacity, with per-layer k/v scales from the checkpoint (else 1.0); "
+                     "fp8_e4m3 on GPU needs compute capability 8.9+.", choices=KV_CACHE_DTYPES)
     num_gpu_blocks_override: int | None = config_field(
         None, help="Use exactly this many KV blocks instead of profiling (testing and debugging).")
     enable_prefix_caching: bool = config_field(True, help="Reuse the KV cache of shared prompt prefixes.")
     prefix_caching_hash_algo: str = config_field(
         "sha256", help="Hash for prefix-cache block keys.", choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"))
     cpu_offload_gb: float = config_field(0, help="GiB of weights to offload to CPU memory (not supported yet).")
-    calculate_kv_scales: bool = config_field(False, help="Compute fp8 KV scales dynamically.")
+    calculate_kv_scales: bool = config_field(
+        False, help="Compute fp8 KV scales from the first forward pass (deprecated in vLLM; not supported yet with "
+                    "an fp8 cache, and without one there are no scales to compute).")
     kv_cache_memory_bytes: int | None = config_field(
         None, help="KV cache size in bytes; overrides gpu_memory_utilization for sizing the pool.")
 
@@ -41,8 +49,13 @@ class CacheConfig:
         check_range("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         if self.cpu_offload_gb:
             raise not_supported_yet("cpu_offload_gb", self.cpu_offload_gb)
-        if self.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
-            raise not_supported_yet("kv_cache_dtype", self.kv_cache_dtype, "Use auto, bfloat16 or float16.")
+        if self.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+            raise not_supported_yet("kv_cache_dtype", self.kv_cache_dtype,
+                                    f"Use one of {', '.join(SUPPORTED_KV_CACHE_DTYPES)}.")
+        if self.calculate_kv_scales and self.kv_cache_dtype.startswith("fp8"):
+            raise not_supported_yet(
+                "calculate_kv_scales", True, "vLLM deprecates it; tokenmill uses the k_scale / v_scale tensors of the "
+                "checkpoint, or 1.0 for a checkpoint without them. Drop --calculate-kv-scales.")
         if self.prefix_caching_hash_algo.startswith("xxhash"):
             try:
                 import xxhash  # noqa: F401

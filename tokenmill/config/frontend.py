@@ -41,9 +41,12 @@ class FrontendConfig:
     enable_request_id_headers: bool = config_field(False, help="Add an X-Request-Id header to every response.")
     disable_frontend_multiprocessing: bool = config_field(
         False, help="Run the engine in the API server's process instead of a separate one.")
-    api_server_count: int = config_field(1, help="Number of API server processes (only 1 is supported).")
-    headless: bool = config_field(False, help="Run engines without an API server (multi-node data parallel; "
-                                              "not supported yet).")
+    api_server_count: int = config_field(
+        1, help="Number of API server processes; they share the port (SO_REUSEPORT) and each talks to every engine "
+                "core.")
+    headless: bool = config_field(
+        False, help="Run only this node's data-parallel engine cores (ranks from --data-parallel-start-rank), "
+                    "connected to the head node at --data-parallel-address:--data-parallel-rpc-port; no API server.")
     shutdown_timeout: int = config_field(0, help="Seconds to let running requests finish on shutdown; 0 aborts "
                                                  "them at once.")
     # --- CORS and authentication -----------------------------------------------------------------------------
@@ -139,10 +142,11 @@ class FrontendConfig:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (e.g. --tool-call-parser hermes).")
         if self.api_key is not None and not all(isinstance(k, str) and k for k in self.api_key):
             raise ValueError("api_key entries must be non-empty strings.")
-        if self.api_server_count != 1:
-            raise not_supported_yet("api_server_count", self.api_server_count, "Run one API server process.")
-        if self.headless:
-            raise not_supported_yet("headless", True)
+        if self.api_server_count > 1 and self.uds:
+            raise ValueError(f"api_server_count={self.api_server_count} needs a TCP port to share; it cannot be "
+                             "combined with uds.")
+        if self.headless and self.api_server_count > 1:
+            raise ValueError("headless runs no API server; api_server_count must stay 1.")
         if self.lora_modules:
             raise not_supported_yet("lora_modules", self.lora_modules, "tokenmill does not serve LoRA adapters.")
 

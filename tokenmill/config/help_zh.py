@@ -252,14 +252,17 @@ HELP_ZH: dict[str, str] = {
                               "全部分给 KV 缓存。只约束当前实例：同一张卡上跑两个实例时可以各设 0.45。遇到显存不足时"
                               "先调低它。",
     "swap_space": "每张 GPU 的 CPU 交换空间，单位 GiB。为兼容保留；tokenmill 的抢占方式是重新计算，不会换出到 CPU。",
-    "kv_cache_dtype": "KV 缓存的数据类型；auto 表示与模型相同。目前只支持 auto、bfloat16 和 float16，fp8 系列暂不支持。",
+    "kv_cache_dtype": "KV 缓存的数据类型；auto 表示与模型相同。fp8（即 fp8_e4m3）和 fp8_e5m2 每个 K/V 元素只占一个字节，"
+                      "KV 容量翻倍；每层的 k/v 缩放因子取自检查点（没有则为 1.0）。GPU 上的 fp8_e4m3 需要计算能力 8.9 "
+                      "及以上。其余 vLLM 取值暂不支持。",
     "num_gpu_blocks_override": "直接指定 KV 缓存块的数量，不再根据显存估算（用于测试和排查问题）。",
     "enable_prefix_caching": "复用相同前缀（如系统提示词、多轮对话历史）已经算好的 KV 缓存，默认开启。用 "
                              "--no-enable-prefix-caching 关闭。",
     "prefix_caching_hash_algo": "前缀缓存块键使用的哈希算法：sha256（默认，最稳妥）、sha256_cbor，或更快但非加密的 "
                                 "xxhash、xxhash_cbor（需要安装 xxhash 包；多租户场景要考虑碰撞风险）。",
     "cpu_offload_gb": "把多少 GiB 的权重放到 CPU 内存中（暂不支持）。",
-    "calculate_kv_scales": "使用 fp8 KV 缓存时动态计算 k/v 的缩放因子。",
+    "calculate_kv_scales": "根据第一次前向计算 fp8 KV 的缩放因子（vLLM 已弃用）。fp8 缓存下暂不支持；"
+                           "非 fp8 缓存没有缩放因子，此选项不起作用。",
     "kv_cache_memory_bytes": "直接指定 KV 缓存的字节数，指定后不再按 --gpu-memory-utilization 计算缓存大小。支持 "
                              "4G、512M 这类写法（大写按 1024 进位）。",
     # SchedulerConfig
@@ -292,7 +295,13 @@ HELP_ZH: dict[str, str] = {
     # ParallelConfig
     "tensor_parallel_size": "张量并行的卡数（简写 -tp）。大于 1 时默认用 mp 后端在本机启动多个进程。",
     "pipeline_parallel_size": "流水线并行的阶段数（简写 -pp）。目前只支持 1。",
-    "data_parallel_size": "数据并行的引擎副本数（简写 -dp）。目前只支持 1。",
+    "data_parallel_size": "数据并行的引擎副本数（简写 -dp）：每个副本是一个独立的引擎核心进程，有自己的设备和 KV 缓存，"
+                          "由同一个 API 服务按队列长度和前缀缓存亲和性分发请求。",
+    "data_parallel_size_local": "本节点上运行的数据并行副本数（简写 -dpl）；不填则运行从 data_parallel_start_rank 起的"
+                                "全部副本。主节点填 0 表示只运行 API 服务。",
+    "data_parallel_start_rank": "本节点上第一个数据并行序号（简写 -dpr），用于 --headless 的从节点；不填为 0。",
+    "data_parallel_address": "数据并行主节点的地址（简写 -dpa），其他节点的引擎核心连到这里；不填为 127.0.0.1。",
+    "data_parallel_rpc_port": "主节点上引擎启动握手用的 TCP 端口（简写 -dpp）；不填为 29550。",
     "distributed_executor_backend": "分布式执行后端：uni（单进程）、mp（本机多进程，多卡时的默认值）、"
                                     "ray（其余各 rank 作为 Ray 集群的 actor 运行，可跨多台机器；需先 "
                                     "pip install 'tokenmill[ray]'）、external_launcher（由 torchrun 启动，每个进程各跑"
@@ -323,8 +332,9 @@ HELP_ZH: dict[str, str] = {
     "disable_fastapi_docs": "不提供 /docs、/redoc 和 /openapi.json 这几个接口文档页面。",
     "enable_request_id_headers": "在每个响应中加上 X-Request-Id 头。",
     "disable_frontend_multiprocessing": "让引擎与 API 服务运行在同一个进程里，而不是单独的进程。",
-    "api_server_count": "API 服务进程的数量（简写 -asc），目前只支持 1。",
-    "headless": "只启动引擎、不启动 API 服务（用于多机数据并行，暂不支持）。",
+    "api_server_count": "API 服务进程的数量（简写 -asc）；多个进程共用同一个端口（SO_REUSEPORT），每个都连到全部引擎核心。",
+    "headless": "只运行本节点的数据并行引擎核心（序号从 --data-parallel-start-rank 开始），连到 "
+                "--data-parallel-address:--data-parallel-rpc-port 上的主节点，不启动 API 服务。",
     "shutdown_timeout": "关闭服务时等待进行中请求完成的秒数；0 表示立即中止。",
     "allow_credentials": "CORS：允许携带凭据（Cookie、认证头等）。",
     "allowed_origins": "CORS：允许的来源，可以写多个，也可以写 JSON 列表，例如 "
@@ -415,10 +425,6 @@ HELP_ZH: dict[str, str] = {
     "cp_kv_cache_interleave_size": "上下文并行时 KV 缓存的交错粒度。",
     "prefill_context_parallel_size": "预填充阶段上下文并行的组大小（简写 -pcp）。",
     "data_parallel_rank": "本实例的数据并行序号（简写 -dpn）。",
-    "data_parallel_start_rank": "本节点上第一个数据并行序号（简写 -dpr）。",
-    "data_parallel_size_local": "本节点上运行的数据并行副本数（简写 -dpl）。",
-    "data_parallel_address": "数据并行主节点的地址（简写 -dpa）。",
-    "data_parallel_rpc_port": "数据并行主节点的 RPC 端口（简写 -dpp）。",
     "data_parallel_backend": "数据并行后端，mp 或 ray（简写 -dpb）。",
     "data_parallel_hybrid_lb": "数据并行的混合负载均衡模式（简写 -dph）。",
     "data_parallel_external_lb": "数据并行的外部负载均衡模式（简写 -dpe）。",

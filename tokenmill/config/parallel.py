@@ -1,5 +1,5 @@
-"""Parallelism configuration: tensor parallelism over local processes, torchrun or a Ray cluster; PP and DP are not
-built yet."""
+"""Parallelism configuration: tensor parallelism (over local processes, torchrun or a Ray cluster) and data
+parallelism; PP is not built yet."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +15,18 @@ class ParallelConfig:
     rank, mp for more), so the executor registry only reads it."""
     tensor_parallel_size: int = config_field(1, help="Number of tensor-parallel ranks.")
     pipeline_parallel_size: int = config_field(1, help="Number of pipeline stages.")
-    data_parallel_size: int = config_field(1, help="Number of data-parallel engine replicas.")
+    data_parallel_size: int = config_field(1, help="Number of data-parallel engine replicas (engine cores), each "
+                                                   "with its own devices and KV cache, behind one API server.")
+    data_parallel_size_local: int | None = config_field(
+        None, help="Data-parallel replicas on this node; unset = all ranks from data_parallel_start_rank on. 0 on "
+                   "the head node runs only the API server.")
+    data_parallel_start_rank: int | None = config_field(
+        None, help="First data-parallel rank on this node (for --headless secondary nodes); unset = 0.")
+    data_parallel_address: str | None = config_field(
+        None, help="Address of the data-parallel head node, where engine cores of other nodes connect; unset = "
+                   "127.0.0.1.")
+    data_parallel_rpc_port: int | None = config_field(
+        None, help="TCP port of the head node's engine start-up handshake; unset = 29550.")
     distributed_executor_backend: str | None = config_field(
         None, help="uni (one process), mp (local worker processes; the default for more than one rank), ray "
                    "(worker ranks as actors of a Ray cluster, possibly on several nodes; needs "
@@ -36,14 +47,14 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
+        self._check_data_parallel()
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
             check_range(name, getattr(self, name), 1)
         check_range("master_port", self.master_port, 1, 65535)
         check_range("distributed_timeout_seconds", self.distributed_timeout_seconds, 1)
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) != 1:
-                raise not_supported_yet(name, getattr(self, name), "Tensor parallelism is the parallelism "
-                                        "built so far (--tensor-parallel-size).")
+        if self.pipeline_parallel_size != 1:
+            raise not_supported_yet("pipeline_parallel_size", self.pipeline_parallel_size, "Tensor and data "
+                                    "parallelism are built (--tensor-parallel-size, --data-parallel-size).")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"Invalid value {self.node_rank!r} for `node_rank`: must be in [0, nnodes={self.nnodes}).")
         if self.distributed_executor_backend is None:
@@ -51,6 +62,12 @@ class ParallelConfig:
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size x "
                              f"pipeline_parallel_size = {self.world_size} ranks; use 'mp' or 'external_launcher'.")
+        if self.distributed_executor_backend == "ray" and self.world_size > 1 and self.data_parallel_size > 1:
+            # Each engine core's ranks would ask Ray for GPUs while the data-parallel launcher already split the
+            # node's GPUs between engine cores (CUDA_VISIBLE_DEVICES): the two placements would disagree.
+            raise ValueError(f"distributed_executor_backend='ray' with data_parallel_size={self.data_parallel_size} "
+                             f"is not supported yet by tokenmill: data-parallel engine cores run their "
+                             f"tensor-parallel ranks with mp (--distributed-executor-backend mp).")
         if self.nnodes > 1 and self.distributed_executor_backend == "ray":
             raise ValueError(f"nnodes={self.nnodes} does not apply to distributed_executor_backend='ray': Ray "
                              f"places the ranks on the nodes of its cluster itself (join nodes with `ray start "
@@ -68,6 +85,21 @@ class ParallelConfig:
                              "torchrun).")
         if self.enable_expert_parallel:
             raise not_supported_yet("enable_expert_parallel", True)
+
+    def _check_data_parallel(self) -> None:
+        """Resolves the unset data-parallel fields (vLLM's meanings) and checks that the ranks add up."""
+        check_range("data_parallel_size", self.data_parallel_size, 1)
+        if self.data_parallel_start_rank is None:
+            self.data_parallel_start_rank = 0
+        check_range("data_parallel_start_rank", self.data_parallel_start_rank, 0, self.data_parallel_size - 1)
+        if self.data_parallel_size_local is None:
+            self.data_parallel_size_local = self.data_parallel_size - self.data_parallel_start_rank
+        check_range("data_parallel_size_local", self.data_parallel_size_local, 0,
+                    self.data_parallel_size - self.data_parallel_start_rank)
+        self.data_parallel_address = self.data_parallel_address or "127.0.0.1"
+        if self.data_parallel_rpc_port is None:
+            self.data_parallel_rpc_port = 29550
+        check_range("data_parallel_rpc_port", self.data_parallel_rpc_port, 1, 65535)
 
     @property
     def world_size(self) -> int:

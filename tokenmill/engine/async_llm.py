@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 from tokenmill.config import TokenmillConfig
 from tokenmill.config.engine_args import create_engine_config
 from tokenmill.engine.core_client import AsyncMPClient
+from tokenmill.engine.launcher import EngineAddresses
 from tokenmill.engine.llm_engine import FrontEnd, default_sampling_kwargs
 from tokenmill.engine.messages import SchedulerStats
 from tokenmill.engine.processor import PromptType
@@ -20,16 +21,19 @@ logger = init_logger(__name__)
 
 
 class AsyncLLM(EngineClient):
-    """Per-request async streams over one engine-core process.
+    """Per-request async streams over the engine-core processes (one per data-parallel rank).
 
-    One background task drains the core's outputs, detokenizes them and routes each to its request's queue. A
-    request whose consumer goes away (client disconnect, cancelled task) is aborted in the core, freeing its blocks.
+    One background task drains the cores' outputs, detokenizes them and routes each to its request's queue. A
+    request whose consumer goes away (client disconnect, cancelled task) is aborted in its core, freeing its blocks.
+    With several API server processes, each has its own AsyncLLM with its `client_index` and the engines'
+    `addresses` (the engines then belong to the parent process).
     """
 
-    def __init__(self, config: TokenmillConfig, log_stats: bool = True, log_interval_s: float | None = 10.0) -> None:
+    def __init__(self, config: TokenmillConfig, log_stats: bool = True, log_interval_s: float | None = 10.0,
+                 client_index: int = 0, addresses: EngineAddresses | None = None) -> None:
         self.config = config
-        # Start the engine core first: it loads the model while this process loads the tokenizer.
-        self.client = AsyncMPClient(config, wait=False)
+        # Start the engine cores first: they load the model while this process loads the tokenizer.
+        self.client = AsyncMPClient(config, wait=False, client_index=client_index, addresses=addresses)
         try:
             front = FrontEnd(config, log_stats=True)
         except BaseException:
@@ -39,8 +43,10 @@ class AsyncLLM(EngineClient):
         self.processor, self.output_processor = front.processor, front.output_processor
         self.client.wait_ready()
         self.processor.num_blocks = self.client.num_blocks
+        # With several API servers the first one logs the engines' summary lines.
         self.stat_logger = StatLogger(config.model_config.served_model_name[0],
-                                      log_interval_s if log_stats else None)
+                                      log_interval_s if log_stats and client_index == 0 else None,
+                                      num_engines=self.client.num_engines, record_engine_counters=client_index == 0)
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: asyncio.Task | None = None
 
@@ -51,6 +57,11 @@ class AsyncLLM(EngineClient):
     @property
     def engine_core_pid(self) -> int | None:
         return self.client.pid
+
+    @property
+    def engine_core_pids(self) -> list[int]:
+        """Process ids of the local engine cores, in data-parallel rank order."""
+        return self.client.engine_pids
 
     @property
     def errored(self) -> bool:
@@ -67,7 +78,7 @@ class AsyncLLM(EngineClient):
         return self.stat_logger.last
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.client.call_utility("reset_prefix_cache")
+        return all(await self.client.call_utility_all("reset_prefix_cache"))
 
     # ----- requests -----
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
@@ -83,15 +94,16 @@ class AsyncLLM(EngineClient):
         for i, r in enumerate(reqs):
             self.output_processor.add_request(r, text, parent_id=request_id, index=i, n=len(reqs), queue=queue)
         finished = False
+        engine = 0
         try:
-            await self.client.add_requests(reqs)
+            engine = await self.client.add_requests(reqs)
             while True:
                 out = await queue.get()
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
                 if finished:
-                    self.stat_logger.record_finished(out.metrics)
+                    self.stat_logger.record_finished(out.metrics, engine)
                 yield out
                 if finished:
                     return
@@ -117,7 +129,7 @@ class AsyncLLM(EngineClient):
                 result = self.output_processor.process_outputs(outs.outputs)
                 if result.reqs_to_abort:
                     await self.client.abort(result.reqs_to_abort)
-                self.stat_logger.record_step(outs.scheduler_stats, result.iteration_stats)
+                self.stat_logger.record_step(outs.scheduler_stats, result.iteration_stats, outs.engine_index)
         except EngineDeadError as e:
             for q in list(self._queues.values()):
                 q.put_nowait(e)

@@ -1,13 +1,21 @@
-"""The engine-core process: a busy loop around EngineCore, fed and drained over ZMQ.
+"""The engine-core process: a busy loop around EngineCore for one data-parallel rank, fed and drained over ZMQ.
 
-Input frames: (kind, msgpack payload). ADD carries an EngineCoreRequest, ABORT a list of request ids, UTILITY a
-(call_id, method name, args) tuple, SHUTDOWN nothing. Output frames: (kind, msgpack payload): OUTPUTS carries
-EngineCoreOutputs, UTILITY_RESULT (call_id, result or error text), FAILED an error text.
+Start-up (see engine/launcher.py): the process connects a DEALER to the head's handshake socket and sends HELLO
+{rank, pid, host}; the head answers WELCOME {inputs, outputs} (one input and one output address per client, i.e. per
+API server process) or REJECT {error}. After building the EngineCore it sends READY {engine_index, num_blocks} on
+every output socket and on the handshake socket, or FAILED {rank, error, traceback} on the handshake socket. The
+handshake socket stays open: the head stops engines of other nodes by sending SHUTDOWN there.
+
+Client k -> engine, on input socket k: (kind, msgpack payload). ADD carries an EngineCoreRequest, ABORT a list of
+request ids, UTILITY a (call_id, method name, args) tuple, SHUTDOWN nothing. Engine -> client k, on output socket k:
+OUTPUTS carries EngineCoreOutputs (the outputs of client k's requests, plus the scheduler stats every client gets),
+UTILITY_RESULT (call_id, result, error text), READY as above, FAILED an error text.
 """
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import traceback
 
 import msgspec
@@ -18,23 +26,42 @@ from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
 
+# client <-> engine
 ADD, ABORT, UTILITY, SHUTDOWN = b"A", b"X", b"U", b"S"
-OUTPUTS, UTILITY_RESULT, FAILED = b"O", b"R", b"F"
+OUTPUTS, UTILITY_RESULT, FAILED, READY = b"O", b"R", b"F", b"Y"
+# handshake (engine or headless node <-> head)
+HELLO, NODE_HELLO, WELCOME, REJECT = b"H", b"N", b"W", b"J"
 _UTILITIES = {"reset_prefix_cache", "get_num_blocks"}
+HELLO_TIMEOUT_S = 300.0
 
 
 class EngineCoreProc:
-    """Runs in its own process. Never blocks while work remains; sleeps on the input socket when idle."""
+    """Runs in its own process. Never blocks while work remains; sleeps on the input sockets when idle.
 
-    def __init__(self, config, input_path: str, output_path: str, parent_pid: int) -> None:
+    Serves one or more clients: a request's outputs go to the client whose input socket added it; every client gets
+    the scheduler stats of every step (each balances load over all engines). Every OUTPUTS message carries this
+    engine's data-parallel rank in `engine_index`.
+    """
+
+    def __init__(self, config, engine_index: int, input_paths: list[str], output_paths: list[str],
+                 parent_pid: int, control: zmq.Socket | None = None) -> None:
         from tokenmill.engine.engine_core import EngineCore
         self.core = EngineCore(config)
+        self.engine_index = engine_index
         self.parent_pid = parent_pid
         self.ctx = zmq.Context()
-        self.input = self.ctx.socket(zmq.PULL)
-        self.input.connect(input_path)
-        self.output = self.ctx.socket(zmq.PUSH)
-        self.output.connect(output_path)
+        self.inputs, self.outputs = [], []
+        for path in input_paths:
+            sock = self.ctx.socket(zmq.PULL)
+            sock.connect(path)
+            self.inputs.append(sock)
+        for path in output_paths:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.connect(path)
+            self.outputs.append(sock)
+        self._client_of_socket = {sock: k for k, sock in enumerate(self.inputs)}
+        self.control = control  # the handshake socket: only SHUTDOWN arrives there
+        self.client_of: dict[str, int] = {}  # request id -> client index, only with several clients
         self.req_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.encoder = msgspec.msgpack.Encoder()
         self.running = True
@@ -46,7 +73,12 @@ class EngineCoreProc:
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
 
-    def _handle(self, kind: bytes, payload: bytes) -> None:
+    def announce_ready(self) -> None:
+        msg = self.encoder.encode({"engine_index": self.engine_index, "num_blocks": self.core.num_blocks})
+        for sock in self.outputs:
+            sock.send_multipart([READY, msg])
+
+    def _handle(self, kind: bytes, payload: bytes, client: int) -> None:
         if kind == ADD:
             req = self.req_decoder.decode(payload)
             try:
@@ -55,10 +87,18 @@ class EngineCoreProc:
                 logger.warning("Rejected request %s: %s", req.request_id, e)
                 out = EngineCoreOutputs(outputs=[EngineCoreOutput(req.request_id, [],
                                                                   finish_reason=FinishReason.ABORT,
-                                                                  stop_reason=str(e))])
-                self.output.send_multipart([OUTPUTS, self.encoder.encode(out)])
+                                                                  stop_reason=str(e))],
+                                        engine_index=self.engine_index)
+                self.outputs[client].send_multipart([OUTPUTS, self.encoder.encode(out)])
+                return
+            if len(self.outputs) > 1:
+                self.client_of[req.request_id] = client
         elif kind == ABORT:
-            self.core.abort_requests(msgspec.msgpack.decode(payload))
+            ids = msgspec.msgpack.decode(payload)
+            self.core.abort_requests(ids)
+            if self.client_of:
+                for rid in ids:
+                    self.client_of.pop(rid, None)
             self._stats_dirty = True
         elif kind == UTILITY:
             call_id, name, args = msgspec.msgpack.decode(payload)
@@ -68,60 +108,124 @@ class EngineCoreProc:
                 result, error = getattr(self, name)(*args), None
             except Exception as e:
                 result, error = None, repr(e)
-            self.output.send_multipart([UTILITY_RESULT, self.encoder.encode((call_id, result, error))])
+            self.outputs[client].send_multipart([UTILITY_RESULT, self.encoder.encode((call_id, result, error))])
         elif kind == SHUTDOWN:
             self.running = False
 
+    def _send(self, outs: EngineCoreOutputs) -> None:
+        outs.engine_index = self.engine_index
+        if len(self.outputs) == 1:
+            self.outputs[0].send_multipart([OUTPUTS, self.encoder.encode(outs)])
+            return
+        per_client: list[list[EngineCoreOutput]] = [[] for _ in self.outputs]
+        for out in outs.outputs:
+            client = self.client_of.get(out.request_id, 0)
+            if out.finish_reason is not None:
+                self.client_of.pop(out.request_id, None)
+            per_client[client].append(out)
+        for sock, mine in zip(self.outputs, per_client):
+            part = EngineCoreOutputs(outputs=mine, scheduler_stats=outs.scheduler_stats, timestamp=outs.timestamp,
+                                     engine_index=self.engine_index)
+            sock.send_multipart([OUTPUTS, self.encoder.encode(part)])
+
     def run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.input, zmq.POLLIN)
+        for sock in self.inputs:
+            poller.register(sock, zmq.POLLIN)
+        if self.control is not None:
+            poller.register(self.control, zmq.POLLIN)
+        client_of_socket = self._client_of_socket
         while self.running:
             busy = self.core.has_unfinished_requests()
             # Drain every pending message; block (briefly, to notice an orphaned process) only when idle.
             timeout = 0 if busy else 1000
-            while self.running and poller.poll(timeout):
-                kind, payload = self.input.recv_multipart()
-                self._handle(kind, payload)
+            while self.running:
+                events = poller.poll(timeout)
+                if not events:
+                    break
+                for sock, _ in events:
+                    kind, payload = sock.recv_multipart()
+                    if sock is self.control:
+                        self.running = self.running and kind != SHUTDOWN
+                    else:
+                        self._handle(kind, payload, client_of_socket[sock])
                 timeout = 0
             if not self.running:
                 break
             if self.core.has_unfinished_requests():
-                outs = self.core.step()
-                self.output.send_multipart([OUTPUTS, self.encoder.encode(outs)])
+                self._send(self.core.step())
                 self._stats_dirty = True
             elif self._stats_dirty:
                 # Going idle (or aborts freed blocks): publish a final snapshot so gauges return to zero.
-                idle = EngineCoreOutputs(scheduler_stats=self.core.scheduler.make_stats())
-                self.output.send_multipart([OUTPUTS, self.encoder.encode(idle)])
+                self._send(EngineCoreOutputs(scheduler_stats=self.core.scheduler.make_stats()))
                 self._stats_dirty = False
             elif os.getppid() != self.parent_pid:
-                logger.warning("The API server process is gone; engine core exiting.")
+                logger.warning("The process that started this engine core is gone; engine core exiting.")
                 break
 
+    def report_failure(self, error: str) -> None:
+        for sock in self.outputs:
+            sock.send_multipart([FAILED, error.encode()])
+
     def close(self) -> None:
-        self.input.close(linger=0)
-        self.output.close(linger=1000)
+        for sock in self.inputs:
+            sock.close(linger=0)
+        for sock in self.outputs:
+            sock.close(linger=1000)
         self.ctx.term()
 
 
-def run_engine_core(config, input_path: str, output_path: str, ready_conn, parent_pid: int) -> None:
-    """Process entry point. Reports readiness (or the start-up error) through `ready_conn`."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when we stop
+def _hello(hs: zmq.Socket, engine_index: int, parent_pid: int) -> dict | None:
+    """Introduces this engine core to the head; returns its WELCOME (the client addresses) or None to exit."""
+    hs.send_multipart([HELLO, msgspec.msgpack.encode({"rank": engine_index, "pid": os.getpid(),
+                                                      "host": socket.gethostname()})])
+    waited = 0.0
+    while not hs.poll(1000):
+        waited += 1.0
+        if os.getppid() != parent_pid:
+            return None
+        if waited >= HELLO_TIMEOUT_S:
+            logger.error("Engine core %d: no answer from the head node within %.0f s.", engine_index, waited)
+            return None
+    kind, payload = hs.recv_multipart()
+    msg = msgspec.msgpack.decode(payload)
+    if kind != WELCOME:
+        logger.error("Engine core %d was turned away by the head node: %s", engine_index, msg.get("error"))
+        return None
+    return msg
+
+
+def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: int) -> None:
+    """Process entry point for data-parallel rank `engine_index`: handshake, build, announce, serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process that started us decides when we stop
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    ctx = zmq.Context()
+    hs = ctx.socket(zmq.DEALER)
+    hs.setsockopt(zmq.LINGER, 5000)  # READY / FAILED must reach the head even if we exit right after
+    hs.connect(handshake_path)
+    welcome = _hello(hs, engine_index, parent_pid)
+    if welcome is None:
+        hs.close(linger=0)
+        ctx.term()
+        os._exit(1)
     try:
-        proc = EngineCoreProc(config, input_path, output_path, parent_pid)
+        proc = EngineCoreProc(config, engine_index, welcome["inputs"], welcome["outputs"], parent_pid, control=hs)
     except BaseException as e:
-        ready_conn.send({"status": "failed", "error": f"{type(e).__name__}: {e}",
-                         "traceback": traceback.format_exc()})
-        return
-    ready_conn.send({"status": "ready", "num_blocks": proc.core.num_blocks})
-    ready_conn.close()
+        hs.send_multipart([FAILED, msgspec.msgpack.encode({"rank": engine_index, "error": f"{type(e).__name__}: {e}",
+                                                           "traceback": traceback.format_exc()})])
+        hs.close()
+        ctx.term()
+        os._exit(1)
+    proc.announce_ready()
+    hs.send_multipart([READY, msgspec.msgpack.encode({"rank": engine_index, "num_blocks": proc.core.num_blocks})])
     try:
         proc.run()
     except BaseException as e:
-        logger.error("Engine core failed:\n%s", traceback.format_exc())
+        logger.error("Engine core %d failed:\n%s", engine_index, traceback.format_exc())
         try:
-            proc.output.send_multipart([FAILED, f"{type(e).__name__}: {e}".encode()])
+            proc.report_failure(f"engine core {engine_index}: {type(e).__name__}: {e}")
         finally:
             os._exit(1)
     proc.close()
+    hs.close(linger=0)
+    ctx.term()

@@ -33,6 +33,11 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """The n sequences of one user request (the data-parallel stand-in keeps them on one engine)."""
+        for request in requests:
+            self.scheduler.add_request(request)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids)
 

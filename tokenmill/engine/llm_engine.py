@@ -66,7 +66,11 @@ class LLMEngine:
         front = FrontEnd(config, log_stats)
         self.tokenizer, self.generation_config = front.tokenizer, front.generation_config
         self.processor, self.output_processor = front.processor, front.output_processor
-        self.engine_core = EngineCore(config)
+        if config.parallel_config.data_parallel_size > 1:
+            from tokenmill.engine.dp_engine_core import DPEngineCore
+            self.engine_core = DPEngineCore(config)
+        else:
+            self.engine_core = EngineCore(config)
         self.processor.num_blocks = self.engine_core.num_blocks
         self.log_stats = log_stats
         self.last_stats = None
@@ -84,8 +88,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         text, reqs = self.processor.process(request_id, prompt, params, arrival_time, priority)
-        for req in reqs:
-            self.engine_core.add_request(req)
+        self.engine_core.add_requests(reqs)
         for i, req in enumerate(reqs):
             self.output_processor.add_request(req, text, parent_id=request_id, index=i, n=len(reqs))
 

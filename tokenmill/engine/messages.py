@@ -69,7 +69,23 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0
 
 
+def combine_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats | None:
+    """The stats of several data-parallel engines as one snapshot: counts summed, KV usage averaged."""
+    if not stats:
+        return None
+    if len(stats) == 1:
+        return stats[0]
+    return SchedulerStats(num_running_reqs=sum(s.num_running_reqs for s in stats),
+                          num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+                          kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+                          prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+                          prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+                          num_preemptions=sum(s.num_preemptions for s in stats))
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One engine step's outputs; `engine_index` is the data-parallel rank of the engine core that sent them."""
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    engine_index: int = 0

@@ -10,6 +10,9 @@ Everything the kernels need is read from device tensors (query_start_loc, seq_le
 CUDA-graph friendly: the host only picks the grid (batch rows, num_splits). Rows whose query_len != 1 are skipped
 (they belong to the prefill kernel in a mixed batch, or are query_len-0 padding); rows with query_len 1 and
 seq_len 0 (CUDA-graph padding) produce zeros.
+
+An fp8 cache (FP8 constexpr) is read as fp8 (half the bytes) and dequantised as in the prefill kernel: k_scale folds
+into the softmax scale, v_scale into stage 1's normalised output (stage 2's merge is linear in it).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.attention.kv_quant import is_fp8, require_scales
 from tokenmill.kernels.triton_prefill_attention import _attn_inner
 
 _LOG2E = 1.4426950408889634
@@ -27,13 +31,13 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
-    qk_scale, num_splits,
+    k_scale_ptr, v_scale_ptr, qk_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_mb, stride_mh, stride_ms,
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -66,6 +70,8 @@ def _decode_stage1_kernel(
     bt_row_ptr = block_table_ptr + b * stride_bt
     kv_head_off = kvh * stride_ch
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, d,
                                 d_mask, start, full_end, end, qk_scale, stride_cb, stride_cs,
                                 BLOCK_SIZE, BLOCK_N, False, IEEE)
@@ -75,6 +81,8 @@ def _decode_stage1_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if FP8:
+        o = o * tl.load(v_scale_ptr)
     if DIRECT:
         tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -139,9 +147,13 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
     return 1 << (n - 1).bit_length() if n & (n - 1) else n
 
 
-def decode_config(head_size: int, group: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_N keys per iteration, num_warps, num_stages): first guesses, to be tuned on the H200."""
-    if triton.next_power_of_2(head_size) >= 256:
+def decode_config(head_size: int, group: int, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N keys per iteration, num_warps, num_stages): first guesses, to be tuned on the H200.
+
+    fp8 cache at D=128: 64/4/2 spills ~430 bytes per thread on sm_90 (triton 3.6 and 3.9, CPU-side AOT, ptxas -v;
+    the bf16 cache ~100), 32/4/2 compiles without spills."""
+    head_p2 = triton.next_power_of_2(head_size)
+    if head_p2 >= 256 or (fp8 and head_p2 >= 128):
         return 32, 4, 2
     return 64, 4, 2
 
@@ -149,11 +161,13 @@ def decode_config(head_size: int, group: int, dtype: torch.dtype) -> tuple[int, 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                      scale: float, num_splits: int = 1, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> None:
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Attention of the single query token of each query_len-1 request in q [T, Hq, D] against the paged cache.
 
     Row b's token is q[query_start_loc[b]]; rows with query_len != 1 are left alone; query_len 1 with seq_len 0
-    gives zeros. k_cache/v_cache [num_blocks, block_size, Hkv, D]; out [T, Hq, D] (may alias nothing in q).
+    gives zeros. k_cache/v_cache [num_blocks, block_size, Hkv, D]; out [T, Hq, D] (may alias nothing in q). An fp8
+    cache needs k_scale / v_scale (float32 device scalars): cached values are read as fp8 * scale.
     Grid: (B, Hkv, num_splits) then (B, Hq) when num_splits > 1, B = seq_lens.shape[0]."""
     num_rows = seq_lens.shape[0]
     if num_rows == 0:
@@ -164,12 +178,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     g = hq // hkv
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
-    cfg = decode_config(d, g, q.dtype)
+    fp8 = is_fp8(k_cache.dtype)
+    cfg = decode_config(d, g, q.dtype, fp8)
     block_n = block_n or cfg[0]
     head_p2 = triton.next_power_of_2(d)
     block_g = max(16, triton.next_power_of_2(g))
     ieee = q.dtype == torch.float32     # fp32 dots in full precision (tests), not tf32
     direct = num_splits == 1
+    if fp8:
+        require_scales(k_scale, v_scale)
+    else:  # never read: any pointer will do
+        k_scale = v_scale = seq_lens
     if direct:
         mid_o = mid_lse = out          # unused
         sm = (0, 0, 0)
@@ -180,13 +199,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     common = dict(num_warps=num_warps or cfg[1])
     _decode_stage1_kernel[(num_rows, hkv, num_splits)](
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens, mid_o, mid_lse, out,
-        scale * _LOG2E, num_splits,
+        k_scale, v_scale, scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         sm[0], sm[1], sm[2],
         BLOCK_SIZE=k_cache.shape[1], G=g, BLOCK_G=block_g, BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2,
-        DIRECT=direct, IEEE=ieee, num_stages=num_stages or cfg[2], **common,
+        DIRECT=direct, IEEE=ieee, FP8=fp8, num_stages=num_stages or cfg[2], **common,
     )
     if not direct:
         _decode_stage2_kernel[(num_rows, hq)](

@@ -13,12 +13,17 @@ Layout of the work:
     past the request's end. The grid is T // BLOCK_Q + B programs along axis 0 (a few idle ones).
   * Flash-attention style: fp32 online softmax in the exp2 domain, tl.dot for QK^T and PV. The key loop is split in
     an unmasked part (keys every row of the tile sees) and a masked diagonal part.
+  * fp8 cache (FP8 constexpr): K/V tiles are loaded as fp8 (half the bytes) and widened to the query dtype, which
+    holds every e4m3 / e5m2 value exactly. Dequantising is linear, so k_scale folds into the softmax scale
+    (q.(k * s_k) = s_k * (q.k)) and v_scale into the final normalisation: no per-element multiply in the key loop.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.attention.kv_quant import is_fp8, require_scales
 
 _LOG2E = 1.4426950408889634
 
@@ -66,14 +71,14 @@ def _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, k
 
 @triton.jit
 def _prefill_attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, SKIP_SINGLE: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -118,6 +123,8 @@ def _prefill_attn_kernel(
     kv_head_off = kvh * stride_ch
     kv_end = ctx + tl.minimum(q0 + BLOCK_Q, q_len)        # exclusive: the last row's position + 1
     full_end = ((ctx + q0) // BLOCK_N) * BLOCK_N          # keys below this are visible to every row of the tile
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, d,
                                 d_mask, 0, full_end, kv_end, qk_scale, stride_cb, stride_cs,
                                 BLOCK_SIZE, BLOCK_N, False, IEEE)
@@ -127,6 +134,8 @@ def _prefill_attn_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if FP8:
+        o = o * tl.load(v_scale_ptr)
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
 
@@ -153,14 +162,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       scale: float, num_tokens: int, skip_single: bool = False, max_query_len: int | None = None,
                       block_m: int | None = None, block_n: int | None = None,
-                      num_warps: int | None = None, num_stages: int | None = None) -> None:
+                      num_warps: int | None = None, num_stages: int | None = None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Causal varlen attention of q [T, Hq, D] against the paged cache; writes out [T, Hq, D].
 
     k_cache/v_cache: [num_blocks, block_size, Hkv, D] (kv_cache[0], kv_cache[1]); query_start_loc [B+1] int32,
     seq_lens [B] int32, block_table [B, max_blocks] int32, all on the device. `num_tokens` (a host int, T or an upper
     bound of qsl[B]) sizes the grid; rows of requests with query_len 0 are ignored. skip_single=True leaves rows with
     query_len 1 alone (the decode kernel does them). max_query_len (host int, optional) only picks the tile config.
-    q and out may be strided but need a contiguous head dim."""
+    q and out may be strided but need a contiguous head dim. An fp8 cache needs k_scale / v_scale (float32 device
+    scalars): cached values are read as fp8 * scale."""
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or num_tokens == 0:
         return
@@ -176,14 +187,19 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert block_m >= g and block_m >= 16 and block_n >= 16
     block_q = block_m // g
     ieee = q.dtype == torch.float32     # fp32 dots in full precision (tests), not tf32
+    fp8 = is_fp8(k_cache.dtype)
+    if fp8:
+        require_scales(k_scale, v_scale)
+    else:  # never read: any pointer will do
+        k_scale = v_scale = seq_lens
     grid = (num_tokens // block_q + num_seqs, hkv)
     _prefill_attn_kernel[grid](
-        q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens,
+        q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, k_scale, v_scale,
         num_seqs, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         BLOCK_SIZE=k_cache.shape[1], G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD=d, HEAD_P2=triton.next_power_of_2(d), SKIP_SINGLE=skip_single, IEEE=ieee,
+        HEAD=d, HEAD_P2=triton.next_power_of_2(d), SKIP_SINGLE=skip_single, IEEE=ieee, FP8=fp8,
         num_warps=num_warps or cfg[2], num_stages=num_stages or cfg[3],
     )

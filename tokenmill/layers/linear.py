@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill.distributed import divide, get_parallel_state, get_tp_size, kv_heads_per_rank
 from tokenmill.distributed.communication_op import tensor_model_parallel_all_reduce
+from tokenmill.layers.linear_ops import linear, norm_linear, silu_mul_linear
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -61,7 +62,11 @@ class ColumnParallelLinear(nn.Module):
                       type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """self(norm(x + residual)) and x + residual (x when residual is None), the norm fused in where it pays."""
+        return norm_linear(x, residual, norm, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -143,8 +148,12 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param.data, loaded.narrow(1, self.tp_rank * size, size) if self.tp_size > 1 else loaded,
                       type(self).__name__)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """act="silu_mul": x is [gate | up] and the product takes silu(gate) * up (fused where it pays)."""
+        if act not in (None, "silu_mul"):
+            raise ValueError(f"RowParallelLinear: unknown act {act!r}")
+        matmul = silu_mul_linear if act == "silu_mul" else linear
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight), self.parallel)
+            return matmul(x, self.weight, self.bias)
+        y = tensor_model_parallel_all_reduce(matmul(x, self.weight), self.parallel)
         return y if self.bias is None else y + self.bias

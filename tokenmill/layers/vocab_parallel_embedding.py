@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import get_parallel_state
+from tokenmill.layers.linear_ops import linear
 from tokenmill.distributed.communication_op import (tensor_model_parallel_all_gather,
                                                     tensor_model_parallel_all_reduce)
 
@@ -49,7 +50,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> logits [T, vocab], identical on every rank (gathered over the TP group)."""
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         logits = tensor_model_parallel_all_gather(logits, -1, self.parallel)

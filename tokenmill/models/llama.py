@@ -9,8 +9,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from tokenmill.attention.kv_quant import kv_scale_targets, load_kv_scale
 from tokenmill.attention.layer import Attention
-from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                      default_weight_loader)
@@ -44,8 +44,16 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.head_dim, self.num_kv_heads,
                               self.head_dim ** -0.5, backend_cls)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention(norm(x + residual)) and the new residual (the norm is folded into qkv_proj where it pays)."""
+        qkv, residual = self.qkv_proj.forward_norm(x, residual, norm)
+        return self._attend(positions, qkv), residual
+
+    def _attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        out = self.attn.forward_qkv(qkv, positions, self.rotary_emb, self.q_norm, self.k_norm)
+        if out is not None:
+            return self.o_proj(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             t = q.shape[0]
@@ -64,10 +72,12 @@ class LlamaMLP(nn.Module):
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Unsupported hidden_act {act!r} (only silu).")
-        self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """mlp(norm(x + residual)) and the new residual; SiLU-and-mul is folded into down_proj where it pays."""
+        gate_up, residual = self.gate_up_proj.forward_norm(x, residual, norm)
+        return self.down_proj(gate_up, act="silu_mul"), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -80,14 +90,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
@@ -142,11 +146,21 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into parameters; returns the parameter names that were loaded."""
+        """Copy checkpoint tensors into parameters; returns the parameter names that were loaded. KV-cache scales
+        (k_scale / v_scale / kv_scale, see attention/kv_quant.py) go into the Attention layers' scale buffers."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        buffers = dict(self.named_buffers())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
+                continue
+            targets = kv_scale_targets(name)
+            if targets is not None:
+                for target in targets:
+                    if target not in buffers:
+                        raise ValueError(f"Checkpoint tensor {name!r} looks like a KV-cache scale but "
+                                         f"{type(self).__name__} has no {target!r}.")
+                    load_kv_scale(buffers[target], tensor, name)
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the embedding is the head

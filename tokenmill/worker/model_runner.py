@@ -20,7 +20,8 @@ from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.sampling_state import SamplingState
 from tokenmill.worker.transfer import to_device, to_host
 
-_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn,
+              "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 class ModelRunner:

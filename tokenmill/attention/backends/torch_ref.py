@@ -5,14 +5,23 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.kv_quant import dequantize, is_fp8, quantize, require_scales
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter K/V of each token into its slot. kv_cache [2, N, bs, H, D]; k, v [T, H, D]."""
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Scatter K/V of each token into its slot. kv_cache [2, N, bs, H, D]; k, v [T, H, D]. An fp8 cache stores
+    fp8(x / scale)."""
     _, n, bs, h, d = kv_cache.shape
     flat = kv_cache.view(2, n * bs, h, d)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    if is_fp8(kv_cache.dtype):
+        require_scales(k_scale, v_scale)
+        # index_copy_ has no fp8 kernel on CPU; the bytes are the same through a uint8 view.
+        k = quantize(k, k_scale, kv_cache.dtype).view(torch.uint8)
+        v = quantize(v, v_scale, kv_cache.dtype).view(torch.uint8)
+        flat = flat.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,40 +36,42 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> t
 
 
 class TorchRefBackend(AttentionBackend):
-    """Straightforward and exact: decodes are batched into one padded attention, prefills run one request each."""
+    """Straightforward and exact: decodes are batched into one padded attention, prefills run one request each.
+    An fp8 cache is dequantised (float(fp8) * scale) right after the gather, so it works on any device."""
 
     name = "TORCH_REF"
 
-    def forward(self, q, k, v, kv_cache, md: AttentionMetadata):
+    def forward(self, q, k, v, kv_cache, md: AttentionMetadata, k_scale=None, v_scale=None):
         t = md.num_actual_tokens
         q = q[:t].view(t, self.num_heads, self.head_size)
         k = k[:t].view(t, self.num_kv_heads, self.head_size)
         v = v[:t].view(t, self.num_kv_heads, self.head_size)
-        write_kv(kv_cache, k, v, md.slot_mapping[:t])
+        write_kv(kv_cache, k, v, md.slot_mapping[:t], k_scale, v_scale)
+        scales = (k_scale, v_scale)
         out = torch.empty_like(q)
         qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
         query_lens = qsl[1:] - qsl[:-1]
         decode_rows = (query_lens == 1).nonzero()[0]
         if len(decode_rows):
-            self._decode(q, kv_cache, md, decode_rows, out)
+            self._decode(q, kv_cache, md, decode_rows, out, scales)
         for i in (query_lens > 1).nonzero()[0]:
             s, e = int(qsl[i]), int(qsl[i + 1])
-            out[s:e] = self._prefill(q[s:e], kv_cache, md.block_table[i], int(seq_lens[i]))
+            out[s:e] = self._prefill(q[s:e], kv_cache, md.block_table[i], int(seq_lens[i]), scales)
         return out.view(t, self.num_heads * self.head_size)
 
-    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int):
+    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scales):
         ql = q.shape[0]
         key, value = gather_kv(kv_cache, block_ids, seq_len)
         group = self.num_heads // self.num_kv_heads
-        key = key.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)      # [Hq, L, D]
-        value = value.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        key = dequantize(key, scales[0], q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+        value = dequantize(value, scales[1], q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
         ctx = seq_len - ql
         # Query i sits at position ctx + i and sees keys 0..ctx + i.
         mask = torch.arange(seq_len, device=q.device)[None, :] <= (ctx + torch.arange(ql, device=q.device))[:, None]
         o = F.scaled_dot_product_attention(q.transpose(0, 1), key, value, attn_mask=mask, scale=self.scale)
         return o.transpose(0, 1)
 
-    def _decode(self, q, kv_cache, md: AttentionMetadata, rows, out) -> None:
+    def _decode(self, q, kv_cache, md: AttentionMetadata, rows, out, scales) -> None:
         dev = q.device
         rows_t = torch.as_tensor(rows, device=dev)
         lens = md.seq_lens_cpu[rows]
@@ -69,8 +80,8 @@ class TorchRefBackend(AttentionBackend):
         nb = -(-max_len // bs)
         ids = md.block_table[rows_t, :nb].long().reshape(-1)                   # [B * nb]
         b = len(rows)
-        k = kv_cache[0].index_select(0, ids).view(b, nb * bs, h, d)[:, :max_len].to(q.dtype)
-        v = kv_cache[1].index_select(0, ids).view(b, nb * bs, h, d)[:, :max_len].to(q.dtype)
+        k = dequantize(kv_cache[0].index_select(0, ids).view(b, nb * bs, h, d)[:, :max_len], scales[0], q.dtype)
+        v = dequantize(kv_cache[1].index_select(0, ids).view(b, nb * bs, h, d)[:, :max_len], scales[1], q.dtype)
         group = self.num_heads // self.num_kv_heads
         token_idx = md.query_start_loc[rows_t].long()
         qd = q[token_idx].view(b, self.num_kv_heads, group, d).float()          # [B, Hkv, G, D]

@@ -3,6 +3,8 @@ rows through the split-K decode kernel (a batch may mix both; each kernel skips 
 
 Host-side planning reads only host values of the metadata (max_query_len, max_seq_len, query_start_loc_cpu), never
 device tensors, so there is no sync; a pure-decode step (max_query_len <= 1) does no host work beyond the launches.
+An fp8 cache is quantised by the store kernel and dequantised inside the attention kernels, with the layer's k/v
+scales read from device memory (attention/kv_quant.py).
 """
 from __future__ import annotations
 
@@ -10,14 +12,18 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.kv_quant import check_triton_fp8_support, is_fp8
 from tokenmill.kernels.triton_decode_attention import decode_attention, decode_config, decode_num_splits
 from tokenmill.kernels.triton_kv_store import store_kv
 from tokenmill.kernels.triton_prefill_attention import prefill_attention
 
 
 class TritonAttentionBackend(AttentionBackend):
+    """Paged prefill + split-K decode kernels; bf16 / fp16 / fp32 caches and fp8 (e4m3, e5m2) caches with scales."""
+
     name = "TRITON"
     supports_cuda_graphs = True  # pure-decode steps plan nothing on the host
+    supports_prestored_kv = True  # forward(q, None, None, ...) when the K/V of the step are already in the cache
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
         super().__init__(num_heads, head_size, num_kv_heads, scale)
@@ -25,13 +31,15 @@ class TritonAttentionBackend(AttentionBackend):
         # count it was captured with); None = a heuristic from the batch size and md.max_seq_len per call.
         self.decode_num_splits: int | None = None
 
-    def forward(self, q, k, v, kv_cache, md: AttentionMetadata):
+    def forward(self, q, k, v, kv_cache, md: AttentionMetadata, k_scale=None, v_scale=None):
+        fp8 = is_fp8(kv_cache.dtype)
+        if fp8 and kv_cache.is_cuda:
+            check_triton_fp8_support(kv_cache.dtype, kv_cache.device.index or 0)
         t = md.num_actual_tokens
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         q = q[:t].view(t, hq, d)
-        k = k[:t].view(t, hkv, d)
-        v = v[:t].view(t, hkv, d)
-        store_kv(k, v, kv_cache, md.slot_mapping[:t])
+        if k is not None:  # None: the caller already stored this step's K/V (fused rope + store)
+            store_kv(k[:t].view(t, hkv, d), v[:t].view(t, hkv, d), kv_cache, md.slot_mapping[:t], k_scale, v_scale)
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
         kc, vc = kv_cache[0], kv_cache[1]
         has_decode = True
@@ -39,12 +47,13 @@ class TritonAttentionBackend(AttentionBackend):
             qsl = md.query_start_loc_cpu
             has_decode = bool((np.diff(qsl) == 1).any())
             prefill_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
-                              num_tokens=t, skip_single=has_decode, max_query_len=md.max_query_len)
+                              num_tokens=t, skip_single=has_decode, max_query_len=md.max_query_len,
+                              k_scale=k_scale, v_scale=v_scale)
         if has_decode:
             splits = self.decode_num_splits
             if splits is None:
                 splits = decode_num_splits(md.seq_lens.shape[0], hkv, md.max_seq_len, q.device,
-                                           block_n=decode_config(d, hq // hkv, q.dtype)[0])
+                                           block_n=decode_config(d, hq // hkv, q.dtype, fp8)[0])
             decode_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
-                             num_splits=splits)
+                             num_splits=splits, k_scale=k_scale, v_scale=v_scale)
         return out.view(t, hq * d)

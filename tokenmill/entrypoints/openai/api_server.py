@@ -289,7 +289,13 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     @app.get("/metrics")
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-        return Response(content=generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        from tokenmill import envs
+        registry = REGISTRY
+        if envs.PROMETHEUS_MULTIPROC_DIR:  # several API server processes: report all of them
+            from prometheus_client import CollectorRegistry, multiprocess
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        return Response(content=generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def show_models() -> Response:
@@ -362,7 +368,12 @@ async def _watchdog(app: FastAPI) -> None:
     while True:
         await asyncio.sleep(WATCHDOG_INTERVAL_S)
         if engine.errored:
-            app.state.engine_died("the engine core stopped")
+            try:
+                await engine.check_health()
+                why = "the engine core stopped"
+            except EngineDeadError as e:  # says which engine and how
+                why = str(e)
+            app.state.engine_died(why)
             return
 
 
@@ -439,8 +450,9 @@ async def _watch_ssl_files(server: Any, frontend: FrontendConfig) -> None:
         last = now
 
 
-async def serve(engine: EngineClient, frontend: FrontendConfig) -> int:
-    """Serves until a signal or a dead engine; returns the exit code."""
+async def serve(engine: EngineClient, frontend: FrontendConfig, sockets: list | None = None) -> int:
+    """Serves until a signal or a dead engine; returns the exit code. `sockets`: already-listening sockets to
+    serve on instead of binding host:port (several API server processes share one port that way)."""
     app = build_app(engine, frontend)
     server = _make_server(app, frontend)
     logger.info("tokenmill %s serving %s on %s", tokenmill.__version__,
@@ -449,7 +461,7 @@ async def serve(engine: EngineClient, frontend: FrontendConfig) -> int:
     if frontend.enable_ssl_refresh and frontend.ssl_certfile:
         ssl_task = asyncio.ensure_future(_watch_ssl_files(server, frontend))
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         if ssl_task is not None:
             ssl_task.cancel()
@@ -457,8 +469,16 @@ async def serve(engine: EngineClient, frontend: FrontendConfig) -> int:
 
 
 def run_server(engine_kwargs: dict[str, Any], frontend: FrontendConfig) -> None:
-    """Starts the engine, serves until stopped, then exits: 0 after SIGTERM/SIGINT, 1 if the engine died."""
+    """Starts the engine, serves until stopped, then exits: 0 after SIGTERM/SIGINT, 1 if the engine died.
+    `--headless` runs only this node's data-parallel engine cores; `--api-server-count N` runs N API servers."""
     _check_frontend(frontend)
+    if frontend.headless or frontend.api_server_count > 1:
+        from tokenmill.engine.headless import run_headless
+        from tokenmill.entrypoints.openai.multi_server import run_api_servers
+        code = run_headless(engine_kwargs) if frontend.headless else run_api_servers(engine_kwargs, frontend)
+        if code:
+            sys.exit(code)
+        return
     if frontend.disable_frontend_multiprocessing:
         logger.warning("--disable-frontend-multiprocessing has no effect: tokenmill's API server always talks to "
                        "an engine core running in its own process.")

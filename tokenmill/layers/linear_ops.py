@@ -1,0 +1,65 @@
+"""The matrix products of the linear layers, with the small-batch decode kernels where they were measured faster.
+
+At a few tokens per step (batch-1..2 decode) the weight-streaming Triton gemv of tokenmill.kernels.triton_gemv
+beats cuBLAS on some shapes, and it can fold the RMSNorm (+ residual add) before a projection, or the SiLU-and-mul
+before down_proj, into the product, saving a launch each. `prefer_gemv` holds the measured table: a product takes
+the gemv path only for a (rows, N, K, prologue) that the H200 sweep found faster; everything else is F.linear plus
+the separate kernels, exactly as before. The numerics differ only by rounding (the unfused path rounds the
+normalised activations to the model dtype before the product, the fused one keeps more precision).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill import envs
+from tokenmill.layers.activation import SiluAndMul
+
+_silu_and_mul = SiluAndMul()
+
+
+def _gemv_config(x: torch.Tensor, weight: torch.Tensor, prologue: str | None):
+    if not x.is_cuda:
+        return None
+    from tokenmill.kernels.triton_gemv import MAX_M, prefer_gemv, use_gemv
+    mode = envs.TOKENMILL_GEMV
+    m = x.numel() // x.shape[-1]
+    if mode == "never" or m > MAX_M or not use_gemv(x, weight):
+        return None
+    if mode == "always":
+        from tokenmill.kernels.triton_gemv import default_config
+        return default_config(m, weight.shape[0], weight.shape[1])
+    return prefer_gemv(m, weight.shape[0], weight.shape[1], prologue)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    cfg = _gemv_config(x, weight, None)
+    if cfg is None:
+        return F.linear(x, weight, bias)
+    from tokenmill.kernels.triton_gemv import gemv
+    return gemv(x, weight, bias, config=cfg)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(silu(gate) * up, W, b) for x = [gate | up]."""
+    if x.is_cuda and x.shape[-1] == 2 * weight.shape[1]:
+        cfg = _gemv_config(x, weight, "silu_mul")
+        if cfg is not None:
+            from tokenmill.kernels.triton_gemv import gemv
+            return gemv(x, weight, bias, act="silu_mul", config=cfg)
+    return linear(_silu_and_mul(x), weight, bias)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(norm(x + residual), W, b), x + residual); without a residual the second item is x itself."""
+    cfg = _gemv_config(x, weight, "rmsnorm")
+    if cfg is not None:
+        from tokenmill.kernels.triton_gemv import gemv
+        if residual is None:
+            return gemv(x, weight, bias, norm_weight=norm.weight, eps=norm.eps, config=cfg), x
+        return gemv(x, weight, bias, norm_weight=norm.weight, eps=norm.eps, residual=residual, config=cfg)
+    if residual is None:
+        return linear(norm(x), weight, bias), x
+    h, residual = norm(x, residual)
+    return linear(h, weight, bias), residual

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Structured-outputs serving benchmark (issue 5) on the GPU machine. Usage: bash tools/device_so_bench.sh
+# Carry .devcarry/ (wheels for the server stack + xgrammar, and smollm2-dummy/: the SmolLM2-135M-Instruct config with
+# its real tokenizer, served with --load-format dummy). Writes JSON results and the server log to $OUT.
+#
+# Runs: warm-up (free requests, then a few regex-constrained ones so xgrammar's tokenizer tables exist; the JSON
+# schemas stay uncompiled until the measured mixed run), then at --max-concurrency 32 with the same random prompts:
+#   free.json   only free requests (ignore_eos, fixed output length)
+#   mixed.json  --structured-output-ratio 0.5: every second request carries one of 12 JSON schemas
+#   free2.json  only free requests again, to show run-to-run noise
+# and prints: free median TPOT alone vs in the mixed run (slowdown %), structured / free median TPOT.
+# Constrained answers use disable_any_whitespace: with random weights the default JSON grammar lets the model emit
+# whitespace until max_tokens; compact JSON makes every answer end, and the report checks each against its schema.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/*.whl >/dev/null 2>&1
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+MODEL="$PWD/.devcarry/smollm2-dummy"
+PORT=18000
+CONC=32
+NUM_PROMPTS=320
+INPUT_LEN=256
+OUTPUT_LEN=256
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "
+import torch, triton, transformers, xgrammar, fastapi, uvicorn, zmq, pydantic, msgspec
+print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" || exit 1
+
+setsid python3 -m tokenmill.entrypoints.cli.main serve "$MODEL" --load-format dummy --host 127.0.0.1 --port $PORT \
+  --max-model-len 2048 > "$OUT/server.log" 2>&1 &
+SERVER=$!
+stop_server() {
+  kill -TERM -- -"$SERVER" 2>/dev/null
+  for _ in $(seq 1 30); do kill -0 "$SERVER" 2>/dev/null || return 0; sleep 1; done
+  kill -KILL -- -"$SERVER" 2>/dev/null
+}
+trap stop_server EXIT
+
+t0=$(date +%s)
+until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null
+do
+  if ! kill -0 "$SERVER" 2>/dev/null; then echo "server exited:"; tail -40 "$OUT/server.log"; exit 1; fi
+  if (( $(date +%s) - t0 > 400 )); then echo "server not healthy after 400 s:"; tail -40 "$OUT/server.log"; exit 1; fi
+  sleep 2
+done
+echo "server healthy after $(( $(date +%s) - t0 )) s"
+grep -E "KV cache|Captured|Loaded" "$OUT/server.log" | head -5
+
+bench() {  # bench NAME [extra flags]
+  local name=$1; shift
+  echo "=== $name $*"
+  python3 -m tokenmill.entrypoints.cli.main bench serve --port $PORT --tokenizer "$MODEL" --dataset-name random \
+    --random-input-len $INPUT_LEN --random-output-len $OUTPUT_LEN --max-concurrency $CONC --seed 0 \
+    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --disable-tqdm \
+    --output-json "$OUT/$name.json" "$@" 2>&1 | grep -v "^Result written"
+}
+WARM=$(mktemp -d)
+OUT="$WARM" bench warmup --num-prompts 96 > "$WARM/warmup.txt"
+OUT="$WARM" bench warmup_regex --num-prompts 16 --structured-output-ratio 0.5 --structured-output-kind regex \
+  --structured-output-disable-any-whitespace > "$WARM/warmup_regex.txt"
+grep -m2 -E "^(Successful|Failed) requests" "$WARM"/warmup*.txt
+rm -rf "$WARM"
+bench free --num-prompts $NUM_PROMPTS
+bench mixed --num-prompts $NUM_PROMPTS --structured-output-ratio 0.5 --structured-output-disable-any-whitespace
+bench free2 --num-prompts $NUM_PROMPTS
+
+python3 - "$OUT" "$CONC" <<'EOF'
+import json, os, sys
+out, conc = sys.argv[1], sys.argv[2]
+load = lambda n: json.load(open(os.path.join(out, n + ".json")))
+free, mixed, free2 = load("free"), load("mixed"), load("free2")
+s, f = mixed["structured"], mixed["free"]
+slow = lambda a, b: 100.0 * (b / a - 1.0)
+summary = {
+    "free_alone_median_tpot_ms": free["median_tpot_ms"], "free_mixed_median_tpot_ms": f["median_tpot_ms"],
+    "free_alone_again_median_tpot_ms": free2["median_tpot_ms"],
+    "free_slowdown_median_tpot_pct": slow(free["median_tpot_ms"], f["median_tpot_ms"]),
+    "free_slowdown_mean_tpot_pct": slow(free["mean_tpot_ms"], f["mean_tpot_ms"]),
+    "free_slowdown_median_itl_pct": slow(free["median_itl_ms"], f["median_itl_ms"]),
+    "noise_free_vs_free2_median_tpot_pct": slow(free["median_tpot_ms"], free2["median_tpot_ms"]),
+    "structured_median_tpot_ms": s["median_tpot_ms"],
+    "structured_free_tpot_ratio": mixed["structured_free_tpot_ratio"],
+    "structured_valid_output_rate": s["valid_output_rate"],
+    "structured_mean_output_tokens": s["total_output_tokens"] / max(s["completed"], 1),
+    "median_ttft_ms": {"free_alone": free["median_ttft_ms"], "free_mixed": f["median_ttft_ms"],
+                       "structured": s["median_ttft_ms"]},
+    "failed": {"free": free["failed"], "mixed": mixed["failed"], "free2": free2["failed"]},
+    "output_throughput": {"free": free["output_throughput"], "mixed": mixed["output_throughput"]},
+}
+summary["pass_free_slowdown_lt_10pct"] = summary["free_slowdown_median_tpot_pct"] < 10.0
+ratio = summary["structured_free_tpot_ratio"]
+summary["pass_structured_tpot_le_1_3x"] = ratio is not None and ratio <= 1.3
+json.dump(summary, open(os.path.join(out, "so_summary.json"), "w"), indent=2)
+print(f"=== summary (concurrency {conc}, 50/50 mixed = every second request has a JSON schema)")
+print(f"free median TPOT alone {free['median_tpot_ms']:.3f} ms, in the mixed run {f['median_tpot_ms']:.3f} ms: "
+      f"slowdown {summary['free_slowdown_median_tpot_pct']:+.1f}% (mean TPOT {summary['free_slowdown_mean_tpot_pct']:+.1f}%, "
+      f"median ITL {summary['free_slowdown_median_itl_pct']:+.1f}%); free-only rerun {free2['median_tpot_ms']:.3f} ms "
+      f"({summary['noise_free_vs_free2_median_tpot_pct']:+.1f}% noise)")
+print(f"structured median TPOT {s['median_tpot_ms']:.3f} ms = {ratio if ratio is None else round(ratio, 3)}x free; "
+      f"valid answers {s['valid_outputs']}/{s['completed']}, {summary['structured_mean_output_tokens']:.1f} tokens each")
+print(f"failed requests: {summary['failed']}")
+print(f"acceptance: free slowdown < 10%: {summary['pass_free_slowdown_lt_10pct']}; "
+      f"structured TPOT <= 1.3x free: {summary['pass_structured_tpot_le_1_3x']}")
+EOF
+grep -iE "error|traceback" "$OUT/server.log" | head -5
+exit 0
