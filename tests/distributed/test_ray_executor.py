@@ -134,6 +134,21 @@ def test_gpu_world_must_fit_whole_bundles_and_the_driver_node():
         check_world_fits(2, bundle, nodes + [NodeResources("cpu", "10.0.0.3", {"CPU": 8.0})], "cpu", "2 ranks")
 
 
+def test_serving_leaves_gpu_placement_to_ray(monkeypatch):
+    """The server's engine-core launcher neither hides GPUs from a ray engine core nor asks its 8 ranks to fit on
+    this node (here: none visible)."""
+    from types import SimpleNamespace
+
+    from tokenmill.engine import launcher
+    monkeypatch.setattr(launcher, "visible_cuda_devices", lambda: [])
+    config = SimpleNamespace(device_config=SimpleNamespace(device="cuda"),
+                             parallel_config=SimpleNamespace(distributed_executor_backend="ray", world_size=8))
+    assert launcher.check_devices(config, 1) is None
+    config.parallel_config.distributed_executor_backend = "mp"
+    with pytest.raises(ValueError, match="need 8 CUDA devices on this node, but 0 are visible"):
+        launcher.check_devices(config, 1)
+
+
 def test_missing_ray_names_the_extra(monkeypatch):
     import builtins
 
