@@ -67,7 +67,7 @@ grep -m2 -E "^(Successful|Failed) requests" "$WARM"/warmup*.txt
 rm -rf "$WARM"
 bench free --num-prompts $NUM_PROMPTS
 bench mixed --num-prompts $NUM_PROMPTS --structured-output-ratio 0.5 --structured-output-disable-any-whitespace
-bench free2 --num-prompts $NUM_PROMPTS
+[ "${SO_NOISE_RUN:-1}" = 1 ] && bench free2 --num-prompts $NUM_PROMPTS
 # The same prompts, arrivals and output lengths as the mixed run, without the constraints: isolates their cost.
 bench replay --num-prompts $NUM_PROMPTS --replay-output-lens "$OUT/mixed.json"
 
@@ -75,7 +75,8 @@ python3 - "$OUT" "$CONC" <<'EOF'
 import json, os, sys
 out, conc = sys.argv[1], sys.argv[2]
 load = lambda n: json.load(open(os.path.join(out, n + ".json")))
-free, mixed, free2 = load("free"), load("mixed"), load("free2")
+free, mixed = load("free"), load("mixed")
+free2 = load("free2") if os.path.exists(os.path.join(out, "free2.json")) else free
 s, f = mixed["structured"], mixed["free"]
 slow = lambda a, b: 100.0 * (b / a - 1.0)
 summary = {
