@@ -173,3 +173,5 @@ def test_bad_pipeline_layouts_fail_at_start_up(models):
     with pytest.raises(ValueError, match=r"pipeline_parallel_size \(3\) is larger than the model's "
                                          r"num_hidden_layers \(2\)"):
         create_engine_config(model=models["llama"], pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2.* not supported yet.*not on ray"):
+        create_engine_config(model=models["llama"], pipeline_parallel_size=2, distributed_executor_backend="ray")

@@ -158,7 +158,10 @@ def test_flags_parse_and_unsupported_layouts_are_rejected(models):
     pc = create_engine_config(model=models["llama"], tensor_parallel_size=2).parallel_config
     assert pc.distributed_executor_backend == "mp" and pc.world_size == 2
     for bad, match in [(dict(pipeline_parallel_size=3), r"pipeline_parallel_size \(3\) is larger"),
-                       (dict(distributed_executor_backend="ray"), "ray.* not supported yet"),
+                       (dict(nnodes=2, node_rank=1, distributed_executor_backend="ray"),
+                        "nnodes=2 does not apply to distributed_executor_backend='ray'"),
+                       (dict(tensor_parallel_size=2, data_parallel_size=2, distributed_executor_backend="ray"),
+                        "ray' with data_parallel_size=2 is not supported yet"),
                        (dict(nnodes=2, node_rank=1), "nnodes=2.* not supported yet.*external_launcher"),
                        (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "uni.*2 ranks"),
                        (dict(node_rank=1), "node_rank")]:

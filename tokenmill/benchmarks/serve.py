@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -90,6 +91,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add("--structured-output-disable-any-whitespace", action="store_true",
         help="Send structured_outputs.disable_any_whitespace=true (compact JSON; chat + json then uses "
              "structured_outputs, since response_format has no such option).")
+    add("--replay-output-lens", default=None, metavar="RESULT_JSON",
+        help="Give request i the max_tokens (with ignore_eos) of request i in an earlier run's result JSON (its "
+             "output_lens): with the same --seed and prompts, a run with --structured-output-ratio 0 then has the "
+             "same arrivals and departures as the structured run it replays, without the constraints, which is "
+             "the fair baseline for the constraints' cost.")
     add("--save-result", action="store_true", help="Write the result JSON.")
     add("--result-dir", default=None, help="Directory for the result JSON (default: cwd).")
     add("--result-filename", default=None,
@@ -405,6 +411,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         if isinstance(tokenizer, ServerTokenizer):
             tokenizer.close()
 
+    if args.replay_output_lens:
+        with open(args.replay_output_lens) as f:
+            lens = json.load(f).get("output_lens")
+        if not isinstance(lens, list) or len(lens) != len(requests):
+            raise ValueError(f"--replay-output-lens: {args.replay_output_lens} holds no output_lens list of "
+                             f"{len(requests)} entries (one per prompt of this run).")
+        requests = [dataclasses.replace(r, output_len=max(1, int(n))) for r, n in zip(requests, lens)]
     sampling = {"temperature": 0.0 if args.temperature is None else args.temperature}  # greedy, as vLLM
     if args.top_p is not None:
         sampling["top_p"] = args.top_p

@@ -303,12 +303,16 @@ HELP_ZH: dict[str, str] = {
     "data_parallel_address": "数据并行主节点的地址（简写 -dpa），其他节点的引擎核心连到这里；不填为 127.0.0.1。",
     "data_parallel_rpc_port": "主节点上引擎启动握手用的 TCP 端口（简写 -dpp）；不填为 29550。",
     "distributed_executor_backend": "分布式执行后端：uni（单进程）、mp（本机多进程，多卡时的默认值）、"
-                                    "external_launcher（由 torchrun 启动，每个进程各跑一个引擎）；ray 暂不支持。",
+                                    "ray（其余各 rank 作为 Ray 集群的 actor 运行，可跨多台机器；需先 "
+                                    "pip install 'tokenmill[ray]'）、external_launcher（由 torchrun 启动，每个进程各跑"
+                                    "一个引擎）。",
     "disable_custom_all_reduce": "只用 torch 的 NCCL all-reduce（tokenmill 没有自定义 all-reduce，始终走这条路径）。",
-    "nnodes": "mp 后端多机推理的节点数（简写 -n）。目前只支持 1；多机请用 torchrun 加 external_launcher。",
+    "nnodes": "mp 后端多机推理的节点数（简写 -n）。目前只支持 1；多机请用 torchrun 加 external_launcher，"
+              "或在 Ray 集群上用 ray 后端（由 Ray 决定各 rank 放在哪台机器，不要再给 --nnodes）。",
     "node_rank": "mp 后端多机推理时本节点的序号（简写 -r）。",
-    "master_addr": "mp 后端各进程会合（rendezvous）的地址。与 --master-port 都取默认值时，单机自动选一个空闲的本地端口。",
-    "master_port": "mp 后端各进程会合（rendezvous）的端口。",
+    "master_addr": "mp 和 ray 后端各进程会合（rendezvous）的地址。与 --master-port 都取默认值时自动选一个空闲端口"
+                   "（单机用本地回环地址，跨 Ray 节点时用驱动进程所在节点的 IP）。",
+    "master_port": "mp 和 ray 后端各进程会合（rendezvous）的端口。",
     "distributed_timeout_seconds": "建立进程组和集合通信的超时秒数（不设则用 PyTorch 的默认值）。",
     "enable_expert_parallel": "对 MoE 层使用专家并行（简写 -ep，暂不支持）。",
     # DeviceConfig

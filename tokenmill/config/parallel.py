@@ -1,5 +1,5 @@
-"""Parallelism configuration: tensor and pipeline parallelism over local processes or torchrun, and data-parallel
-engine replicas."""
+"""Parallelism configuration: tensor and pipeline parallelism (over local processes, torchrun or a Ray cluster)
+and data parallelism."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +30,9 @@ class ParallelConfig:
     data_parallel_rpc_port: int | None = config_field(
         None, help="TCP port of the head node's engine start-up handshake; unset = 29550.")
     distributed_executor_backend: str | None = config_field(
-        None, help="uni (one process), mp (local worker processes; the default for more than one rank), "
-                   "external_launcher (one engine per torchrun process); ray is not supported yet.",
+        None, help="uni (one process), mp (local worker processes; the default for more than one rank), ray "
+                   "(worker ranks as actors of a Ray cluster, possibly on several nodes; needs "
+                   "pip install 'tokenmill[ray]'), external_launcher (one engine per torchrun process).",
         choices=("uni", "mp", "ray", "external_launcher"))
     disable_custom_all_reduce: bool = config_field(
         False, help="Use torch's NCCL all-reduce only (tokenmill has no custom all-reduce: that is always the path).")
@@ -39,9 +40,10 @@ class ParallelConfig:
     nnodes: int = config_field(1, help="Number of nodes of a multi-node mp run (only 1 is supported yet).")
     node_rank: int = config_field(0, help="Rank of this node in a multi-node mp run.")
     master_addr: str = config_field(
-        DEFAULT_MASTER_ADDR, help="Rendezvous address of the mp executor's ranks. With the defaults of this and "
-                                  "--master-port, one host rendezvouses on a free loopback port.")
-    master_port: int = config_field(DEFAULT_MASTER_PORT, help="Rendezvous port of the mp executor's ranks.")
+        DEFAULT_MASTER_ADDR, help="Rendezvous address of the mp and ray executors' ranks. With the defaults of this "
+                                  "and --master-port, the ranks meet on a free port (loopback on one host, the "
+                                  "driver node's IP across Ray nodes).")
+    master_port: int = config_field(DEFAULT_MASTER_PORT, help="Rendezvous port of the mp and ray executors' ranks.")
     distributed_timeout_seconds: int | None = config_field(
         None, help="Timeout of process-group set-up and collectives, in seconds (None: torch's default).")
 
@@ -54,19 +56,32 @@ class ParallelConfig:
         check_range("distributed_timeout_seconds", self.distributed_timeout_seconds, 1)
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"Invalid value {self.node_rank!r} for `node_rank`: must be in [0, nnodes={self.nnodes}).")
-        if self.distributed_executor_backend == "ray":
-            raise not_supported_yet("distributed_executor_backend", "ray", "Use mp (one host) or "
-                                    "external_launcher (torchrun).")
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size x "
                              f"pipeline_parallel_size = {self.world_size} ranks; use 'mp' or 'external_launcher'.")
+        if self.distributed_executor_backend == "ray" and self.world_size > 1 and self.data_parallel_size > 1:
+            # Each engine core's ranks would ask Ray for GPUs while the data-parallel launcher already split the
+            # node's GPUs between engine cores (CUDA_VISIBLE_DEVICES): the two placements would disagree.
+            raise ValueError(f"distributed_executor_backend='ray' with data_parallel_size={self.data_parallel_size} "
+                             f"is not supported yet by tokenmill: data-parallel engine cores run their "
+                             f"tensor-parallel ranks with mp (--distributed-executor-backend mp).")
+        if self.distributed_executor_backend == "ray" and self.pipeline_parallel_size > 1:
+            # The last stage's outputs reach the driver over a local socket (mp) or a torchrun-wide broadcast.
+            raise not_supported_yet("pipeline_parallel_size", self.pipeline_parallel_size,
+                                    "Pipeline parallelism runs on distributed_executor_backend mp (one host) or "
+                                    "external_launcher (torchrun, also multi-node), not on ray.")
+        if self.nnodes > 1 and self.distributed_executor_backend == "ray":
+            raise ValueError(f"nnodes={self.nnodes} does not apply to distributed_executor_backend='ray': Ray "
+                             f"places the ranks on the nodes of its cluster itself (join nodes with `ray start "
+                             f"--address=...`). Drop --nnodes/--node-rank.")
         if self.nnodes > 1:
             # Each node would need its own engine-core feed; torchrun already gives that (external_launcher).
             raise not_supported_yet("nnodes", self.nnodes, "Multi-node runs are not built for the mp executor; "
                                     "start every node with torchrun --nnodes N and "
-                                    "--distributed-executor-backend external_launcher.")
+                                    "--distributed-executor-backend external_launcher, or use "
+                                    "--distributed-executor-backend ray on a Ray cluster.")
         if self.distributed_executor_backend == "external_launcher" and (
                 self.master_addr, self.master_port) != (DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT):
             raise ValueError("master_addr/master_port do not apply to external_launcher: torchrun's MASTER_ADDR "
@@ -113,8 +128,10 @@ class ParallelConfig:
 
     def verify_devices(self, device_type: str) -> None:
         """Fail early, naming what was found, when a one-host run asks for more CUDA ranks than devices. CPU ranks
-        are processes and always fit; torchrun ranks check their own LOCAL_RANK when they join."""
-        if device_type != "cuda" or self.world_size == 1 or self.distributed_executor_backend == "external_launcher":
+        are processes and always fit; torchrun ranks check their own LOCAL_RANK when they join, and the ray
+        executor checks the GPUs of the whole Ray cluster."""
+        if device_type != "cuda" or self.world_size == 1 or self.distributed_executor_backend in (
+                "external_launcher", "ray"):
             return
         import torch
 

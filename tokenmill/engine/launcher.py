@@ -78,6 +78,10 @@ def check_devices(config, num_local: int) -> list[str] | None:
     """The visible CUDA devices (None on CPU); raises ValueError if the local engines do not fit on them."""
     if config.device_config.device != "cuda" or num_local == 0:
         return None
+    if getattr(config.parallel_config, "distributed_executor_backend", None) == "ray":
+        # Ray picks every rank's GPU (rank 0's too) anywhere in its cluster: the engine core must see the node's
+        # GPUs as Ray does, and its ranks need not fit on this node (the ray executor checks the cluster).
+        return None
     visible = visible_cuda_devices()
     ws = config.parallel_config.world_size
     if num_local * ws > len(visible):

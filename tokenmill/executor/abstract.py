@@ -8,12 +8,43 @@ Under pipeline parallelism only the last stage samples; its output reaches rank 
 """
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
 from tokenmill.worker.model_runner import AsyncRunnerOutput
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker rank died or failed; the engine has stopped."""
+
+
+def call_while_healthy(fn: Callable[[], Any], timeout_s: float, what: str, check: Callable[[], None]) -> Any:
+    """Run a start-up step of rank 0 that blocks on the other ranks (joining the process group) in a helper
+    thread, calling `check` meanwhile, so a worker that dies surfaces at once instead of after the rendezvous
+    timeout."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="tokenmill-rank0-start", daemon=True)
+    t.start()
+    deadline = time.monotonic() + timeout_s
+    while t.is_alive():
+        t.join(0.05)
+        check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Rank 0 timed out after {timeout_s:.0f} s {what}.")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 class Executor(ABC):

@@ -13,7 +13,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 import weakref
 from typing import Any, Callable
 
@@ -22,8 +21,8 @@ import torch
 from tokenmill.config import TokenmillConfig
 from tokenmill.config.parallel import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
 from tokenmill.distributed import ParallelState, abort_distributed, destroy_distributed, get_open_port
-from tokenmill.executor.abstract import Executor
 from tokenmill.core.sched_output import GrammarOutput
+from tokenmill.executor.abstract import Executor, WorkerDiedError, call_while_healthy
 from tokenmill.executor.launcher import LocalProcessLauncher, WorkerHandle, WorkerLauncher, WorkerSpec
 from tokenmill.executor.pp_output import ResultReceiver
 from tokenmill.executor.rpc_broadcast import CALL, SHUTDOWN, RpcBroadcaster
@@ -41,10 +40,6 @@ _DEFAULT_START_TIMEOUT_S = 600.0
 def _torch_distributed_initialized() -> bool:
     import torch.distributed as dist
     return dist.is_available() and dist.is_initialized()
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker rank died; the engine has stopped."""
 
 
 class _WorkerGroup:
@@ -174,27 +169,7 @@ class MultiprocExecutor(Executor):
         return f"tcp://{pc.master_addr}:{pc.master_port}"
 
     def _wait_for(self, fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
-        """Run a start-up step that blocks on the other ranks, in a helper thread, so a worker that dies meanwhile
-        surfaces at once instead of after the rendezvous timeout."""
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["result"] = fn()
-            except BaseException as e:
-                box["error"] = e
-
-        t = threading.Thread(target=run, name="tokenmill-rank0-start", daemon=True)
-        t.start()
-        deadline = time.monotonic() + timeout_s
-        while t.is_alive():
-            t.join(0.05)
-            self.check_health()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Rank 0 timed out after {timeout_s:.0f} s {what}.")
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
+        return call_while_healthy(fn, timeout_s, what, self.check_health)
 
     def check_health(self) -> None:
         if self.group.failure is not None:
