@@ -59,10 +59,23 @@ class ExternalLauncherExecutor(UniProcExecutor):
 
     def __init__(self, config: TokenmillConfig) -> None:
         super().__init__(config)
-        from tokenmill.distributed import destroy_distributed
         # Leave the process groups before the interpreter tears down: a gloo group left alive at exit can abort
         # the process while its peers disconnect.
-        self._finalizer = weakref.finalize(self, destroy_distributed, self.worker.parallel_state)
+        self._finalizer = weakref.finalize(self, _leave_world, self.worker.parallel_state)
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _leave_world(state) -> None:
+    """Every rank waits for the others before any tears its groups down, so none disconnects under a peer that is
+    still using them (best effort: a dead peer makes the barrier fail, and we are leaving anyway)."""
+    from tokenmill.distributed import destroy_distributed
+    if state is not None and state.world_size > 1 and state.world_cpu_group is not None:
+        import torch.distributed as dist
+        try:
+            if dist.is_initialized():
+                dist.barrier(group=state.world_cpu_group)
+        except Exception:
+            pass
+    destroy_distributed(state)
