@@ -255,13 +255,17 @@ class ModelRunner:
     def _apply_grammar(self, grammar: GrammarOutput, req_ids: list[str], sample_idx: np.ndarray,
                        logits: torch.Tensor) -> None:
         """Mask the logits of constrained rows with their grammars' allowed tokens, for the batch at once."""
-        from tokenmill.structured.backend_xgrammar import apply_bitmask
+        from tokenmill.kernels.triton_bitmask import apply_bitmask
         pos = {req_ids[i]: j for j, i in enumerate(sample_idx)}
-        rows = [pos[rid] for rid in grammar.req_ids]
-        # The scheduler sends one row per constrained request; xgrammar wants row r of the mask for logits row r.
+        rows = np.fromiter((pos[rid] for rid in grammar.req_ids), dtype=np.int64, count=len(grammar.req_ids))
+        # One row per sampled request, covering every logits column: the scheduler's rows where constrained
+        # (columns past the grammar's vocabulary disallowed), all ones elsewhere.
         compact = grammar.bitmask
-        full = torch.full((logits.shape[0], compact.shape[1]), -1, dtype=compact.dtype)
-        full[rows] = compact
+        words = -(-logits.shape[1] // 32)
+        full = torch.full((logits.shape[0], words), -1, dtype=torch.int32)
+        w = min(compact.shape[1], words)
+        full[rows, :w] = compact[:, :w]
+        full[rows, w:] = 0
         apply_bitmask(logits, to_device(full, self.device), rows)
 
     def _prompt_logprobs(self, req_ids, rows, computed, n_sched, qsl, hidden) -> dict[str, LogprobsLists]:
