@@ -22,10 +22,10 @@ def _hf_greedy(d, dtype, prompts, n):
                             eos_token_id=None, pad_token_id=0)
         outs.append(g.sequences[0, ids.shape[1]:].tolist())
         top2 = [torch.topk(l[0].float(), 2).values for l in g.logits]
-        # The gap in units of the top logit's bf16 spacing (2**(exponent - 7)): HF's bf16 logits are quantised,
-        # so a gap of 0 or 1 unit is a tie that any rounding difference may flip.
-        margins.append(min(((t[0] - t[1]) / 2.0 ** (torch.floor(torch.log2(t[0].abs() + 1e-30)) - 7)).item()
-                           for t in top2))
+        # Per step, the top-1/top-2 gap in units of the top logit's bf16 spacing (2**(exponent - 7)): HF's bf16
+        # logits are quantised, so a gap of a unit or two is a tie that any rounding difference may flip.
+        margins.append([((t[0] - t[1]) / 2.0 ** (torch.floor(torch.log2(t[0].abs() + 1e-30)) - 7)).item()
+                        for t in top2])
     return outs, margins
 
 
@@ -40,16 +40,15 @@ def test_greedy_matches_hf_on_cuda(tiny_model_factory, monkeypatch, arch, dtype,
     ref, margins = _hf_greedy(d, getattr(torch, dtype), PROMPTS, n)
     llm = LLM(d, dtype=dtype, max_model_len=256, num_gpu_blocks_override=256)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-    # bf16 near-ties are real (different kernels round differently): compare the prompts whose every greedy step
-    # has a top-1/top-2 gap of more than 4 bf16 units (tools/diag_bf16.py found mismatches at gaps of 0 to 2
-    # unit); fp32 must match everywhere.
-    min_margin = 0.0 if dtype == "float32" else 4.0
-    checked = 0
+    # fp32 must match everywhere. bf16 near-ties are real (different kernels round differently): per prompt, compare
+    # the tokens up to HF's first step whose gap is within 2 bf16 units (after a flipped tie the continuations
+    # differ anyway; tools/diag_bf16.py found every mismatch at a gap of 0 to 2 units), and ask for enough of them.
+    compared = 0
     for o, r, m in zip(outs, ref, margins):
-        if m > min_margin:
-            assert o.outputs[0].token_ids == r
-            checked += 1
-    assert checked >= (len(PROMPTS) if dtype == "float32" else 1)
+        k = len(r) if dtype == "float32" else next((i for i, g in enumerate(m) if g <= 2.0), len(r))
+        assert o.outputs[0].token_ids[:k] == r[:k]
+        compared += k
+    assert compared >= (len(PROMPTS) * n if dtype == "float32" else 2 * len(PROMPTS))
 
 
 def test_cuda_graphs_equal_eager(tiny_model_factory):
