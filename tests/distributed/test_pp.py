@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.distributed.engine_outputs import ENGINE, reference_cache, shutdown
+from tests.distributed.engine_outputs import generate as _generate_outputs
 from tokenmill import LLM, SamplingParams
 from tokenmill.distributed.pp import PPMissingLayer, pp_layer_range
 
@@ -20,22 +22,11 @@ pytestmark = pytest.mark.timeout(180)
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog because it", "深度学习的优势是什么？",
            "One, two, three,", "In 1492 Columbus", "def fib(n):"]
 MAX_TOKENS = 8
-ENGINE = dict(max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=8)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _generate(llm: LLM):
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
-    plp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    outs = llm.generate(PROMPTS + PROMPTS[:1] + PROMPTS[1:2], [greedy] * len(PROMPTS) + [seeded, plp],
-                        use_tqdm=False)
-    greedy_outs = [(o.outputs[0].token_ids, [d[t].logprob for t, d in zip(o.outputs[0].token_ids,
-                                                                         o.outputs[0].logprobs)])
-                   for o in outs[:len(PROMPTS)]]
-    prompt_lps = [None if d is None else max(d.values(), key=lambda x: x.logprob).logprob
-                  for d in outs[-1].prompt_logprobs]
-    return greedy_outs, outs[-2].outputs[0].token_ids, prompt_lps
+def generate_outputs(llm: LLM):
+    return _generate_outputs(llm, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +37,8 @@ def models(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def reference(models):
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            cache[arch] = _generate(LLM(models[arch], **ENGINE))
-        return cache[arch]
-    return get
-
-
-def _shutdown(llm: LLM) -> None:
-    llm.llm_engine.engine_core.executor.shutdown()
+    """TP=1 results per model, computed once."""
+    return reference_cache(models, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +50,13 @@ def pp_llm(models):
         key = (arch, tp, pp)
         if key not in live:
             for llm in live.values():
-                _shutdown(llm)
+                shutdown(llm)
             live.clear()
             live[key] = LLM(models[arch], tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
         return live[key]
     yield get
     for llm in live.values():
-        _shutdown(llm)
+        shutdown(llm)
 
 
 def test_layer_split():
@@ -102,7 +84,7 @@ def test_pipeline_matches_tp1(reference, pp_llm, arch, tp, pp):
     assert not any(n.startswith(("model.layers.1.", "lm_head.", "model.norm.")) for n, _ in model.named_parameters())
     assert runner.kv_caches[0].numel() > 0 and runner.kv_caches[1].numel() == 0
     core.max_batches_in_flight = 0
-    greedy, seeded, plp = _generate(llm)
+    greedy, seeded, plp = generate_outputs(llm)
     assert core.max_batches_in_flight == pp  # the pipeline was full at least once
     for (tokens, lps), (ref_tokens, ref_lps) in zip(greedy, ref_greedy):
         assert tokens == ref_tokens
@@ -145,7 +127,7 @@ def test_stop_and_abort_in_flight(reference, pp_llm):
     assert not sched.has_unfinished_requests() and not core._batches
     assert sched.kv.num_free_blocks() == sched.kv.num_blocks
     # The stages forgot the finished requests and the engine still matches TP=1 afterwards.
-    greedy, _, _ = _generate(llm)
+    greedy, _, _ = generate_outputs(llm)
     assert [t for t, _ in greedy] == ref
 
 

@@ -8,13 +8,13 @@ import time
 import pytest
 import torch
 
+from tests.distributed.engine_outputs import ENGINE
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.ray_utils import NodeResources, Placement, assign_ranks, check_world_fits
 
 pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog because it", "深度学习的优势是什么？"]
-ENGINE = dict(max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=8)
 CLUSTER_CPUS = 3  # room for TP=2 (one CPU bundle per rank) and not for TP=4
 
 

@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+from tests.distributed.engine_outputs import ENGINE, reference_cache, shutdown
+from tests.distributed.engine_outputs import generate as _generate_outputs
 from tokenmill import LLM, SamplingParams
 
 # A broken collective hangs rather than fails: bound every test well below the suite's default.
@@ -20,8 +22,11 @@ pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog because it", "深度学习的优势是什么？"]
 MAX_TOKENS = 8
-ENGINE = dict(max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=8)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def generate_outputs(llm: LLM):
+    return _generate_outputs(llm, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -30,35 +35,10 @@ def models(tiny_model_factory, tiny_qwen3_1kv):
             "qwen3_1kv": tiny_qwen3_1kv}
 
 
-def _generate(llm: LLM):
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-    # A seeded random request: every rank draws the same counter-based noise, so TP=2 samples what TP=1 does.
-    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
-    plp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    outs = llm.generate(PROMPTS + PROMPTS[:1] + PROMPTS[1:2], [greedy] * len(PROMPTS) + [seeded, plp],
-                        use_tqdm=False)
-    greedy_outs = [(o.outputs[0].token_ids, [d[t].logprob for t, d in zip(o.outputs[0].token_ids,
-                                                                         o.outputs[0].logprobs)])
-                   for o in outs[:len(PROMPTS)]]
-    prompt_lps = [None if d is None else max(d.values(), key=lambda x: x.logprob).logprob
-                  for d in outs[-1].prompt_logprobs]
-    return greedy_outs, outs[-2].outputs[0].token_ids, prompt_lps
-
-
 @pytest.fixture(scope="module")
 def reference(models):
     """TP=1 results per model, computed once."""
-    cache = {}
-
-    def get(arch):
-        if arch not in cache:
-            cache[arch] = _generate(LLM(models[arch], **ENGINE))
-        return cache[arch]
-    return get
-
-
-def _shutdown(llm: LLM) -> None:
-    llm.llm_engine.engine_core.executor.shutdown()
+    return reference_cache(models, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +51,14 @@ def tp_llm(models):
     def get(arch: str) -> LLM:
         if arch not in live:
             for llm in live.values():
-                _shutdown(llm)
+                shutdown(llm)
             live.clear()
             live[arch] = LLM(models[arch], tensor_parallel_size=2, **ENGINE)
         return live[arch]
     get.threads_before = threads
     yield get
     for llm in live.values():
-        _shutdown(llm)
+        shutdown(llm)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_1kv"])
@@ -93,7 +73,7 @@ def test_tp2_matches_tp1(reference, tp_llm, arch):
     # Per-rank heads: half the query heads; half the KV heads, or the single KV head replicated on both.
     assert attn.num_heads == 2 and runner.num_kv_heads == attn.num_kv_heads == 1
     assert attn.qkv_proj.kv_replicas == (2 if arch == "qwen3_1kv" else 1)
-    greedy, seeded, plp = _generate(llm)
+    greedy, seeded, plp = generate_outputs(llm)
     for (tokens, lps), (ref_tokens, ref_lps) in zip(greedy, ref_greedy):
         assert tokens == ref_tokens
         assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
@@ -122,7 +102,7 @@ def test_killed_worker_stops_the_engine_with_the_rank(tp_llm):
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
         assert ex.workers[0].proc.poll() is not None
     finally:
-        _shutdown(llm)
+        shutdown(llm)
     assert torch.get_num_threads() == tp_llm.threads_before  # rank 0's CPU thread split is undone on shutdown
 
 
@@ -204,5 +184,5 @@ def test_tp2_on_two_gpus_matches_tp1(models):
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     finally:
-        _shutdown(llm)
+        shutdown(llm)
     assert got == ref
