@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import enum
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.messages import EngineCoreRequest, FinishReason
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.core.block_hash import BlockHasher
 
 
 class RequestStatus(enum.IntEnum):
@@ -40,7 +43,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float, priority: int = 0, max_model_len: int | None = None,
-                 block_hasher: Callable[["Request"], list[bytes]] | None = None) -> None:
+                 block_hasher: BlockHasher | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
@@ -73,7 +76,7 @@ class Request:
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int | None,
-                                 block_hasher: Callable[["Request"], list[bytes]] | None) -> "Request":
+                                 block_hasher: BlockHasher | None) -> "Request":
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, req.priority,
                    max_model_len, block_hasher)
 
@@ -91,8 +94,9 @@ class Request:
             self.grammar_start = self.num_output_tokens + after
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        hasher = self._block_hasher
+        if hasher is not None and len(self.all_token_ids) // hasher.block_size > len(self.block_hashes):
+            self.block_hashes.extend(hasher(self))  # a block just filled
 
     def is_finished(self) -> bool:
         return self.status.is_finished
