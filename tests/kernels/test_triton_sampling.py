@@ -45,3 +45,13 @@ def test_race_argmax_large_vocab_on_cuda(dtype):
     seeds, positions = seeds.repeat(32), positions.repeat(32) + torch.arange(256, device=DEV)
     assert torch.equal(race_argmax(logits, seeds, positions),
                        sampling_rng.race_argmax(logits.float(), seeds, positions))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_race_argmax_with_temperature_equals_divided_fp32_logits(dtype):
+    # The sampler's fast path hands model-dtype logits and the temperatures to the kernel; the torch path upcasts
+    # and divides first. The tokens must be the same.
+    logits, seeds, positions = _case(5, 3000, dtype, seed=3)
+    temp = torch.tensor([0.7, 1.3, 0.31, 2.0, 1.0], device=DEV)
+    ref = sampling_rng.race_argmax(logits.float() / temp[:, None], seeds, positions)
+    assert torch.equal(race_argmax(logits, seeds, positions, temp), ref)

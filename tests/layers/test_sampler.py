@@ -294,3 +294,18 @@ def test_prompt_logprobs():
     assert torch.allclose(out.logprobs, lp.gather(1, out.token_ids))
     assert torch.equal(out.ranks, (lp > lp.gather(1, tgt[:, None])).sum(-1) + 1)
     assert compute_prompt_logprobs(x, tgt, -1).token_ids.shape == (7, V + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_plain_temperature_path_is_bit_identical(dtype):
+    # Temperature-only sampling goes straight to the race kernel on model-dtype logits; the tokens must equal the
+    # torch path's (upcast, divide, hash noise, argmax).
+    x = logits_(8, v=151936, seed=4).to("cuda", dtype)
+    md = random_md(8, 1.0, seeds=list(range(-4, 4)), positions=[0, 1, 2, 3, 1 << 33, 5, 6, 7])
+    md.temperature = torch.tensor([0.6, 1.7, 0.9, 1.0, 0.25, 1.1, 3.0, 0.8])
+    for f in ("temperature", "seeds", "positions"):
+        setattr(md, f, getattr(md, f).to("cuda"))
+    assert torch.equal(Sampler(fuse_noise=True)(x.clone(), md).sampled_token_ids,
+                       Sampler(fuse_noise=False)(x.clone(), md).sampled_token_ids)

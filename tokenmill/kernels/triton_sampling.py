@@ -43,8 +43,9 @@ def _mix32(x):
 
 
 @triton.jit
-def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, best_val_ptr, best_idx_ptr, V, n_chunks,
-                 SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr):
+def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, best_val_ptr, best_idx_ptr, V, n_chunks,
+                 SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_TEMP: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
     s = tl.load(seeds_ptr + b).to(tl.int64)
@@ -60,6 +61,8 @@ def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, best_val_ptr, best_id
     x = _mix32(row_key ^ col_key)
     u = (x >> 9).to(tl.float32) * (2.0 ** -23) + (2.0 ** -24)
     lg = tl.load(logits_ptr + b.to(tl.int64) * stride_b + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    if HAS_TEMP:  # IEEE division, as torch's logits.div_(temperature) in fp32
+        lg = tl.math.div_rn(lg, tl.load(temp_ptr + b).to(tl.float32))
     val = lg - _log(-_log(u))
     val = tl.where(mask, val, float("-inf"))
     best = tl.max(val, axis=0)
@@ -81,8 +84,10 @@ def _race_stage2(best_val_ptr, best_idx_ptr, out_ptr, n_chunks, CHUNKS_P2: tl.co
     tl.store(out_ptr + b, tok.to(tl.int64))
 
 
-def race_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[B] int64 sampled ids; logits [B, V] (any float dtype, last dim contiguous), seeds/positions [B] int64."""
+def race_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] int64 sampled ids; logits [B, V] (any float dtype, last dim contiguous), seeds/positions [B] int64,
+    temperature [B] (optional): the logits are upcast to fp32 and divided by it first."""
     b, v = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -92,8 +97,9 @@ def race_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b == 0:
         return out
-    _race_stage1[(b, n_chunks)](logits, logits.stride(0), seeds, positions, best_val, best_idx, v, n_chunks,
-                                SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS, SALT_COL=rng._SALT_COL,
-                                BLOCK=_BLOCK, num_warps=8)
+    has_temp = temperature is not None
+    _race_stage1[(b, n_chunks)](logits, logits.stride(0), seeds, positions, temperature if has_temp else seeds,
+                                best_val, best_idx, v, n_chunks, SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS,
+                                SALT_COL=rng._SALT_COL, BLOCK=_BLOCK, HAS_TEMP=has_temp, num_warps=8)
     _race_stage2[(b,)](best_val, best_idx, out, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks), num_warps=4)
     return out

@@ -177,6 +177,13 @@ class Sampler(torch.nn.Module):
             # Fast path. argmax on bf16 equals argmax on its exact fp32 upcast.
             return SamplerOutput(logits.argmax(dim=-1), None)
 
+        if (self.fuse_noise and md.all_random and not want_lp and not md.needs_processing and md.min_p is None
+                and md.top_k is None and md.top_p is None):
+            # Plain temperature sampling: the race kernel reads the model-dtype logits and divides by the
+            # temperature itself (same fp32 values and tokens), skipping two [B, V] passes (fp32 copy, divide).
+            from tokenmill.kernels.triton_sampling import race_argmax
+            return SamplerOutput(race_argmax(logits, md.seeds, md.positions, md.temperature), None)
+
         logits = logits.to(torch.float32)
         mode = md.logprobs_mode
         lp_src = None
