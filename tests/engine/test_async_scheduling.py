@@ -135,3 +135,25 @@ def test_structured_outputs_under_async(engines):
     assert all(t in ("yes", "no", "maybe later") for t in got[::3])
     assert all(re.fullmatch(r"[0-9]{2,4}-(ab|cd)", t) for t in got[1::3])
     assert_clean(asyn)
+
+
+def test_reused_request_id_never_gets_the_aborted_requests_token(engines, llama_dir):
+    # Abort "x" while its step is in flight and re-add "x" at once with another prompt: the in-flight token of the
+    # old "x" must not be appended to the new one (it would be scheduled before that output is applied).
+    _, asyn = engines
+    eng = asyn.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in make(llama_dir, False).generate([PROMPTS[1]], params, use_tqdm=False)]
+    eng.add_request("x", PROMPTS[0], params)
+    for _ in range(3):
+        eng.step()
+    assert eng.engine_core._in_flight is not None
+    eng.abort_request("x")
+    eng.add_request("x", PROMPTS[1], params)
+    got = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                got = out.outputs[0].token_ids
+    assert [got] == want
+    assert_clean(asyn)

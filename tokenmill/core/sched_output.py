@@ -41,6 +41,7 @@ class SchedulerOutput:
     # Requests that sample this step and own a compiled grammar. Their bitmask is made later
     # (Scheduler.get_grammar_bitmask), once the previous step's tokens have advanced the matchers.
     grammar_req_ids: list[str] = field(default_factory=list)
+    step_seq: int = 0  # the scheduler's count of this step; tells a reused request id from the one it replaced
 
     @property
     def is_empty(self) -> bool:

@@ -47,6 +47,10 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
         self._num_preemptions = 0
+        self._step_seq = 0
+        # request id -> the last step scheduled when it was freed: that step's (and earlier steps') outputs for
+        # the id belong to the freed request, not to a new one that reuses the id. Pruned as steps complete.
+        self._freed_at: dict[str, int] = {}
         self._rejected: list[EngineCoreOutput] = []  # requests that failed before running (e.g. bad grammar)
         from tokenmill.structured.manager import StructuredOutputManager
         self.structured = StructuredOutputManager(config)
@@ -85,6 +89,7 @@ class Scheduler:
             self._free(request)
 
     def _free(self, request: Request) -> None:
+        self._freed_at[request.request_id] = self._step_seq
         self.kv.free(request)
         self._runner_num_tokens.pop(request.request_id, None)
         self._finished_since_last_step.add(request.request_id)
@@ -175,7 +180,8 @@ class Scheduler:
                     grammar_req_ids.append(rid)
         finished = self._finished_since_last_step
         self._finished_since_last_step = set()
-        return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+        self._step_seq += 1
+        return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached, step_seq=self._step_seq,
                                num_scheduled_tokens=num_scheduled,
                                total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
                                finished_req_ids=finished, grammar_req_ids=grammar_req_ids)
@@ -238,10 +244,13 @@ class Scheduler:
     # ----- results -----
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs, self._rejected = self._rejected, []
+        seq, freed_at = sched.step_seq, self._freed_at
+        if freed_at:  # later steps are all newer than `seq`: older entries cannot matter any more
+            self._freed_at = freed_at = {r: s for r, s in freed_at.items() if s >= seq}
         for row, (rid, token_ids) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if req is None or req.status != RequestStatus.RUNNING or freed_at.get(rid, -1) >= seq:
+                continue  # aborted or preempted while the step ran, or the id now names a newer request
             prompt_lp = out.prompt_logprobs.get(rid)
             if token_ids and req.num_output_placeholders:
                 req.num_output_placeholders -= 1
