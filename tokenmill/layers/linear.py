@@ -12,7 +12,6 @@ sum the partial outputs with one all-reduce. With one rank every layer is a plai
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import divide, get_parallel_state, get_tp_size, kv_heads_per_rank

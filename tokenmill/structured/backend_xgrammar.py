@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -416,23 +417,22 @@ def fill_bitmasks(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor, row
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | torch.Tensor,
                   vocab_size: int | None = None) -> None:
     """Set logits[r, t] = -inf for every disallowed token t of every row r in `rows`, in place; other rows are
-    untouched. bitmask row r belongs to logits row r. Works for CPU and CUDA logits (a CPU bitmask is copied to
-    the logits' device). vocab_size (default: what the bitmask covers) is the grammar vocabulary: logits columns
-    beyond it (a model vocab padded past the tokenizer's) are masked too in the constrained rows.
-    """
-    if isinstance(rows, torch.Tensor):
-        if rows.numel() == 0:
-            return
-    elif not rows:
+    untouched. bitmask row r belongs to logits row r. vocab_size (default: what the bitmask covers) is the grammar
+    vocabulary: logits columns beyond it (a model vocab padded past the tokenizer's) are masked too in the
+    constrained rows. A convenience over tokenmill.kernels.triton_bitmask (which the model runner calls directly
+    with a full-width mask): it builds that mask on the host."""
+    from tokenmill.kernels.triton_bitmask import apply_bitmask as apply_full
+    rows = [int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)]
+    if not rows:
         return
     batch, width = logits.shape
-    covered = bitmask.shape[-1] * 32 if vocab_size is None else vocab_size
-    covered = min(covered, width)
-    if bitmask.device != logits.device:
-        bitmask = bitmask[: min(batch, bitmask.shape[0])].to(logits.device, non_blocking=True)
-    if logits.device.type == "cpu" and isinstance(rows, torch.Tensor):
-        rows = rows.tolist()
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=rows)
-    if covered < width:
-        idx = rows if isinstance(rows, torch.Tensor) else torch.as_tensor(list(rows), device=logits.device)
-        logits[idx.to(logits.device), covered:] = float("-inf")
+    covered = min(bitmask.shape[-1] * 32 if vocab_size is None else vocab_size, width)
+    words = -(-width // 32)
+    full = torch.full((batch, words), -1, dtype=torch.int32)
+    src = bitmask.cpu()[rows]
+    full[rows] = 0
+    whole, part = divmod(covered, 32)
+    full[rows, :whole] = src[:, :whole]
+    if part:  # the word holding the grammar's last tokens keeps only their bits
+        full[rows, whole] = src[:, whole] & ((1 << part) - 1)
+    apply_full(logits, full.to(logits.device), np.asarray(rows, dtype=np.int64))
