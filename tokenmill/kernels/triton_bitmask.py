@@ -46,5 +46,6 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: np.ndarray 
     if not len(idx):
         return
     packed = bitmask[idx].contiguous().numpy().view(np.uint8)
-    disallowed = ~np.unpackbits(packed, axis=1, bitorder="little")[:, :v].astype(bool)
-    logits[idx] = logits[idx].masked_fill_(torch.from_numpy(disallowed), float("-inf"))
+    disallowed = torch.from_numpy(~np.unpackbits(packed, axis=1, bitorder="little")[:, :v].astype(bool))
+    for k, r in enumerate(idx.tolist()):  # in place on row views: a gather + scatter of the rows costs more
+        logits[r].masked_fill_(disallowed[k], float("-inf"))
