@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.attention.kv_quant import is_fp8, require_scales
-from tokenmill.kernels.triton_prefill_attention import _attn_inner
+from tokenmill.kernels.triton_prefill_attention import _attend_span
 
 _LOG2E = 1.4426950408889634
 
@@ -64,30 +64,15 @@ def _decode_stage1_kernel(
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (seq_len - 1)
 
-    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_P2], dtype=tl.float32)
-    bt_row_ptr = block_table_ptr + b * stride_bt
-    kv_head_off = kvh * stride_ch
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
-    if FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, d,
-                                d_mask, start, full_end, end, qk_scale, stride_cb, stride_cs,
-                                BLOCK_SIZE, BLOCK_N, False, IEEE)
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, d,
-                                d_mask, full_end, end, end, qk_scale, stride_cb, stride_cs,
-                                BLOCK_SIZE, BLOCK_N, True, IEEE)
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    if FP8:
-        o = o * tl.load(v_scale_ptr)
+    o, m_i, l_i = _attend_span(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                               block_table_ptr + b * stride_bt, kvh * stride_ch, d, d_mask, start, full_end, end,
+                               qk_scale, stride_cb, stride_cs, BLOCK_G, HEAD_P2, BLOCK_SIZE, BLOCK_N, IEEE, FP8)
     if DIRECT:
         tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         base = b * stride_mb + head * stride_mh + split * stride_ms
         tl.store(mid_o_ptr + base[:, None] + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
         # mid_lse is mid_o without its last dim ([B, Hq, S] contiguous), so its offset is base / HEAD_P2.

@@ -70,6 +70,31 @@ def _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, k
 
 
 @triton.jit
+def _attend_span(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row_ptr, kv_head_off, d, d_mask,
+                 start, full_end, end, qk_scale, stride_cb, stride_cs,
+                 ROWS: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 IEEE: tl.constexpr, FP8: tl.constexpr):
+    """Online-softmax attention of q's rows to keys [start, end): blocks below full_end unmasked, the rest causal
+    and bounded by end. Returns (normalised output, running max m, sum l). An fp8 cache's k_scale is folded into
+    the softmax scale and its v_scale into the output."""
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_P2], dtype=tl.float32)
+    if FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, d,
+                                d_mask, start, full_end, end, qk_scale, stride_cb, stride_cs,
+                                BLOCK_SIZE, BLOCK_N, False, IEEE)
+    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, d,
+                                d_mask, full_end, end, end, qk_scale, stride_cb, stride_cs,
+                                BLOCK_SIZE, BLOCK_N, True, IEEE)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if FP8:
+        o = o * tl.load(v_scale_ptr)
+    return o, m_i, l_i
+
+
+@triton.jit
 def _prefill_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, qk_scale,
@@ -115,27 +140,12 @@ def _prefill_attn_kernel(
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0)
     q_pos = ctx + qi
 
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_P2], dtype=tl.float32)
-
     bt_row_ptr = block_table_ptr + b * stride_bt
-    kv_head_off = kvh * stride_ch
     kv_end = ctx + tl.minimum(q0 + BLOCK_Q, q_len)        # exclusive: the last row's position + 1
     full_end = ((ctx + q0) // BLOCK_N) * BLOCK_N          # keys below this are visible to every row of the tile
-    if FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, d,
-                                d_mask, 0, full_end, kv_end, qk_scale, stride_cb, stride_cs,
-                                BLOCK_SIZE, BLOCK_N, False, IEEE)
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, d,
-                                d_mask, full_end, kv_end, kv_end, qk_scale, stride_cb, stride_cs,
-                                BLOCK_SIZE, BLOCK_N, True, IEEE)
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    if FP8:
-        o = o * tl.load(v_scale_ptr)
+    o, _, _ = _attend_span(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row_ptr,
+                           kvh * stride_ch, d, d_mask, 0, full_end, kv_end, qk_scale, stride_cb, stride_cs,
+                           BLOCK_M, HEAD_P2, BLOCK_SIZE, BLOCK_N, IEEE, FP8)
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
 
