@@ -86,3 +86,21 @@ def tiny_model_factory(tmp_path_factory, smollm2_tokenizer):
         return d
 
     return make
+
+
+@pytest.fixture(scope="session")
+def kv_scaled_llama(tiny_model_factory, tmp_path_factory) -> str:
+    """The tiny Llama with per-layer KV-cache scales in its checkpoint, in two of the naming conventions
+    (k_proj.k_scale / v_proj.v_scale on layer 0, one kv_scale for both on layer 1)."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    scales = {"model.layers.0.self_attn.k_proj.k_scale": 0.05, "model.layers.0.self_attn.v_proj.v_scale": 0.02,
+              "model.layers.1.self_attn.kv_scale": 0.03}
+    d = str(tmp_path_factory.mktemp("tiny-llama-kv-scales") / "m")
+    shutil.copytree(tiny_model_factory("llama"), d)
+    weights = load_file(os.path.join(d, "model.safetensors"))
+    weights.update({name: torch.tensor(value) for name, value in scales.items()})
+    save_file(weights, os.path.join(d, "model.safetensors"))
+    return d

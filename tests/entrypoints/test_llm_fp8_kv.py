@@ -14,8 +14,6 @@ Two oracles:
 """
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -34,20 +32,11 @@ PROMPTS = [
 ]
 SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=0)
 KV_BYTES = 1 << 20
-SCALES = {"model.layers.0.self_attn.k_proj.k_scale": 0.05, "model.layers.0.self_attn.v_proj.v_scale": 0.02,
-          "model.layers.1.self_attn.kv_scale": 0.03}
 
 
 @pytest.fixture(scope="module")
-def scaled_dir(tiny_model_factory, tmp_path_factory):
-    """The tiny Llama with per-layer KV scales in its checkpoint (two of the naming conventions)."""
-    from safetensors.torch import load_file, save_file
-    d = str(tmp_path_factory.mktemp("tiny-llama-kv-scales") / "m")
-    shutil.copytree(tiny_model_factory("llama"), d)
-    weights = load_file(os.path.join(d, "model.safetensors"))
-    weights.update({name: torch.tensor(value) for name, value in SCALES.items()})
-    save_file(weights, os.path.join(d, "model.safetensors"))
-    return d
+def scaled_dir(kv_scaled_llama):
+    return kv_scaled_llama
 
 
 def make(d, kv_cache_dtype, **kw):

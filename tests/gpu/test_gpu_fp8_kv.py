@@ -7,8 +7,6 @@ multiplying each element, so logprobs agree to ~1e-5, not exactly.
 """
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -17,19 +15,11 @@ pytestmark = pytest.mark.gpu
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog because it", "深度学习的优势是什么？",
            "a", "In 1492, Columbus sailed across the Atlantic Ocean and reached the islands of"] * 3
-SCALES = {"model.layers.0.self_attn.k_proj.k_scale": 0.05, "model.layers.0.self_attn.v_proj.v_scale": 0.02,
-          "model.layers.1.self_attn.kv_scale": 0.03}
 
 
 @pytest.fixture(scope="module")
-def scaled_dir(tiny_model_factory, tmp_path_factory):
-    from safetensors.torch import load_file, save_file
-    d = str(tmp_path_factory.mktemp("tiny-llama-kv-scales-gpu") / "m")
-    shutil.copytree(tiny_model_factory("llama"), d)
-    weights = load_file(os.path.join(d, "model.safetensors"))
-    weights.update({name: torch.tensor(value) for name, value in SCALES.items()})
-    save_file(weights, os.path.join(d, "model.safetensors"))
-    return d
+def scaled_dir(kv_scaled_llama):
+    return kv_scaled_llama
 
 
 def logprobs(out) -> torch.Tensor:
