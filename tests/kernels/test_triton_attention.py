@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from tests.kernels.kernel_check import DEV, rel_err  # noqa: E402
 from tokenmill.attention.backend import AttentionMetadata  # noqa: E402
 from tokenmill.attention.backends.torch_ref import TorchRefBackend  # noqa: E402
 from tokenmill.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
@@ -20,14 +21,7 @@ from tokenmill.kernels.triton_decode_attention import decode_attention  # noqa: 
 from tokenmill.kernels.triton_kv_store import store_kv  # noqa: E402
 from tokenmill.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert not out.isnan().any(), "NaN in output"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def make_batch(query_lens, ctx_lens, *, hq, hkv, d, block_size, dtype, seed, pad_rows=0, extra_blocks=3):

@@ -14,11 +14,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from tests.kernels.kernel_check import DEV, INTERPRETED, rel_err  # noqa: E402
 from tokenmill.kernels import triton_gemv  # noqa: E402
 from tokenmill.kernels.triton_gemv import GemvConfig, default_config, gemv, use_gemv  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # The output is rounded to the activation dtype once, so its error vs float64 is about one rounding; the interpreter
 # truncates fp32 -> bf16 (the GPU rounds to nearest), which doubles the bf16 figure; prologues add one or two
 # roundings of the input (as torch rounds them).
@@ -32,12 +31,6 @@ CPU_CONFIGS = [
     GemvConfig(block_n=16, block_k=32, split_k=1, use_dot=False),
     GemvConfig(block_n=8, block_k=16, split_k=4, use_dot=False),
 ]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert not out.isnan().any(), "NaN in output (unwritten element?)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _rand(*shape, dtype, gen, scale=1.0):

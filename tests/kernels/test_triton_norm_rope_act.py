@@ -12,24 +12,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from tests.kernels.kernel_check import DEV, INTERPRETED, rel_err  # noqa: E402
 from tokenmill.kernels.triton_norm_rope_act import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
 from tokenmill.layers.activation import SiluAndMul  # noqa: E402
 from tokenmill.layers.layernorm import RMSNorm  # noqa: E402
 from tokenmill.layers.rotary import RotaryEmbedding  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Triton 3.9's interpreter converts fp32 -> bf16 by truncation (the GPU rounds to nearest even), so under the
 # interpreter bf16 results carry a one-sided ~1-ulp bias per rounding and get the usual loose bf16 bound; compiled
 # on the GPU the kernels round where torch rounds and land far below it.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2 if INTERPRETED else 4e-3}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert not out.isnan().any()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _rand(*shape, dtype, seed, scale=1.0):

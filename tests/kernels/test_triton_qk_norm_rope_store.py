@@ -13,20 +13,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from tests.kernels.kernel_check import DEV, INTERPRETED, rel_err  # noqa: E402
 from tokenmill.kernels.triton_qk_norm_rope_store import qk_norm_rope_store  # noqa: E402
 from tokenmill.layers.layernorm import RMSNorm  # noqa: E402
 from tokenmill.layers.rotary import RotaryEmbedding  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Compiled, the kernel rounds where torch rounds (near bit-exact); the interpreter truncates fp32 -> bf16.
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2 if INTERPRETED else 4e-3}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    assert not out.isnan().any(), "NaN in output (unwritten element?)"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 @torch.no_grad()

@@ -1,0 +1,21 @@
+"""What the kernel tests share: where they run and how they compare (METHOD.md's relative error).
+
+tests/kernels/conftest.py sets TRITON_INTERPRET=1 without CUDA before triton is imported, so on the CPU the kernels
+run in Triton's interpreter. That interpreter (triton 3.9) converts fp32 -> bf16 by truncation where the GPU
+rounds to nearest even, so bf16 bounds are looser when INTERPRETED.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; a NaN (an element the kernel never wrote, say) fails at once."""
+    out, ref = out.double(), ref.double()
+    assert not out.isnan().any(), "NaN in output (unwritten element?)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
