@@ -10,20 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from tests.benchmarks.fake_openai import MODEL, run_bench, running_fake_server
+from tests.benchmarks.fake_openai import MODEL, run_bench
 from tokenmill.benchmarks import serve
-
-
-@pytest.fixture(scope="module")
-def server():
-    with running_fake_server() as fake:
-        yield fake
-
-
-@pytest.fixture
-def fake(server):
-    server.reset()
-    return server
 
 
 EXPECTED_LINES = ["============ Serving Benchmark Result ============", "Successful requests:",

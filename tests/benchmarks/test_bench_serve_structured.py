@@ -9,20 +9,8 @@ import re
 import pytest
 
 from tests.benchmarks.fake_openai import (FREE_TOKEN_S, REGEX_SAMPLES, STRUCTURED_TOKEN_S, answer_for, example,
-                                          run_bench, running_fake_server)
+                                          run_bench)
 from tokenmill.benchmarks import structured_dataset as sd
-
-
-@pytest.fixture(scope="module")
-def server():
-    with running_fake_server() as fake:
-        yield fake
-
-
-@pytest.fixture
-def fake(server):
-    server.reset()
-    return server
 
 
 # ----- the constraint pools ---------------------------------------------------------------------------------------
