@@ -85,12 +85,12 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       --output-json "$OUT/tp_llama8b_tp2.json" 2>&1 | grep -E "Throughput|Error|error"
     ;;
   next)  # on nvidia-h200-x2: what session 2 could not verify, most important first
-    echo "=== gpu tests"; timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/gpu tests/layers \
+    echo "=== gpu tests"; timeout 190 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/gpu tests/layers \
       tests/kernels/test_triton_bitmask.py tests/kernels/test_triton_sampling.py \
-      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -30
-    echo "=== structured outputs serve bench"; SO_NOISE_RUN=0 timeout 200 bash tools/device_so_bench.sh 2>&1 | tail -6
-    echo "=== fp8 decode tiles"; timeout 150 python3 tools/tune_attention.py fp8 2>&1 | tail -25
-    timeout 120 python3 -m tokenmill.benchmarks.throughput --model llama-3-8b -tp 2 --num-prompts 256 --input-len 562 \
+      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tee "$OUT/tests.log" | tail -30
+    echo "=== structured outputs serve bench"; SO_NOISE_RUN=0 timeout 170 bash tools/device_so_bench.sh 2>&1 | tail -12
+    echo "=== fp8 decode tiles"; timeout 100 python3 tools/tune_attention.py fp8 2>&1 | tail -25
+    timeout 110 python3 -m tokenmill.benchmarks.throughput --model llama-3-8b -tp 2 --num-prompts 256 --input-len 562 \
       --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
       --output-json "$OUT/tp_llama8b_tp2.json" 2>&1 | grep -E "Throughput|Error|error"
     ;;
