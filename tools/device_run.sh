@@ -94,6 +94,17 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
       --output-json "$OUT/tp_llama8b_tp2.json" 2>&1 | grep -E "Throughput|Error|error"
     ;;
+  call2)  # on nvidia-h200-x2: where structured requests' cost goes, then the GPU tests
+    echo "=== structured offline profile (full log in notes.txt)"
+    TOKENMILL_STEP_TIMING=1 timeout 100 python3 tools/profile_structured.py .devcarry/smollm2-dummy 2>&1 \
+      | grep -vE "^INFO" > "$OUT/notes.txt"; grep -E "^===" "$OUT/notes.txt"
+    echo "=== SO bench with py-spy"; SO_NOISE_RUN=0 SO_PYSPY=1 timeout 170 bash tools/device_so_bench.sh 2>&1 | tail -9
+    echo "=== gpu tests"; timeout 200 python3 -m pytest -v -p no:cacheprovider --tb=short -rf --durations=12 tests/gpu \
+      tests/layers tests/kernels/test_triton_bitmask.py tests/kernels/test_triton_sampling.py > "$OUT/tests.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -15; cat "$OUT/tests.log" >> "$OUT/notes.txt"; rm "$OUT/tests.log"
+    echo "=== tp2 equality"; timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short \
+      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -12
+    ;;
   bench-small)
     bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
       --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"

@@ -65,11 +65,24 @@ OUT="$WARM" bench warmup_regex --num-prompts 16 --structured-output-ratio 0.5 --
   --structured-output-disable-any-whitespace > "$WARM/warmup_regex.txt"
 grep -m2 -E "^(Successful|Failed) requests" "$WARM"/warmup*.txt
 rm -rf "$WARM"
+# SO_PYSPY=1: sample the server's processes (API server and engine core) with py-spy during the mixed and replay
+# runs; collapsed stacks go to $OUT/spy_{mixed,replay}.txt (py-spy travels as a wheel in .devcarry/).
+spied() {  # spied NAME [bench flags]
+  local name=$1 spy=""
+  if [ "${SO_PYSPY:-0}" = 1 ]; then
+    /tmp/site/bin/py-spy record --pid "$SERVER" --subprocesses --rate 200 --format raw --nonblocking \
+      -o "$OUT/spy_$name.txt" > "$OUT/.spy_$name.log" 2>&1 &
+    spy=$!
+    sleep 1
+  fi
+  bench "$@"
+  if [ -n "$spy" ]; then kill -INT $spy; wait $spy; tail -2 "$OUT/.spy_$name.log"; rm -f "$OUT/.spy_$name.log"; fi
+}
 bench free --num-prompts $NUM_PROMPTS
-bench mixed --num-prompts $NUM_PROMPTS --structured-output-ratio 0.5 --structured-output-disable-any-whitespace
+spied mixed mixed --num-prompts $NUM_PROMPTS --structured-output-ratio 0.5 --structured-output-disable-any-whitespace
 [ "${SO_NOISE_RUN:-1}" = 1 ] && bench free2 --num-prompts $NUM_PROMPTS
 # The same prompts, arrivals and output lengths as the mixed run, without the constraints: isolates their cost.
-bench replay --num-prompts $NUM_PROMPTS --replay-output-lens "$OUT/mixed.json"
+spied replay replay --num-prompts $NUM_PROMPTS --replay-output-lens "$OUT/mixed.json"
 
 python3 - "$OUT" "$CONC" <<'EOF'
 import json, os, sys
