@@ -105,6 +105,17 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     echo "=== tp2 equality"; timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -12
     ;;
+  call3)  # on nvidia-h200-x2: the constrained/replay cProfile difference, then why the TP=2 GPU test stalls
+    echo "=== structured offline profile"
+    TOKENMILL_STEP_TIMING=1 timeout 150 python3 tools/profile_structured.py .devcarry/smollm2-dummy 2>&1 \
+      | grep -vE "^INFO" > "$OUT/notes.txt"; grep -E "^===.*steps" "$OUT/notes.txt"
+    echo "=== tp2 equality (py-spy dumps after 100 s go to tp2.txt)"
+    (sleep 100; for p in $(pgrep -f python3); do echo "--- $p $(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-150)"
+       /tmp/site/bin/py-spy dump --pid $p 2>&1 | head -60; done > "$OUT/tp2.txt") &
+    timeout 130 python3 -m pytest -q -s -p no:cacheprovider --tb=short \
+      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" > "$OUT/tp2_log.txt" 2>&1
+    echo "rc $?"; tail -5 "$OUT/tp2_log.txt"; wait
+    ;;
   bench-small)
     bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
       --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"

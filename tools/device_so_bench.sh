@@ -79,10 +79,10 @@ spied() {  # spied NAME [bench flags]
   if [ -n "$spy" ]; then kill -INT $spy; wait $spy; tail -2 "$OUT/.spy_$name.log"; rm -f "$OUT/.spy_$name.log"; fi
 }
 bench free --num-prompts $NUM_PROMPTS
-spied mixed mixed --num-prompts $NUM_PROMPTS --structured-output-ratio 0.5 --structured-output-disable-any-whitespace
+spied mixed --num-prompts $NUM_PROMPTS --structured-output-ratio 0.5 --structured-output-disable-any-whitespace
 [ "${SO_NOISE_RUN:-1}" = 1 ] && bench free2 --num-prompts $NUM_PROMPTS
 # The same prompts, arrivals and output lengths as the mixed run, without the constraints: isolates their cost.
-spied replay replay --num-prompts $NUM_PROMPTS --replay-output-lens "$OUT/mixed.json"
+spied replay --num-prompts $NUM_PROMPTS --replay-output-lens "$OUT/mixed.json"
 
 python3 - "$OUT" "$CONC" <<'EOF'
 import json, os, sys

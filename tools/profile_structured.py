@@ -72,12 +72,35 @@ def run(sps, label: str, prof: cProfile.Profile | None = None):
 
 
 so = [i % 2 == 1 for i in range(args.n)]
+constrained = [params(c, i // 2, args.output_len) for i, c in enumerate(so)]
 run([params(False, 0, 8) for _ in prompts], "warm-up")
-run([params(c, i // 2, args.output_len) for i, c in enumerate(so)], "warm-up constrained (compiles the grammars)")
-prof = cProfile.Profile()
-outs = run([params(c, i // 2, args.output_len) for i, c in enumerate(so)], "constrained 50/50", prof)
-lens = [max(1, len(o.outputs[0].token_ids)) for o in outs]
-run([params(False, 0, n) for n in lens], "replay (same lengths, no constraints)")
-s = io.StringIO()
-pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(28)
-print(s.getvalue()[:6000])
+run(constrained, "warm-up constrained (compiles the grammars)")
+outs = run(constrained, "constrained 50/50")
+replay = [params(False, 0, max(1, len(o.outputs[0].token_ids))) for o in outs]
+run(replay, "replay (same lengths, no constraints)")
+# The same two runs under cProfile (slower, but alike): the per-function difference points at the extra cost.
+stats = {}
+for label, sps in (("constrained", constrained), ("replay", replay)):
+    prof = cProfile.Profile()
+    run(sps, f"{label} under cProfile", prof)
+    stats[label] = pstats.Stats(prof)
+    s = io.StringIO()
+    stats[label].stream = s
+    stats[label].sort_stats("tottime").print_stats(18)
+    print(s.getvalue()[s.getvalue().find("ncalls"):][:3500])
+
+
+def by_func(st: pstats.Stats) -> dict:
+    return {f"{k[0].split('/')[-1]}:{k[1]}({k[2]})": (v[1], v[2], v[3]) for k, v in st.stats.items()}
+
+
+c, r = by_func(stats["constrained"]), by_func(stats["replay"])
+rows = sorted(((c.get(k, (0, 0, 0))[1] - r.get(k, (0, 0, 0))[1], k) for k in set(c) | set(r)), reverse=True)
+print("=== where the constrained run spends more (tottime s, calls constrained/replay, cumtime s constrained)")
+for d, k in rows[:30]:
+    cc, rr = c.get(k, (0, 0, 0)), r.get(k, (0, 0, 0))
+    print(f"  {d:+8.3f}  {cc[0]:>7}/{rr[0]:<7} cum {cc[2]:7.3f}  {k}")
+rows = sorted(((c.get(k, (0, 0, 0))[2] - r.get(k, (0, 0, 0))[2], k) for k in set(c) | set(r)), reverse=True)
+print("=== cumulative-time difference (s)")
+for d, k in rows[:25]:
+    print(f"  {d:+8.3f}  {k}")
