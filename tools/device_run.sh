@@ -116,6 +116,15 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" > "$OUT/tp2_log.txt" 2>&1
     echo "rc $?"; tail -5 "$OUT/tp2_log.txt"; wait
     ;;
+  call4)  # on nvidia-h200-x2: the structured-outputs bench after the numpy bitmask fix; TP=2 test and throughput
+    echo "=== structured outputs serve bench"; SO_NOISE_RUN=0 timeout 170 bash tools/device_so_bench.sh 2>&1 | tail -7
+    echo "=== tp2 equality"; timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=short \
+      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -3
+    echo "=== llama-3-8b throughput, TP=2"
+    timeout 120 python3 -m tokenmill.benchmarks.throughput --model llama-3-8b -tp 2 --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+      --output-json "$OUT/tp_llama8b_tp2.json" 2>&1 | grep -E "Throughput|Error|error|Captured"
+    ;;
   bench-small)
     bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
       --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"

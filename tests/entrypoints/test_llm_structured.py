@@ -99,3 +99,21 @@ def test_grammar_starts_after_reasoning_end_token(tiny_model_factory):
     tok = llm.get_tokenizer()
     assert re.fullmatch(r"[0-9]{3}", tok.decode(out.token_ids[cut:], skip_special_tokens=True))
     assert out.finish_reason == "stop"
+
+
+def test_structured_outputs_config_applies_offline(llm):
+    """LLM(structured_outputs_config=...) is vLLM's engine-wide option: disable_any_whitespace makes every JSON
+    answer compact; a bad key fails at construction, naming it."""
+    compact = LLM.__new__(LLM)  # the same engine, another engine-wide option set (loading twice is slow)
+    compact.__dict__.update(llm.__dict__)
+    from tokenmill.structured.config import StructuredOutputsConfig
+    compact.structured_outputs_config = StructuredOutputsConfig.from_dict({"disable_any_whitespace": True})
+    sp = [SamplingParams(temperature=0.8, seed=s, max_tokens=120,
+                         structured_outputs=StructuredOutputsParams(json=SCHEMAS[s % 3])) for s in range(4)]
+    for o in compact.generate(["Describe it as JSON."] * 4, sp, use_tqdm=False):
+        text = o.outputs[0].text
+        assert o.outputs[0].finish_reason == "stop", text
+        assert json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
+    assert sp[0].structured_outputs.disable_any_whitespace is False  # the caller's params are not changed
+    with pytest.raises(ValueError, match="disable_any_whitespac"):
+        LLM(structured_outputs_config={"disable_any_whitespac": True})

@@ -20,10 +20,13 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, hf_token: Any = None, disable_log_stats: bool = True,
-                 **kwargs: Any) -> None:
+                 structured_outputs_config: dict | str | None = None, **kwargs: Any) -> None:
         if hf_token not in (None, False):
             raise ValueError("hf_token: tokenmill never downloads from the hub; download the model first and pass "
                              "its directory.")
+        from tokenmill.structured.config import StructuredOutputsConfig
+        # Engine-wide structured-output options, applied to each constrained request as the server does.
+        self.structured_outputs_config = StructuredOutputsConfig.from_dict(structured_outputs_config)
         self.llm_engine = LLMEngine.from_engine_args(log_stats=not disable_log_stats, model=model, **kwargs)
         self._counter = itertools.count()
 
@@ -104,6 +107,10 @@ class LLM:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 sp = sp.clone()
                 sp.output_kind = RequestOutputKind.FINAL_ONLY
+                so = sp.structured_outputs
+                if so is not None:
+                    so.disable_any_whitespace |= self.structured_outputs_config.disable_any_whitespace
+                    so.disable_additional_properties |= self.structured_outputs_config.disable_additional_properties
                 rid = str(next(self._counter))
                 engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0)
                 ids.append(rid)

@@ -34,6 +34,7 @@ logger = init_logger(__name__)
 # How long rank 0 waits, after its own call failed, for the monitor to notice the dead worker that caused it
 # (gloo reports the closed socket a moment before the process is reaped).
 _FAILURE_GRACE_S = 3.0
+_DESTROY_TIMEOUT_S = 15.0  # rank 0 leaving the world together with the workers at shutdown
 _DEFAULT_START_TIMEOUT_S = 600.0
 
 
@@ -102,6 +103,16 @@ class _WorkerGroup:
             self.rpc.send(SHUTDOWN)
         except Exception:
             pass
+        if self.owns_world:
+            # Leave the world while the workers leave it too: NCCL's teardown waits for its peers, so rank 0
+            # destroying only after they exited (or were killed for waiting on it) hung. Bounded, then aborted.
+            leaving = threading.Thread(target=destroy_distributed, args=(self.parallel_state,),
+                                       name="tokenmill-destroy-world", daemon=True)
+            leaving.start()
+            leaving.join(_DESTROY_TIMEOUT_S)
+            if leaving.is_alive():
+                logger.warning("Leaving the distributed world took over %.0f s; aborting it.", _DESTROY_TIMEOUT_S)
+                abort_distributed(self.parallel_state)
         for h in self.handles:
             h.stop(grace_s=5.0)
         for h in self.handles:
@@ -114,8 +125,6 @@ class _WorkerGroup:
         for fd in (self._stop_r, self._stop_w):
             os.close(fd)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
-        if self.owns_world:
-            destroy_distributed(self.parallel_state)
         torch.set_num_threads(self.num_threads)
 
 

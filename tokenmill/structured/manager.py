@@ -58,10 +58,9 @@ class StructuredOutputManager:
             logger.warning("Request %s produced a token its grammar does not allow.", request.request_id)
 
     def fill_bitmask(self, requests: list) -> torch.Tensor:
-        from tokenmill.structured.backend_xgrammar import allocate_bitmask
+        from tokenmill.structured.backend_xgrammar import allocate_bitmask, fill_bitmasks
         n = len(requests)
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = allocate_bitmask(max(n, 16), self.compiler.vocab_size)
-        for row, r in enumerate(requests):
-            r.grammar.fill_bitmask(self._bitmask, row)
+        fill_bitmasks([r.grammar for r in requests], self._bitmask, range(n))
         return self._bitmask[:n]
