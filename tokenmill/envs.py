@@ -33,6 +33,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TOKENMILL_CPU_NUM_THREADS": _int("TOKENMILL_CPU_NUM_THREADS", 0),
     # Accumulate per-phase step times (schedule / execute / update / graph vs eager) for benchmarks.
     "TOKENMILL_STEP_TIMING": _bool("TOKENMILL_STEP_TIMING", False),
+    # Log garbage collections slower than TOKENMILL_GC_DEBUG_MS milliseconds (see tokenmill/gc_utils.py).
+    "TOKENMILL_GC_DEBUG": _bool("TOKENMILL_GC_DEBUG", False),
+    "TOKENMILL_GC_DEBUG_MS": _int("TOKENMILL_GC_DEBUG_MS", 5),
     # API key for the server when --api-key is not given.
     "TOKENMILL_API_KEY": _str("TOKENMILL_API_KEY", None),
     # Set by torchrun for --distributed-executor-backend external_launcher (read only; None when absent).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import time
@@ -45,7 +46,22 @@ def params(constrained: bool, k: int, max_tokens: int) -> SamplingParams:
                           detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
+_gc = {"t0": 0.0, "time": [0.0, 0.0, 0.0], "count": [0, 0, 0]}
+
+
+def _gc_callback(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc["t0"] = time.perf_counter()
+    else:
+        _gc["time"][info["generation"]] += time.perf_counter() - _gc["t0"]
+        _gc["count"][info["generation"]] += 1
+
+
+gc.callbacks.append(_gc_callback)
+
+
 def run(sps, label: str, prof: cProfile.Profile | None = None):
+    _gc["time"], _gc["count"] = [0.0, 0.0, 0.0], [0, 0, 0]
     TIMER.enabled = True
     TIMER.seconds.clear()
     TIMER.counts.clear()
@@ -68,6 +84,8 @@ def run(sps, label: str, prof: cProfile.Profile | None = None):
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"=== {label}: {steps[0]} steps, {dt:.2f} s, {1000 * dt / steps[0]:.3f} ms/step, {toks} output tokens")
     print(TIMER.report())
+    print("  garbage collections per generation:", _gc["count"],
+          "ms:", [round(1000 * x, 1) for x in _gc["time"]], "frozen objects:", gc.get_freeze_count())
     return outs
 
 

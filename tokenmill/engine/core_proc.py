@@ -216,6 +216,8 @@ def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: 
         hs.close()
         ctx.term()
         os._exit(1)
+    from tokenmill.gc_utils import freeze_gc_heap
+    freeze_gc_heap(f"engine core {engine_index}")
     proc.announce_ready()
     hs.send_multipart([READY, msgspec.msgpack.encode({"rank": engine_index, "num_blocks": proc.core.num_blocks})])
     try:

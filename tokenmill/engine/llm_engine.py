@@ -74,6 +74,8 @@ class LLMEngine:
         self.processor.num_blocks = self.engine_core.num_blocks
         self.log_stats = log_stats
         self.last_stats = None
+        from tokenmill.gc_utils import freeze_gc_heap
+        freeze_gc_heap("offline engine")  # in-process: the KV block objects would otherwise slow every full GC
 
     @classmethod
     def from_engine_args(cls, log_stats: bool = False, **kwargs: Any) -> "LLMEngine":

@@ -455,6 +455,8 @@ async def serve(engine: EngineClient, frontend: FrontendConfig, sockets: list | 
     serve on instead of binding host:port (several API server processes share one port that way)."""
     app = build_app(engine, frontend)
     server = _make_server(app, frontend)
+    from tokenmill.gc_utils import freeze_gc_heap
+    freeze_gc_heap("API server")
     logger.info("tokenmill %s serving %s on %s", tokenmill.__version__,
                 ", ".join(app.state.engine.config.model_config.served_model_name or []), frontend.url)
     ssl_task = None
