@@ -9,6 +9,7 @@ that takes longer than `TOKENMILL_GC_DEBUG_MS` milliseconds, with its generation
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import time
 
@@ -18,6 +19,7 @@ from tokenmill.logger import init_logger
 logger = init_logger(__name__)
 
 _debug_installed = False
+_thaw_at_exit_registered = False
 
 
 def freeze_gc_heap(what: str) -> None:
@@ -25,10 +27,16 @@ def freeze_gc_heap(what: str) -> None:
 
     Objects frozen by an earlier call (an earlier engine in the same process, say) are thawed first, so whatever
     of them has become garbage since is collected now rather than never."""
+    global _thaw_at_exit_registered
     t = time.perf_counter()
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    if not _thaw_at_exit_registered:
+        # The interpreter's last collections skip frozen objects: extension objects (triton's nanobind bindings)
+        # then outlive it and print leak warnings at exit.
+        atexit.register(gc.unfreeze)
+        _thaw_at_exit_registered = True
     logger.debug("%s: froze %d start-up objects out of garbage collection (%.0f ms)", what, gc.get_freeze_count(),
                  1000 * (time.perf_counter() - t))
     install_gc_debug()
