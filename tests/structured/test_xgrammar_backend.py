@@ -223,6 +223,19 @@ def test_json_object(smollm2_tokenizer, compiler, bias):
         assert isinstance(json.loads(text), dict), text
 
 
+@pytest.mark.parametrize("bounds", [{"maxLength": 8}, {"minLength": 1}, {"minLength": 1, "maxLength": 8}, {}])
+def test_strings_never_hold_raw_control_characters(compiler, bounds):
+    """JSON forbids raw U+0000-U+001F inside strings (json.loads rejects them). xgrammar's class for length-bounded
+    strings let them through (a random-weight answer held a raw U+0017); every string rule must refuse them."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", **bounds}}, "required": ["s"]}
+    for bad in ("\t", "\x17", "\x00", "\n"):
+        grammar = RequestGrammar(compiler.compile_sync(StructuredOutputsParams(json=schema)))
+        assert not grammar.matcher.accept_string('{"s": "a' + bad), repr(bad)
+    grammar = RequestGrammar(compiler.compile_sync(StructuredOutputsParams(json=schema)))
+    assert grammar.matcher.accept_string('{"s": "héllo"}')
+    assert grammar.matcher.is_completed()
+
+
 def test_config_disable_any_whitespace(smollm2_tokenizer, bias):
     gc = GrammarCompiler(smollm2_tokenizer, vocab_size=VOCAB, config={"disable_any_whitespace": True})
     grammar = RequestGrammar(gc.compile_sync(StructuredOutputsParams(json=SCHEMAS["flat"])))

@@ -123,6 +123,18 @@ def _json_format(params: StructuredOutputsParams, config: StructuredOutputsConfi
     return dict(any_whitespace=True)
 
 
+# xgrammar writes the characters of a length-bounded JSON string (minLength / maxLength) as this class, which lets
+# raw control characters (a tab, U+0017...) into the string: the answer is then not valid JSON for a strict parser
+# (json.loads). Its unbounded strings already exclude them; the bounded ones are given the same class.
+_LOOSE_STRING_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHARS = '[^\\0-\\x1f\\"\\\\]'
+
+
+def _strict_json_ebnf(schema_text: str, fmt: dict[str, Any]) -> str:
+    """The EBNF of xgrammar's grammar for a JSON schema, with every string character class valid JSON."""
+    return str(xgr.Grammar.from_json_schema(schema_text, **fmt)).replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS)
+
+
 def _choice_ebnf(choices: Sequence[str]) -> str:
     # JSON string escapes (quote, backslash, \n, \u plus four hex digits) are also xgrammar EBNF escapes.
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -162,16 +174,10 @@ def _build(params: StructuredOutputsParams, config: StructuredOutputsConfig, com
     """Compile `params` with `compiler`, or (compiler None) only parse it into an xgr.Grammar. Raises ValueError."""
     kind = params.kind
     try:
-        if kind == "json":
-            text, fmt = _json_schema_text(params, config), _json_format(params, config)
-            if compiler is None:
-                return xgr.Grammar.from_json_schema(text, **fmt)
-            return compiler.compile_json_schema(text, **fmt)
-        if kind == "json_object":
-            fmt = _json_format(params, config)
-            if compiler is None:
-                return xgr.Grammar.from_json_schema('{"type": "object"}', **fmt)
-            return compiler.compile_json_schema('{"type": "object"}', **fmt)
+        if kind in ("json", "json_object"):
+            text = _json_schema_text(params, config) if kind == "json" else '{"type": "object"}'
+            ebnf = _strict_json_ebnf(text, _json_format(params, config))
+            return xgr.Grammar.from_ebnf(ebnf) if compiler is None else compiler.compile_grammar(ebnf)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex) if compiler is None else compiler.compile_regex(params.regex)
         if kind == "choice":
