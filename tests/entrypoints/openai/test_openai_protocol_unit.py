@@ -220,6 +220,26 @@ def test_chat_basic_and_stream(client):
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 3
 
 
+def test_invocations_dispatch_by_body(client):
+    """SageMaker's /invocations: `messages` -> a chat completion, `prompt` -> a completion, else a clear 400."""
+    r = client.post("/invocations", json={"messages": MSGS, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
+    r = client.post("/invocations", json={"prompt": "Hello", "max_tokens": 2, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and events[0]["object"] == "text_completion"
+    assert "messages" in assert_error(client.post("/invocations", json={"input": "x"}), 400)["message"]
+    assert_error(client.post("/invocations", content=b"{not json", headers={"content-type": "application/json"}),
+                 400)
+    assert_error(client.post("/invocations", json={"prompt": "a", "max_tokens": -1}), 400, "max_tokens")
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling", "/score", "/v1/rerank"])
+def test_pooling_routes_say_why_they_fail(client, path):
+    err = assert_error(client.post(path, json={"input": "x"}), 400)
+    assert "generative models only" in err["message"] and path in err["message"]
+
+
 def test_chat_logprobs(client):
     r = client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "logprobs": True,
                                                   "top_logprobs": 3})

@@ -319,6 +319,10 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await _serve_generation(raw_request, chat.create_chat_completion(request, raw_request))
 
+    from tokenmill.entrypoints.openai.compat_routes import add_compat_routes
+    add_compat_routes(app, lambda raw, request: _serve_generation(raw, chat.create_chat_completion(request, raw)),
+                      lambda raw, request: _serve_generation(raw, completion.create_completion(request, raw)))
+
     if frontend.enable_server_load_tracking:
         @app.get("/load")
         async def load() -> dict:

@@ -122,8 +122,10 @@ class OpenAIServingChat(OpenAIServing):
                 raise ServingError("tool_choice 'required' or a named function cannot be combined with "
                                    "response_format / structured_outputs.", 400, "tool_choice")
             try:
+                # Compact JSON: no token goes to whitespace inside the call (weak models wander in it until
+                # max_tokens cuts the call short), and a "required" list is re-serialised for the client anyway.
                 params.structured_outputs = self.structured_params(
-                    request, override=StructuredOutputsParams(json=parsing.forced[0]))
+                    request, override=StructuredOutputsParams(json=parsing.forced[0], disable_any_whitespace=True))
             except ValueError as e:
                 raise ServingError(f"The tools' parameter schemas cannot be enforced: {e}", 400, "tools") from None
         if params.structured_outputs is not None and parsing.reasoning is not None and parsing.enabled \
