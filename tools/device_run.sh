@@ -125,6 +125,24 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
       --output-json "$OUT/tp_llama8b_tp2.json" 2>&1 | grep -E "Throughput|Error|error|Captured"
     ;;
+  next3)  # on nvidia-h200-x2, session 4: re-measure issue 5 after the GC freeze; the TP=2 test after the teardown fix
+    echo "=== structured outputs serve bench"; SO_NOISE_RUN=0 timeout 200 bash tools/device_so_bench.sh 2>&1 | tail -7
+    echo "=== tp2 equality (py-spy dumps after 200 s go to tp2.txt)"
+    (sleep 200; for p in $(pgrep -f python3); do echo "--- $p"; /tmp/site/bin/py-spy dump --pid $p 2>&1 | head -40
+       done > "$OUT/tp2.txt") &
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short \
+      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4
+    ;;
+  next4)  # on nvidia-h200-x2: Llama-3-8B TP=1 vs TP=2, bs1 latency and the nano-vllm throughput workload
+    for tp in 1 2; do
+      timeout 100 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $tp --batch-size 1 --input-len 128 \
+        --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 \
+        --output-json "$OUT/lat_llama8b_tp$tp.json" 2>&1 | grep -E "^Avg|decode:|Error|error"
+      timeout 180 python3 -m tokenmill.benchmarks.throughput --model llama-3-8b -tp $tp --num-prompts 256 \
+        --input-len 562 --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+        --output-json "$OUT/tp_llama8b_tp$tp.json" 2>&1 | grep -E "Throughput|Error|error"
+    done
+    ;;
   bench-small)
     bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
       --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"
