@@ -28,11 +28,13 @@ from tokenmill.config.frontend import FrontendConfig
 from tokenmill.engine.protocol import EngineClient, EngineDeadError
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                    TokenizeRequest)
+from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenmill.entrypoints.openai.serving_chat import ChatRenderer, OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_engine import (GENERATED_REQUEST_ID, RequestTracker, ServingError,
                                                          SSEStream, error_body)
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
+from tokenmill.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from tokenmill.logger import init_logger
 
@@ -221,6 +223,7 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     renderer = ChatRenderer(engine.tokenizer, frontend)
     completion = OpenAIServingCompletion(engine, models, frontend, tracker)
     chat = OpenAIServingChat(engine, models, frontend, tracker, renderer)
+    responses = OpenAIServingResponses(chat)
     tokenization = OpenAIServingTokenization(engine, models, frontend, tracker, renderer=renderer)
     if completion.default_sampling_params:
         logger.info("Default sampling parameters from the generation config: %s",
@@ -318,6 +321,10 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await _serve_generation(raw_request, chat.create_chat_completion(request, raw_request))
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await _serve_generation(raw_request, responses.create_response(request, raw_request))
 
     from tokenmill.entrypoints.openai.compat_routes import add_compat_routes
     add_compat_routes(app, lambda raw, request: _serve_generation(raw, chat.create_chat_completion(request, raw)),
