@@ -117,3 +117,5 @@ def test_structured_outputs_config_applies_offline(llm):
     assert sp[0].structured_outputs.disable_any_whitespace is False  # the caller's params are not changed
     with pytest.raises(ValueError, match="disable_any_whitespac"):
         LLM(structured_outputs_config={"disable_any_whitespac": True})
+    with pytest.raises(ValueError, match="reasoning_parser: not supported yet"):
+        LLM(structured_outputs_config={"reasoning_parser": "qwen3"})

@@ -27,6 +27,7 @@ class LLM:
         from tokenmill.structured.config import StructuredOutputsConfig
         # Engine-wide structured-output options, applied to each constrained request as the server does.
         self.structured_outputs_config = StructuredOutputsConfig.from_dict(structured_outputs_config)
+        self.structured_outputs_config.check_supported()
         self.llm_engine = LLMEngine.from_engine_args(log_stats=not disable_log_stats, model=model, **kwargs)
         self._counter = itertools.count()
 

@@ -49,6 +49,12 @@ class StructuredOutputsConfig:
             raise ValueError(f"structured outputs config reasoning_parser must be a string; "
                              f"got {self.reasoning_parser!r}")
 
+    def check_supported(self) -> None:
+        """Raise ValueError for options tokenmill accepts from vLLM's spelling but cannot honour yet."""
+        if self.reasoning_parser:
+            raise ValueError("--structured-outputs-config reasoning_parser: not supported yet by tokenmill (the "
+                             "server's --reasoning-parser decides where the constrained answer starts).")
+
     @classmethod
     def from_dict(cls, d: dict[str, Any] | str | None) -> StructuredOutputsConfig:
         """Build from the --structured-outputs-config value (a dict, or its JSON text); None gives the defaults.

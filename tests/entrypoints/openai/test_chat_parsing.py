@@ -125,3 +125,20 @@ def test_null_fields_and_tool_loop_messages(make_client):
                                              "stream": None, "echo": None, "ignore_eos": None, "priority": None})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1
+
+
+@pytest.mark.parametrize("in_reasoning", [False, True])
+def test_structured_outputs_start_after_reasoning_unless_enable_in_reasoning(make_client, scripted, monkeypatch,
+                                                                             in_reasoning):
+    """With a reasoning parser the grammar constrains only the answer (it starts after the end-of-reasoning token);
+    --structured-outputs-config enable_in_reasoning makes it constrain the reasoning too, as in vLLM."""
+    from tokenmill.parsers.reasoning import ReasoningParser
+    monkeypatch.setattr(ReasoningParser, "end_token_id", lambda self: 1234)  # SmolLM2 has no </think> token
+    engine = scripted("{}")
+    c, _ = make_client(engine, reasoning_parser="deepseek_r1",
+                       structured_outputs_config={"enable_in_reasoning": in_reasoning})
+    r = c.post("/v1/chat/completions", json={"messages": MSGS, "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    params = engine.calls[-1][1]
+    assert params.structured_outputs is not None
+    assert params._grammar_after_token_id == (None if in_reasoning else 1234)

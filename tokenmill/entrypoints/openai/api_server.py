@@ -367,10 +367,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
 def _check_frontend(frontend: FrontendConfig) -> None:
     """Front-end options that are accepted by the parser but need features tokenmill does not have yet."""
     from tokenmill.structured import StructuredOutputsConfig
-    cfg = StructuredOutputsConfig.from_dict(frontend.structured_outputs_config)  # unknown keys / backends fail
-    if cfg.reasoning_parser:
-        raise ValueError("--structured-outputs-config reasoning_parser: not supported yet by tokenmill (grammars "
-                         "apply from the first output token).")
+    # Unknown keys, backends and options tokenmill cannot honour yet fail here, before the engine starts.
+    StructuredOutputsConfig.from_dict(frontend.structured_outputs_config).check_supported()
 
 
 async def _watchdog(app: FastAPI) -> None:

@@ -129,6 +129,7 @@ class OpenAIServingChat(OpenAIServing):
             except ValueError as e:
                 raise ServingError(f"The tools' parameter schemas cannot be enforced: {e}", 400, "tools") from None
         if params.structured_outputs is not None and parsing.reasoning is not None and parsing.enabled \
+                and not self.structured_config.enable_in_reasoning \
                 and not parsing.reasoning.prompt_closes_reasoning(prompt):
             # Constrain only the answer: the grammar starts after the model's end-of-reasoning token (a tokenizer
             # without such a token cannot think, so then the grammar applies from the start).
