@@ -23,6 +23,18 @@ def generate(llm: LLM, prompts: list[str], max_tokens: int):
     return greedy_outs, outs[-2].outputs[0].token_ids, prompt_lps
 
 
+def assert_matches_reference(got, ref) -> None:
+    """`generate`'s results of a parallel engine against TP=1's: the same greedy and seeded tokens, logprobs and
+    prompt logprobs within 1e-4."""
+    (greedy, seeded, plp), (ref_greedy, ref_seeded, ref_plp) = got, ref
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(greedy, ref_greedy, strict=True):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+    assert seeded == ref_seeded
+    assert plp[0] is None and ref_plp[0] is None
+    assert max(abs(a - b) for a, b in zip(plp[1:], ref_plp[1:])) < 1e-4
+
+
 def reference_cache(models: dict[str, str], prompts: list[str], max_tokens: int):
     """arch -> the TP=1 results, computed once per arch."""
     cache: dict[str, tuple] = {}

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.distributed.engine_outputs import ENGINE, reference_cache, shutdown
+from tests.distributed.engine_outputs import ENGINE, assert_matches_reference, reference_cache, shutdown
 from tests.distributed.engine_outputs import generate as _generate_outputs
 from tokenmill import LLM, SamplingParams
 from tokenmill.distributed.pp import PPMissingLayer, pp_layer_range
@@ -86,12 +86,7 @@ def test_pipeline_matches_tp1(reference, pp_llm, arch, tp, pp):
     core.max_batches_in_flight = 0
     greedy, seeded, plp = generate_outputs(llm)
     assert core.max_batches_in_flight == pp  # the pipeline was full at least once
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(greedy, ref_greedy):
-        assert tokens == ref_tokens
-        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
-    assert seeded == ref_seeded
-    assert plp[0] is None and ref_plp[0] is None
-    assert max(abs(a - b) for a, b in zip(plp[1:], ref_plp[1:])) < 1e-4
+    assert_matches_reference((greedy, seeded, plp), (ref_greedy, ref_seeded, ref_plp))
 
 
 def test_stop_and_abort_in_flight(reference, pp_llm):

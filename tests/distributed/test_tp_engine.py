@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.distributed.engine_outputs import ENGINE, reference_cache, shutdown
+from tests.distributed.engine_outputs import ENGINE, assert_matches_reference, reference_cache, shutdown
 from tests.distributed.engine_outputs import generate as _generate_outputs
 from tokenmill import LLM, SamplingParams
 
@@ -74,12 +74,7 @@ def test_tp2_matches_tp1(reference, tp_llm, arch):
     assert attn.num_heads == 2 and runner.num_kv_heads == attn.num_kv_heads == 1
     assert attn.qkv_proj.kv_replicas == (2 if arch == "qwen3_1kv" else 1)
     greedy, seeded, plp = generate_outputs(llm)
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(greedy, ref_greedy):
-        assert tokens == ref_tokens
-        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
-    assert seeded == ref_seeded
-    assert plp[0] is None and ref_plp[0] is None
-    assert max(abs(a - b) for a, b in zip(plp[1:], ref_plp[1:])) < 1e-4
+    assert_matches_reference((greedy, seeded, plp), (ref_greedy, ref_seeded, ref_plp))
 
 
 def test_killed_worker_stops_the_engine_with_the_rank(tp_llm):

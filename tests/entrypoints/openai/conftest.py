@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -131,6 +132,33 @@ class FakeEngine(EngineClient):
 
     def shutdown(self) -> None:
         pass
+
+
+def post_then_disconnect(app, path: str, body: dict) -> list[dict]:
+    """POST `body` to `path` straight through the ASGI app, with a client that disconnects 0.3 s later; returns
+    the ASGI messages the app sent. (TestClient cannot disconnect mid-request.)"""
+    raw = json.dumps(body).encode()
+    sent, messages = [], []
+
+    async def receive():
+        if not sent:
+            sent.append(True)
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.sleep(0.3)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        messages.append(message)
+
+    async def run():
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        await asyncio.sleep(0.2)  # let the aborts the disconnect caused run
+    asyncio.run(run())
+    return messages
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.entrypoints.openai.conftest import FakeEngine
+from tests.entrypoints.openai.conftest import FakeEngine, post_then_disconnect
 from tokenmill.sampling_params import RequestOutputKind
 
 
@@ -499,42 +499,20 @@ def test_unsupported_frontend_options_fail_at_build(smollm2_tokenizer):
 
 def test_disconnect_aborts_non_streaming(smollm2_tokenizer):
     """A client that goes away mid-request has its engine request closed (aborted)."""
-    import asyncio
-
     from tokenmill.config.frontend import FrontendConfig
     from tokenmill.entrypoints.openai.api_server import build_app
 
     engine = FakeEngine(smollm2_tokenizer, step_delay=0.05)
     app = build_app(engine, FrontendConfig())
 
-    async def run(stream: bool, prompt="a b c"):
-        body = json.dumps({"prompt": prompt, "max_tokens": 200, "stream": stream}).encode()
-        sent = {"body": False}
-        messages = []
+    def run(stream: bool, prompt="a b c"):
+        return post_then_disconnect(app, "/v1/completions", {"prompt": prompt, "max_tokens": 200, "stream": stream})
 
-        async def receive():
-            if not sent["body"]:
-                sent["body"] = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.sleep(0.3)
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            messages.append(message)
-
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-                 "root_path": "", "query_string": b"", "headers": [(b"content-type", b"application/json")],
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
-        await asyncio.wait_for(app(scope, receive, send), 10)
-        await asyncio.sleep(0.2)
-        return messages
-
-    asyncio.run(run(False))
+    run(False)
     assert len(engine.aborted) == 1 and not engine.running
-    asyncio.run(run(True))
+    run(True)
     assert len(engine.aborted) == 2 and not engine.running
     for stream in (False, True):  # a batch of prompts: every engine request is aborted
         before = len(engine.aborted)
-        asyncio.run(run(stream, ["a b", "c d", "e f"]))
+        run(stream, ["a b", "c d", "e f"])
         assert len(engine.aborted) == before + 3 and not engine.running

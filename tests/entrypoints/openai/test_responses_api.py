@@ -6,14 +6,13 @@ No end-to-end test with the real model here: the e2e server fixture is module-sc
 so reusing it would start a second server."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import openai
 import pytest
 from openai.types.responses import Response, ResponseCompletedEvent, ResponseIncompleteEvent
 
-from tests.entrypoints.openai.conftest import FakeEngine
+from tests.entrypoints.openai.conftest import FakeEngine, post_then_disconnect
 from tests.entrypoints.openai.test_chat_parsing import ScriptedEngine
 
 
@@ -285,27 +284,6 @@ def test_disconnect_aborts(smollm2_tokenizer):
     engine = FakeEngine(smollm2_tokenizer, step_delay=0.05)
     app = build_app(engine, FrontendConfig())
 
-    async def run(stream: bool) -> None:
-        body = json.dumps({"input": "a b c", "max_output_tokens": 100, "stream": stream}).encode()
-        sent = []
-
-        async def receive():
-            if not sent:
-                sent.append(1)
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.sleep(0.3)
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            pass
-
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/responses", "raw_path": b"/v1/responses",
-                 "root_path": "", "query_string": b"", "headers": [(b"content-type", b"application/json")],
-                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
-        await asyncio.wait_for(app(scope, receive, send), 10)
-        await asyncio.sleep(0.2)
-
     for i, stream in enumerate((False, True)):
-        asyncio.run(run(stream))
+        post_then_disconnect(app, "/v1/responses", {"input": "a b c", "max_output_tokens": 100, "stream": stream})
         assert len(engine.aborted) == i + 1 and not engine.running
