@@ -33,6 +33,11 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "TOKENMILL_CPU_NUM_THREADS": _int("TOKENMILL_CPU_NUM_THREADS", 0),
     # Accumulate per-phase step times (schedule / execute / update / graph vs eager) for benchmarks.
     "TOKENMILL_STEP_TIMING": _bool("TOKENMILL_STEP_TIMING", False),
+    # Log engine steps slower than this many milliseconds, with their phases and batch (0 = off; sets
+    # TOKENMILL_STEP_TIMING's phase accounting on in the engine core).
+    "TOKENMILL_SLOW_STEP_MS": _int("TOKENMILL_SLOW_STEP_MS", 0),
+    # Log API-server event-loop stalls longer than this many milliseconds (0 = off).
+    "TOKENMILL_LOOP_LAG_MS": _int("TOKENMILL_LOOP_LAG_MS", 0),
     # Log garbage collections slower than TOKENMILL_GC_DEBUG_MS milliseconds (see tokenmill/gc_utils.py).
     "TOKENMILL_GC_DEBUG": _bool("TOKENMILL_GC_DEBUG", False),
     "TOKENMILL_GC_DEBUG_MS": _int("TOKENMILL_GC_DEBUG_MS", 5),

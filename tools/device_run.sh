@@ -133,6 +133,31 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4
     ;;
+  s4a)  # on nvidia-h200-x2, session 4: issue 5's bench with stall diagnostics; the TP=2 test after the abort fix
+    echo "=== structured outputs serve bench (diagnostics on)"
+    SO_DIAG=1 SO_NOISE_RUN=0 timeout 260 bash tools/device_so_bench.sh 2>&1 | tail -110
+    echo "=== tp2 equality"
+    (sleep 170; for p in $(pgrep -f "pytest|worker_proc"); do echo "--- $p"; /tmp/site/bin/py-spy dump --pid $p 2>&1 \
+       | head -30; done > "$OUT/tp2.txt") &
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=short \
+      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" > "$OUT/tp2_pytest.txt" 2>&1
+    echo "pytest exit $?"; tail -5 "$OUT/tp2_pytest.txt"
+    ;;
+  s4b)  # on nvidia-h200-x2: issue 5's bench with diagnostics and py-spy summaries; the TP=2 test (NCCL world forgotten)
+    SO_DIAG=1 SO_PYSPY=1 SO_NOISE_RUN=0 timeout 270 bash tools/device_so_bench.sh > "$OUT/so_bench.txt" 2>&1
+    for r in mixed replay; do
+      [ -f "$OUT/spy_$r.txt" ] && python3 tools/spy_summary.py "$OUT/spy_$r.txt" --under execute_model --top 30 \
+        >> "$OUT/so_bench.txt" 2>&1
+      rm -f "$OUT/spy_$r.txt"
+    done
+    grep -E "^===|acceptance|slowdown|Triton|_kernel|^[0-9]+$" "$OUT/so_bench.txt" | head -30
+    echo "=== tp2 equality"
+    (sleep 150; for p in $(pgrep -f "pytest|worker_proc"); do echo "--- $p"; /tmp/site/bin/py-spy dump --pid $p 2>&1 \
+       | head -30; done > "$OUT/tp2.txt") &
+    timeout 180 python3 -m pytest -q -p no:cacheprovider --tb=short \
+      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" > "$OUT/tp2_pytest.txt" 2>&1
+    echo "pytest exit $?"; tail -5 "$OUT/tp2_pytest.txt"
+    ;;
   next4)  # on nvidia-h200-x2: Llama-3-8B TP=1 vs TP=2, bs1 latency and the nano-vllm throughput workload
     for tp in 1 2; do
       timeout 100 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $tp --batch-size 1 --input-len 128 \

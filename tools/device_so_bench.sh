@@ -31,6 +31,13 @@ python3 -c "
 import torch, triton, transformers, xgrammar, fastapi, uvicorn, zmq, pydantic, msgspec
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" || exit 1
 
+# SO_DIAG=1: the server logs steps slower than 15 ms (with their phases and batch), event-loop stalls and slow GCs,
+# and Triton kernels compiled after the warm-up are listed at the end (a fresh TRITON_CACHE_DIR).
+if [ "${SO_DIAG:-0}" = 1 ]; then
+  export TOKENMILL_SLOW_STEP_MS=15 TOKENMILL_LOOP_LAG_MS=15 TOKENMILL_GC_DEBUG=1 TOKENMILL_GC_DEBUG_MS=10
+  export TRITON_CACHE_DIR=/tmp/so_tcache
+  rm -rf "$TRITON_CACHE_DIR"
+fi
 setsid python3 -m tokenmill.entrypoints.cli.main serve "$MODEL" --load-format dummy --host 127.0.0.1 --port $PORT \
   --max-model-len 2048 > "$OUT/server.log" 2>&1 &
 SERVER=$!
@@ -65,6 +72,7 @@ OUT="$WARM" bench warmup_regex --num-prompts 16 --structured-output-ratio 0.5 --
   --structured-output-disable-any-whitespace > "$WARM/warmup_regex.txt"
 grep -m2 -E "^(Successful|Failed) requests" "$WARM"/warmup*.txt
 rm -rf "$WARM"
+touch /tmp/so_after_warmup
 # SO_PYSPY=1: sample the server's processes (API server and engine core) with py-spy during the mixed and replay
 # runs; collapsed stacks go to $OUT/spy_{mixed,replay}.txt (py-spy travels as a wheel in .devcarry/).
 spied() {  # spied NAME [bench flags]
@@ -75,7 +83,9 @@ spied() {  # spied NAME [bench flags]
     spy=$!
     sleep 1
   fi
+  echo "--- $1 starts at $(date +%T.%N | cut -c1-12)"
   bench "$@"
+  echo "--- $1 ends at $(date +%T.%N | cut -c1-12)"
   if [ -n "$spy" ]; then kill -INT $spy; wait $spy; tail -2 "$OUT/.spy_$name.log"; rm -f "$OUT/.spy_$name.log"; fi
 }
 bench free --num-prompts $NUM_PROMPTS
@@ -152,4 +162,11 @@ print(f"acceptance: free slowdown < 10%: {summary['pass_free_slowdown_lt_10pct']
       f"structured TPOT <= 1.3x free: {summary['pass_structured_tpot_le_1_3x']}")
 EOF
 grep -iE "error|traceback" "$OUT/server.log" | head -5
+if [ "${SO_DIAG:-0}" = 1 ]; then
+  echo "=== Triton kernels compiled after the warm-up"
+  find "$TRITON_CACHE_DIR" -name "*.json" -newer /tmp/so_after_warmup -printf "%TT %f\n" | grep -v __grp | sort
+  echo "=== slow steps / loop stalls / GCs (server log), by kind"
+  grep -cE "Slow step" "$OUT/server.log"; grep -cE "Event loop blocked" "$OUT/server.log"
+  grep -E "Slow step|Event loop blocked|gc: generation|--- " "$OUT/server.log" | cut -c1-260 | tail -70
+fi
 exit 0

@@ -176,6 +176,9 @@ def destroy_distributed(state: ParallelState | None) -> None:
         return
     if state is not None and state.world_size <= 1:
         return
+    if state is not None and state.owns_world and state.backend == "nccl":
+        _forget_nccl_world()
+        return
     if state is None or state.owns_world:
         groups = [None]
     else:
@@ -186,6 +189,32 @@ def destroy_distributed(state: ParallelState | None) -> None:
             dist.destroy_process_group(g)
         except Exception as e:  # a peer already gone can make teardown fail; we are leaving anyway
             logger.debug("destroy_process_group: %s", e)
+
+
+def _forget_nccl_world() -> None:
+    """Leave an NCCL world this engine created without tearing its communicators down.
+
+    After CUDA graphs have captured NCCL collectives, both destroy_process_group and _abort_process_group hang on
+    every rank (pytorch/pytorch#115388; both ranks of a TP=2 engine stuck in them on the H200). The world is
+    unregistered the way torch's own teardown does it, so a later engine in this process can init a new one; the
+    old groups are never freed (their destructors would block the same way, at the latest when the interpreter
+    exits) and go with the process."""
+    import ctypes
+
+    import torch.distributed as dist
+    c10d = dist.distributed_c10d
+    w = c10d._world
+    for pg in list(w.pg_map.keys()):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+    try:
+        c10d._update_default_pg(None)
+        for table in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag, w.tags_to_pg,
+                      w.pg_coalesce_state):
+            table.clear()
+        c10d._unregister_all_process_groups()
+        w.group_count = 0
+    except Exception as e:  # private torch internals: if they moved, leave the world registered
+        logger.warning("Could not unregister the NCCL process groups: %s", e)
 
 
 def abort_distributed(state: ParallelState | None) -> None:

@@ -23,6 +23,7 @@ import zmq
 
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tokenmill.logger import init_logger
+from tokenmill.metrics.step_timing import SlowStepLog
 
 logger = init_logger(__name__)
 
@@ -135,6 +136,7 @@ class EngineCoreProc:
         if self.control is not None:
             poller.register(self.control, zmq.POLLIN)
         client_of_socket = self._client_of_socket
+        slow_steps = SlowStepLog()
         while self.running:
             busy = self.core.has_unfinished_requests()
             # Drain every pending message; block (briefly, to notice an orphaned process) only when idle.
@@ -153,7 +155,7 @@ class EngineCoreProc:
             if not self.running:
                 break
             if self.core.has_unfinished_requests():
-                self._send(self.core.step())
+                self._send(slow_steps.run(self.core.step, lambda _: self.core.describe_last_batch()))
                 self._stats_dirty = True
             elif self._stats_dirty:
                 # Going idle (or aborts freed blocks): publish a final snapshot so gauges return to zero.

@@ -37,6 +37,7 @@ class EngineCore:
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self._batches: deque[tuple[SchedulerOutput, object]] = deque()  # pipeline parallelism, oldest first
         self.max_batches_in_flight = 0  # the most batches ever in flight at once (observability, tests)
+        self.last_scheduled: SchedulerOutput | None = None  # the latest batch (slow-step diagnostics)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)
@@ -58,16 +59,19 @@ class EngineCore:
         sched = None
         if self.scheduler.has_unfinished_requests():
             with TIMER.phase("schedule"):
-                sched = self.scheduler.schedule()
+                sched = self.last_scheduled = self.scheduler.schedule()
             with TIMER.phase("execute_model"):
                 self.executor.execute_model(sched)
         outputs = None
         if self._in_flight is not None:
             prev, handle = self._in_flight
             self._in_flight = None
-            outputs = self._update(prev, handle.get())
+            with TIMER.phase("wait_output"):
+                out = handle.get()
+            outputs = self._update(prev, out)
         if sched is not None and not sched.is_empty:
-            grammar = self.scheduler.get_grammar_bitmask(sched)
+            with TIMER.phase("grammar_bitmask"):
+                grammar = self.scheduler.get_grammar_bitmask(sched)
             with TIMER.phase("sample"):
                 handle = self.executor.sample_tokens(grammar)
             if self.async_scheduling:
@@ -85,7 +89,7 @@ class EngineCore:
         early = None  # outputs that need no batch (requests rejected before running)
         while len(self._batches) < self.max_concurrent_batches and self.scheduler.has_unfinished_requests():
             with TIMER.phase("schedule"):
-                sched = self.scheduler.schedule()
+                sched = self.last_scheduled = self.scheduler.schedule()
             if sched.is_empty:
                 # Everything runnable is in flight. The runners still must forget finished requests.
                 if sched.finished_req_ids:
@@ -111,6 +115,14 @@ class EngineCore:
     def _update(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> EngineCoreOutputs:
         with TIMER.phase("update_from_output"):
             return self.scheduler.update_from_output(sched, out)
+
+    def describe_last_batch(self) -> str:
+        """One line on the latest scheduled batch, for diagnostics."""
+        s = self.last_scheduled
+        if s is None:
+            return "no batch"
+        return (f"batch: {len(s.num_scheduled_tokens)} requests ({len(s.scheduled_new_reqs)} new, "
+                f"{len(s.grammar_req_ids)} constrained), {s.total_num_scheduled_tokens} tokens")
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -28,7 +28,7 @@ from tokenmill.kernels.triton_prefill_attention import _attend_span
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary per step: no recompiles while serving
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
     k_scale_ptr, v_scale_ptr, qk_scale, num_splits,
@@ -79,7 +79,7 @@ def _decode_stage1_kernel(
         tl.store(mid_lse_ptr + base // HEAD_P2, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_stage2_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, qsl_ptr, seq_lens_ptr,
     num_splits,

@@ -94,7 +94,9 @@ def _attend_span(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
     return o, m_i, l_i
 
 
-@triton.jit
+# num_seqs and the block table's row stride change with every batch: specialising on them (== 1, % 16) compiled new
+# variants mid-run, each a ~1 s stall of the whole engine (seen in the structured-outputs serving bench).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, qk_scale,

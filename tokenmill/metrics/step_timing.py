@@ -4,11 +4,15 @@ Off by default: then `phase()` returns a shared no-op context.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections import defaultdict
 
 from tokenmill import envs
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 _NOOP = contextlib.nullcontext()
@@ -44,3 +48,44 @@ class StepTimer:
 
 
 TIMER = StepTimer()
+
+
+class SlowStepLog:
+    """Logs engine steps slower than TOKENMILL_SLOW_STEP_MS with the time each phase took in them and the batch
+    they ran (a diagnostic for latency stalls; off by default, then `run` is just the call)."""
+
+    def __init__(self, timer: StepTimer = TIMER) -> None:
+        self.threshold_s = envs.TOKENMILL_SLOW_STEP_MS / 1000.0
+        self.timer = timer
+        if self.threshold_s > 0:
+            timer.enabled = True
+
+    def run(self, step, describe=None):
+        """Return step(); if it took longer than the threshold, log it. describe(result) names the batch."""
+        if self.threshold_s <= 0:
+            return step()
+        seconds, counts = dict(self.timer.seconds), dict(self.timer.counts)
+        t = time.perf_counter()
+        result = step()
+        dt = time.perf_counter() - t
+        if dt > self.threshold_s:
+            phases = ", ".join(f"{k} {(v - seconds.get(k, 0.0)) * 1000:.1f} ms"
+                               for k, v in self.timer.seconds.items() if v - seconds.get(k, 0.0) > 5e-4)
+            events = ", ".join(f"{k} x{n - counts.get(k, 0)}" for k, n in self.timer.counts.items()
+                               if k not in self.timer.seconds and n != counts.get(k, 0))
+            what = describe(result) if describe is not None else ""
+            logger.warning("Slow step: %.1f ms (%s%s)%s", dt * 1000, phases, f"; {events}" if events else "",
+                           f" {what}" if what else "")
+        return result
+
+
+async def watch_event_loop(threshold_ms: int, period_s: float = 0.005) -> None:
+    """Log whenever this event loop wakes up more than threshold_ms late (something blocked it): run as a task."""
+    loop = asyncio.get_running_loop()
+    late_s = threshold_ms / 1000.0
+    while True:
+        t = loop.time()
+        await asyncio.sleep(period_s)
+        lag = loop.time() - t - period_s
+        if lag > late_s:
+            logger.warning("Event loop blocked for %.1f ms", lag * 1000)

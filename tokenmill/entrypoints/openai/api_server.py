@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import tokenmill
+from tokenmill import envs
 from tokenmill.config.frontend import FrontendConfig
 from tokenmill.engine.protocol import EngineClient, EngineDeadError
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -37,6 +38,7 @@ from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from tokenmill.logger import init_logger
+from tokenmill.metrics.step_timing import watch_event_loop
 
 logger = init_logger(__name__)
 
@@ -202,11 +204,14 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        task = asyncio.ensure_future(_watchdog(app))
+        tasks = [asyncio.ensure_future(_watchdog(app))]
+        if envs.TOKENMILL_LOOP_LAG_MS > 0:
+            tasks.append(asyncio.ensure_future(watch_event_loop(envs.TOKENMILL_LOOP_LAG_MS)))
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
 
     kwargs: dict[str, Any] = dict(title="tokenmill OpenAI-compatible API", version=tokenmill.__version__,
                                   lifespan=lifespan)
@@ -292,7 +297,6 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     @app.get("/metrics")
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-        from tokenmill import envs
         registry = REGISTRY
         if envs.PROMETHEUS_MULTIPROC_DIR:  # several API server processes: report all of them
             from prometheus_client import CollectorRegistry, multiprocess
@@ -350,7 +354,6 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     app.add_middleware(CORSMiddleware, **frontend.cors_kwargs())
     api_keys = list(frontend.api_key or [])
     if not api_keys:
-        from tokenmill import envs
         env_key = envs.TOKENMILL_API_KEY or os.environ.get("VLLM_API_KEY")
         if env_key:
             api_keys = [env_key]
