@@ -158,6 +158,13 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" > "$OUT/tp2_pytest.txt" 2>&1
     echo "pytest exit $?"; tail -5 "$OUT/tp2_pytest.txt"
     ;;
+  s4c)  # on nvidia-h200-x2: GPU tests (mixed-batch graphs), then issue 5's bench with diagnostics
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short -x tests/gpu/test_gpu_e2e.py \
+      tests/kernels/test_triton_attention.py > "$OUT/gpu_pytest.txt" 2>&1
+    echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -8
+    SO_DIAG=1 SO_NOISE_RUN=0 timeout 250 bash tools/device_so_bench.sh > "$OUT/so_bench.txt" 2>&1
+    grep -E "^=== (fair|summary)|acceptance|slowdown|_kernel|Captured|^[0-9]+$" "$OUT/so_bench.txt" | head -20
+    ;;
   next4)  # on nvidia-h200-x2: Llama-3-8B TP=1 vs TP=2, bs1 latency and the nano-vllm throughput workload
     for tp in 1 2; do
       timeout 100 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $tp --batch-size 1 --input-len 128 \

@@ -28,7 +28,7 @@ def main() -> None:
         total += n
         frames = [re.sub(r" \((.*?)\)$", lambda m: " (" + m.group(1).split("/")[-1] + ")", f)
                   for f in stack.split(";")]
-        idx = next((i for i, f in enumerate(frames) if f.startswith(a.under + " ") or f == a.under), None)
+        idx = next((i for i, f in enumerate(frames) if f.split(" (")[0].split(".")[-1] == a.under), None)
         if idx is None:
             continue
         under += n

@@ -66,6 +66,29 @@ def test_cuda_graphs_equal_eager(tiny_model_factory):
     assert a == b
 
 
+def test_mixed_batch_graphs_equal_eager(tiny_model_factory):
+    """Prompts chunked (64-token budget) next to decoding requests: those steps replay the mixed-batch graphs, and
+    give the eager path's tokens; FULL_DECODE_ONLY captures none."""
+    from tokenmill import LLM, SamplingParams
+    d = tiny_model_factory("qwen3")
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = PROMPTS * 3 + [" ".join(["token"] * 150), "x " * 70]
+    kw = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=512, max_num_seqs=16,
+              max_num_batched_tokens=64)
+    graphs = LLM(d, **kw)
+    runner = graphs.llm_engine.engine_core.executor.worker.runner
+    assert runner.cuda_graphs.mixed_token_sizes == [16, 32, 64]
+    a = [o.outputs[0].token_ids for o in graphs.generate(prompts, sp, use_tqdm=False)]
+    assert runner.cuda_graphs.mixed_replays > 0
+    del graphs, runner
+    eager = LLM(d, enforce_eager=True, **kw)
+    b = [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
+    assert a == b
+    del eager
+    decode_only = LLM(d, cudagraph_mode="full_decode_only", **kw)
+    assert decode_only.llm_engine.engine_core.executor.worker.runner.cuda_graphs.mixed_graphs == {}
+
+
 def test_triton_backend_equals_torch_ref(tiny_model_factory, monkeypatch):
     from tokenmill import LLM, SamplingParams
     d = tiny_model_factory("qwen3")

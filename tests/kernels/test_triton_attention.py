@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,6 +106,53 @@ def check_backend(query_lens, ctx_lens, *, hq, hkv, d, block_size, dtype, seed, 
     assert err < TOL[dtype], f"rel err {err:.2e}"
     if pad_rows:
         assert torch.equal(out[real_t:], torch.zeros_like(out[real_t:])), "padding rows must be zeros"
+
+
+def captured_mixed_layout(md: AttentionMetadata, size: int, reqs: int, extra_blocks: int = 2) -> AttentionMetadata:
+    """md laid out as a mixed CUDA graph of `size` tokens and `reqs` requests sees it (worker/cuda_graph.py): the
+    padding helper's buffers, a block table with spare columns of junk, and no host copies to plan from."""
+    from tokenmill.worker.cuda_graph import pad_mixed_inputs
+    n, t = md.seq_lens.shape[0], md.num_actual_tokens
+    zeros = np.zeros(t, dtype=np.int64)
+    vec, ints, _ = pad_mixed_inputs(size, reqs, zeros, zeros, md.slot_mapping.cpu().numpy(),
+                                    md.query_start_loc_cpu, md.seq_lens_cpu)
+    ints_t = torch.from_numpy(ints).to(DEV)
+    nb = md.block_table.shape[1]
+    table = torch.randint(0, 3, (reqs, nb + extra_blocks), dtype=torch.int32).to(DEV)
+    table[:n, :nb] = md.block_table
+    return AttentionMetadata(size, torch.from_numpy(vec[2]).to(DEV), ints_t[:reqs + 1], ints_t[reqs + 1:],
+                             table, size, 4096, np.zeros(reqs + 1, dtype=np.int64), np.zeros(reqs, dtype=np.int64),
+                             captured_mixed=True)
+
+
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_backend_captured_mixed_layout(case):
+    """A mixed batch padded to a graph's capacity (extra tokens with slot -1, extra requests with no query) gives the
+    real rows the unpadded result, stores nothing for the padding, and plans without the host copies."""
+    ql, ctx, hq, hkv, d, bs, dtype = MIXED[case]
+    md, kv_cache, q, k, v = make_batch(ql, ctx, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype, seed=500 + case)
+    t, scale = md.num_actual_tokens, d ** -0.5
+    size, reqs = t + 7, len(ql) + 3
+    pad = lambda x: torch.cat([x, torch.randn(size - t, x.shape[1], dtype=x.dtype).to(DEV)])
+    ref_out, ref_cache = reference(md, kv_cache, q, k, v, hq, hkv, d, scale)
+    be = TritonAttentionBackend(hq, d, hkv, scale)
+    be.decode_num_splits = 2
+    cache = kv_cache.clone()
+    out = be.forward(pad(q), pad(k), pad(v), cache, captured_mixed_layout(md, size, reqs))
+    assert out.shape[0] == size
+    assert torch.equal(cache.double(), ref_cache.to(cache.dtype).double()), "padding tokens must store nothing"
+    err = rel_err(out[:t], ref_out)
+    assert err < TOL[dtype], f"rel err {err:.2e}"
+
+
+def test_pad_mixed_inputs():
+    from tokenmill.worker.cuda_graph import mixed_capture_sizes, pad_mixed_inputs
+    qsl, lens = np.array([0, 3, 4, 9]), np.array([10, 5, 5])
+    vec, ints, last = pad_mixed_inputs(12, 5, np.arange(9) + 100, np.arange(9), np.arange(9) + 50, qsl, lens)
+    assert vec.shape == (3, 12) and list(vec[2, 9:]) == [-1, -1, -1] and list(vec[0, :9]) == list(range(100, 109))
+    assert list(ints[:6]) == [0, 3, 4, 9, 9, 9] and list(ints[6:]) == [10, 5, 5, 0, 0]
+    assert list(last) == [2, 3, 8, 0, 0]
+    assert mixed_capture_sizes(100, 48) == [(16, 16), (32, 32), (64, 48)]
 
 
 # ------------------------------------------------------------------------------------------------------- KV store

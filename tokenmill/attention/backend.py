@@ -22,6 +22,11 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: np.ndarray   # host copies, for backends that loop or plan on the host
     seq_lens_cpu: np.ndarray
+    # A mixed batch captured in a CUDA graph (worker/cuda_graph.py): the device tensors are padded buffers (rows
+    # past the real requests have query_len 0 and seq_len 0, tokens past them slot -1) refilled before each replay,
+    # so the backend must plan for any mix of prefill and decode rows and read nothing from the host copies.
+    # max_query_len is then the token capacity.
+    captured_mixed: bool = False
 
 
 class AttentionBackend(abc.ABC):

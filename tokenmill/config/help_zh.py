@@ -106,7 +106,7 @@ GROUP_DOCS_EN = {
     "ParallelConfig": "How the model is spread over devices: tensor parallelism over local processes or torchrun; "
                       "pipeline and data parallelism are not supported yet.",
     "DeviceConfig": "Which device runs the model.",
-    "CompilationConfig": "CUDA graphs for decode steps (GPU only).",
+    "CompilationConfig": "CUDA graphs for decode steps and small mixed batches (GPU only).",
     "FrontendConfig": "The OpenAI-compatible HTTP server: socket, CORS, authentication, TLS, chat templates, tools "
                       "and logging.",
     "NotYetSupported": "vLLM options that tokenmill accepts only with their default value, so existing command "
@@ -200,7 +200,7 @@ GROUP_DOCS_ZH = {
     "LoadConfig": "权重从哪里读、以什么格式读。",
     "ParallelConfig": "模型如何分布到多个设备上：目前支持张量并行（本机多进程或 torchrun），流水线并行和数据并行尚未支持。",
     "DeviceConfig": "用哪种设备运行模型。",
-    "CompilationConfig": "解码步骤使用的 CUDA Graph（仅 GPU）。",
+    "CompilationConfig": "解码步骤与小型混合批使用的 CUDA Graph（仅 GPU）。",
     "FrontendConfig": "兼容 OpenAI 的 HTTP 服务：监听地址、跨域、鉴权、TLS、聊天模板、工具调用与日志。",
     "NotYetSupported": "tokenmill 还做不到的 vLLM 选项：为了让现有命令行能直接解析，这些选项可以写，但只能取默认值；"
                        "写成其他值会直接报错，而不是悄悄忽略。",
@@ -492,7 +492,10 @@ HELP_ZH: dict[str, str] = {
     "num_lookahead_slots": "推测解码用的前瞻槽位（vLLM 0.7 的选项）。",
     # NotYetSupported: compilation, kernels and whole-engine configs
     "cudagraph_capture_sizes": "为哪些解码批大小捕获 CUDA Graph（默认 1、2、4、8，之后按 8 或 16 递增到上限）。",
-    "max_cudagraph_capture_size": "捕获 CUDA Graph 的最大解码批大小（默认 min(max_num_seqs, 512)）。",
+    "max_cudagraph_capture_size": "捕获 CUDA Graph 的最大解码批大小（默认 min(max_num_seqs, 512)），也限制混合批图的词元容量。",
+    "cudagraph_mode": ("哪些批次重放 CUDA Graph。FULL_DECODE_ONLY：只有解码批；FULL、PIECEWISE、FULL_AND_PIECEWISE"
+                       "（默认，与 vLLM 相同）：解码批，以及含预填充分块、不超过 512 个词元的批（tokenmill 对这些批同样"
+                       "捕获包括注意力在内的整个前向）；NONE：不用图（同 enforce_eager）。"),
     "ir_op_priority": "vLLM IR 算子的优先级。",
     "enable_flashinfer_autotune": "为 FlashInfer 内核做自动调优。",
     "moe_backend": "MoE 专家计算使用的内核后端。",

@@ -92,15 +92,19 @@ class ModelRunner:
         self.cuda_graphs = None
         if self.use_cuda_graphs():
             from tokenmill.worker.cuda_graph import CudaGraphRunner
-            sizes = self.config.compilation_config.capture_sizes(self.max_num_reqs)
+            cc = self.config.compilation_config
+            sizes = cc.capture_sizes(self.max_num_reqs)
+            mixed = cc.mixed_capture_sizes(self.config.scheduler_config.max_num_batched_tokens, self.max_num_reqs)
             self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, sizes, self.max_model_len,
-                                               cdiv(self.max_model_len, self.block_size), self.device)
+                                               cdiv(self.max_model_len, self.block_size), self.device,
+                                               mixed_sizes=mixed)
             self.cuda_graphs.capture()
 
     def use_cuda_graphs(self) -> bool:
         """Graphs need a device, a backend without host-side planning per step, and enforce_eager off; pipeline
         stages run eagerly (the graphs capture a whole model's forward, not a stage's send/receive)."""
         return (self.device.type == "cuda" and not self.config.model_config.enforce_eager and self.link is None
+                and self.config.compilation_config.graphs_enabled
                 and getattr(self.backend_cls, "supports_cuda_graphs", False))
 
     @torch.inference_mode()
@@ -172,7 +176,21 @@ class ModelRunner:
         sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
         fixup = self._placeholder_fixup(input_ids, token_rows)
         prompt_lp: dict[str, LogprobsLists] = {}
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(len(rows), total):
+        mixed = None
+        if self.cuda_graphs is not None and total != len(rows) and not (
+                self.prompt_logprobs and any(r in self.prompt_logprobs for r in req_ids)):
+            mixed = self.cuda_graphs.mixed_size(len(rows), total)
+        if mixed is not None:
+            # Prefill chunks with (or without) decodes, small enough for a captured mixed batch.
+            TIMER.count("mixed_graph_steps")
+            self.cuda_graphs.load_mixed(mixed, input_ids, positions, slots, qsl, seq_lens,
+                                        b.block_table[rows, :max_blocks])
+            if fixup is not None:
+                self._apply_fixup(self.cuda_graphs.input_ids, fixup)
+            logits = self.cuda_graphs.replay_mixed(mixed, len(rows))
+            if len(sample_idx) != len(rows):
+                logits = logits[to_device(sample_idx, dev)]
+        elif self.cuda_graphs is not None and self.cuda_graphs.can_run(len(rows), total):
             # One token per request: the graph returns every row's logits (a 1-token chunk that does not end
             # its prompt samples nothing, so keep only the rows that do).
             TIMER.count("graph_steps")

@@ -22,7 +22,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged prefill + split-K decode kernels; bf16 / fp16 / fp32 caches and fp8 (e4m3, e5m2) caches with scales."""
 
     name = "TRITON"
-    supports_cuda_graphs = True  # pure-decode steps plan nothing on the host
+    supports_cuda_graphs = True  # pure-decode steps plan nothing on the host; captured mixed batches neither
     supports_prestored_kv = True  # forward(q, None, None, ...) when the K/V of the step are already in the cache
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
@@ -43,7 +43,11 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
         kc, vc = kv_cache[0], kv_cache[1]
         has_decode = True
-        if md.max_query_len > 1:
+        if md.captured_mixed:  # both kernels, each skipping the other's rows on the device
+            prefill_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
+                              num_tokens=t, skip_single=True, max_query_len=md.max_query_len,
+                              k_scale=k_scale, v_scale=v_scale)
+        elif md.max_query_len > 1:
             qsl = md.query_start_loc_cpu
             has_decode = bool((np.diff(qsl) == 1).any())
             prefill_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
