@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import time
 
 from tokenmill import envs
@@ -57,6 +58,7 @@ def install_gc_debug() -> None:
             return
         took = time.perf_counter() - started[0]
         if took >= threshold_s:
-            logger.info("gc: generation %d collection took %.1f ms (%d collected, %d uncollectable)",
-                        info["generation"], 1000 * took, info.get("collected", 0), info.get("uncollectable", 0))
+            logger.info("gc: generation %d collection took %.1f ms (%d collected, %d uncollectable; pid %d, %d "
+                        "objects tracked)", info["generation"], 1000 * took, info.get("collected", 0),
+                        info.get("uncollectable", 0), os.getpid(), len(gc.get_objects()))
     gc.callbacks.append(callback)

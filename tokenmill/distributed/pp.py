@@ -77,6 +77,16 @@ class StageLink:
         buf = torch.stack((tensors.hidden, tensors.residual)).contiguous()
         self._pending.append((dist.isend(buf, dst=self.next_rank, group=self.state.pp_group), buf))
 
+    def drain(self) -> None:
+        """Wait for the sends still in flight (before the groups are torn down: a gloo send dropped unfinished at
+        exit could abort the process)."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            try:
+                work.wait()
+            except Exception:  # a peer already gone: nothing left to deliver
+                pass
+
     def recv(self, num_tokens: int) -> IntermediateTensors:
         import torch.distributed as dist
         buf = torch.empty((2, num_tokens, self.hidden_size), dtype=self.dtype, device=self.device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 import traceback
 
 import msgspec
@@ -34,6 +35,18 @@ OUTPUTS, UTILITY_RESULT, FAILED, READY = b"O", b"R", b"F", b"Y"
 HELLO, NODE_HELLO, WELCOME, REJECT = b"H", b"N", b"W", b"J"
 _UTILITIES = {"reset_prefix_cache", "get_num_blocks"}
 HELLO_TIMEOUT_S = 300.0
+# After a SIGTERM, how long to keep serving while waiting for the process that started us to send SHUTDOWN.
+SIGTERM_GRACE_S = 60.0
+_sigterm_at: list[float] = []  # when this process got SIGTERM (set by the handler)
+
+
+def _on_sigterm(*_) -> None:
+    """A SIGTERM for the whole process group (systemd, `kill -- -PGID`, a container runtime) reaches the API server
+    and us at once. Exiting here would cut the server's graceful shutdown short (and make it report a dead engine),
+    so the engine keeps serving until the server sends SHUTDOWN; it leaves on its own only if the server is gone or
+    does not answer within SIGTERM_GRACE_S."""
+    if not _sigterm_at:
+        _sigterm_at.append(time.monotonic())
 
 
 class EngineCoreProc:
@@ -138,6 +151,10 @@ class EngineCoreProc:
         client_of_socket = self._client_of_socket
         slow_steps = SlowStepLog()
         while self.running:
+            if _sigterm_at and (os.getppid() != self.parent_pid
+                                or time.monotonic() - _sigterm_at[0] > SIGTERM_GRACE_S):
+                logger.warning("Engine core %d: SIGTERM and no shutdown from the server; exiting.", self.engine_index)
+                break
             busy = self.core.has_unfinished_requests()
             # Drain every pending message; block (briefly, to notice an orphaned process) only when idle.
             timeout = 0 if busy else 1000
@@ -200,7 +217,7 @@ def _hello(hs: zmq.Socket, engine_index: int, parent_pid: int) -> dict | None:
 def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: int) -> None:
     """Process entry point for data-parallel rank `engine_index`: handshake, build, announce, serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process that started us decides when we stop
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # while starting: nothing to drain yet
     ctx = zmq.Context()
     hs = ctx.socket(zmq.DEALER)
     hs.setsockopt(zmq.LINGER, 5000)  # READY / FAILED must reach the head even if we exit right after
@@ -222,6 +239,7 @@ def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: 
     freeze_gc_heap(f"engine core {engine_index}")
     proc.announce_ready()
     hs.send_multipart([READY, msgspec.msgpack.encode({"rank": engine_index, "num_blocks": proc.core.num_blocks})])
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         proc.run()
     except BaseException as e:

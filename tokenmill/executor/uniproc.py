@@ -61,13 +61,14 @@ class ExternalLauncherExecutor(UniProcExecutor):
         super().__init__(config)
         # Leave the process groups before the interpreter tears down: a gloo group left alive at exit can abort
         # the process while its peers disconnect.
-        self._finalizer = weakref.finalize(self, _leave_world, self.worker.parallel_state)
+        self._finalizer = weakref.finalize(self, _leave_world, self.worker.parallel_state,
+                                           getattr(self.worker.runner, "link", None))
 
     def shutdown(self) -> None:
         self._finalizer()
 
 
-def _leave_world(state) -> None:
+def _leave_world(state, link=None) -> None:
     """Every rank waits for the others before any tears its groups down, so none disconnects under a peer that is
     still using them (best effort: a dead peer makes the barrier fail, and we are leaving anyway)."""
     from tokenmill.distributed import destroy_distributed
@@ -76,6 +77,8 @@ def _leave_world(state) -> None:
         try:
             if dist.is_initialized():
                 dist.barrier(group=state.world_cpu_group)
+                if link is not None:  # every stage has received all it will: the sends are done or finishing
+                    link.drain()
         except Exception:
             pass
     destroy_distributed(state)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import threading
 
@@ -58,6 +59,10 @@ def run_worker(spec) -> int:
 
 
 def main() -> None:
+    # Ctrl-C or a SIGTERM for the whole process group reaches the workers too: rank 0 decides when they stop (it
+    # sends SHUTDOWN), and a worker whose engine is gone leaves by itself (_exit_when_parent_goes).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     death_fd = int(sys.argv[1])
     os.set_inheritable(death_fd, False)  # only this process may hold the pipe rank 0 watches
     stdin = sys.stdin.buffer

@@ -467,6 +467,9 @@ async def serve(engine: EngineClient, frontend: FrontendConfig, sockets: list | 
     serve on instead of binding host:port (several API server processes share one port that way)."""
     app = build_app(engine, frontend)
     server = _make_server(app, frontend)
+    # Imported now, not on the first constrained request: loading xgrammar blocked the event loop (every stream)
+    # for ~250 ms on the H200 host. Its objects are then frozen with the rest of start-up.
+    import tokenmill.structured.backend_xgrammar  # noqa: F401
     from tokenmill.gc_utils import freeze_gc_heap
     freeze_gc_heap("API server")
     logger.info("tokenmill %s serving %s on %s", tokenmill.__version__,
