@@ -252,3 +252,31 @@ def test_log_stats(tokenizer):
     assert s.num_generation_tokens == 3 and len(s.time_to_first_tokens_s) == 1
     assert s.finish_reasons == {"length": 1} and len(s.e2e_latencies_s) == 1
     assert OutputProcessor(tokenizer).process_outputs([]).iteration_stats is None
+
+
+@pytest.mark.parametrize("how", ["finish", "abort"])
+def test_finished_requests_are_freed_without_a_garbage_collection(tokenizer, how):
+    """A finished (or aborted) request leaves no reference cycle: its state goes as soon as the processor and the
+    caller drop it, not at the next full collection (on a busy server those walked thousands of leftovers)."""
+    import gc
+    import weakref
+
+    class Q(queue.SimpleQueue):
+        pass
+
+    op = OutputProcessor(tokenizer)
+    q = Q()
+    gone = weakref.ref(q)
+    add(op, tokenizer, n=2, q=q)
+    gc.disable()
+    try:
+        if how == "finish":
+            for child in ("0_req", "1_req"):
+                run(op, child, tokenizer.encode("one two"))
+        else:
+            op.abort_requests("req")
+        assert q.qsize() > 0 and op._parents == {} and op._seqs == {}
+        del q
+        assert gone() is None, "a reference cycle keeps the finished request alive"
+    finally:
+        gc.enable()

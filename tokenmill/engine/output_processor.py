@@ -211,6 +211,12 @@ class OutputProcessor:
             if stats is not None:
                 stats.e2e_latencies_s.append(now - parent.metrics.arrival_time)
         out = parent.make_output(changed)
+        if parent.finished:
+            # Break the parent <-> sequence cycle: otherwise a finished request (its detokenizer, queue, ...) lives
+            # on until a full garbage collection, which on a busy server walks thousands of such leftovers.
+            for seq in parent.seqs:
+                if seq is not None:
+                    seq.parent = None
         if out is None:
             return
         if parent.queue is not None:
