@@ -19,3 +19,11 @@ def test_mixed_capture_sizes_follow_mode_and_limits():
     assert CompilationConfig(max_cudagraph_capture_size=64).mixed_capture_sizes(8192, 256)[-1] == (64, 64)
     assert CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY").mixed_capture_sizes(8192, 256) == []
     assert not CompilationConfig(cudagraph_mode="NONE").graphs_enabled
+
+
+def test_graph_output_rows_count_every_captured_graph():
+    cc = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4, 8])
+    assert cc.graph_output_rows(8, 64) == (1 + 2 + 4 + 8) + (8 + 8 + 8)  # mixed: 16/32/64 tokens, 8 requests each
+    assert CompilationConfig(cudagraph_capture_sizes=[1, 2], cudagraph_mode="FULL_DECODE_ONLY").graph_output_rows(
+        8, 64) == 3
+    assert CompilationConfig(cudagraph_mode="NONE").graph_output_rows(256, 8192) == 0

@@ -42,6 +42,14 @@ class CompilationConfig:
     def graphs_enabled(self) -> bool:
         return self.cudagraph_mode != "NONE"
 
+    def graph_output_rows(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """Rows of logits the captured graphs keep, one [rows, vocab] output per graph (the worker leaves them out
+        of the KV budget)."""
+        if not self.graphs_enabled:
+            return 0
+        return (sum(self.capture_sizes(max_num_seqs))
+                + sum(r for _, r in self.mixed_capture_sizes(max_num_batched_tokens, max_num_seqs)))
+
     def mixed_capture_sizes(self, max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
         """(tokens, requests) capacities of the mixed-batch graphs; none in FULL_DECODE_ONLY mode."""
         from tokenmill.worker.cuda_graph import mixed_capture_sizes

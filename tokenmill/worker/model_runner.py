@@ -100,6 +100,14 @@ class ModelRunner:
                                                mixed_sizes=mixed)
             self.cuda_graphs.capture()
 
+    def cuda_graph_output_bytes(self) -> int:
+        """Device memory the CUDA graphs will keep for their logits (allocated after the KV cache is sized)."""
+        if not self.use_cuda_graphs():
+            return 0
+        rows = self.config.compilation_config.graph_output_rows(
+            self.max_num_reqs, self.config.scheduler_config.max_num_batched_tokens)
+        return rows * self.vocab_size * self.dtype.itemsize
+
     def use_cuda_graphs(self) -> bool:
         """Graphs need a device, a backend without host-side planning per step, and enforce_eager off; pipeline
         stages run eagerly (the graphs capture a whole model's forward, not a stage's send/receive)."""

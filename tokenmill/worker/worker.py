@@ -103,9 +103,10 @@ class Worker:
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
         non_torch = (total - free) - torch.cuda.memory_reserved()
-        available = total * cc.gpu_memory_utilization - peak - non_torch
-        logger.info("Memory: weights+activations peak %.2f GiB, other %.2f GiB, KV budget %.2f GiB",
-                    peak / GiB, non_torch / GiB, available / GiB)
+        graphs = self.runner.cuda_graph_output_bytes()
+        available = total * cc.gpu_memory_utilization - peak - non_torch - graphs
+        logger.info("Memory: weights+activations peak %.2f GiB, other %.2f GiB, CUDA graph logits %.2f GiB, "
+                    "KV budget %.2f GiB", peak / GiB, non_torch / GiB, graphs / GiB, available / GiB)
         return max(int(available // per_block), 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
