@@ -64,12 +64,15 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Replays captured decode graphs.
+    """Replays captured decode and mixed-batch graphs.
 
     Contract: a batch where every request computes exactly one token, with at most `max_size` requests, runs through
-    the graph of the smallest captured size that fits; padded rows have slot -1 and context length 0, so attention
-    skips them and nothing is written to the cache. Inputs are copied into persistent device buffers (the graphs
-    read only those), and the logits buffer of that size is returned sliced to the real batch.
+    the decode graph of the smallest captured size that fits (`can_run`, `load_inputs`, `replay`); padded rows have
+    slot -1 and context length 0, so attention skips them and nothing is written to the cache. Any other batch that
+    fits a mixed graph's token and request capacities (`mixed_size`) runs through it (`load_mixed`, `replay_mixed`),
+    laid out by `pad_mixed_inputs`; it returns the logits of each request's last token. Inputs are copied into
+    persistent device buffers (the graphs read only those), and the logits buffer of the graph is returned sliced
+    to the real batch, valid until the next replay.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], capture_sizes: list[int],
