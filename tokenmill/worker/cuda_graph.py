@@ -72,7 +72,7 @@ class CudaGraphRunner:
     fits a mixed graph's token and request capacities (`mixed_size`) runs through it (`load_mixed`, `replay_mixed`),
     laid out by `pad_mixed_inputs`; it returns the logits of each request's last token. Inputs are copied into
     persistent device buffers (the graphs read only those), and the logits buffer of the graph is returned sliced
-    to the real batch, valid until the next replay.
+    to the real batch (overwritten when that graph replays again).
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], capture_sizes: list[int],
