@@ -217,6 +217,7 @@ def _hello(hs: zmq.Socket, engine_index: int, parent_pid: int) -> dict | None:
 def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: int) -> None:
     """Process entry point for data-parallel rank `engine_index`: handshake, build, announce, serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process that started us decides when we stop
+    signal.signal(signal.SIGUSR1, lambda *_: os._exit(0))  # ...and says so with launcher.ENGINE_STOP_SIGNAL
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # while starting: nothing to drain yet
     ctx = zmq.Context()
     hs = ctx.socket(zmq.DEALER)

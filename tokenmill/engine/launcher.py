@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -129,11 +130,17 @@ def spawn_engine_cores(config, ranks: range, handshake: str, parent_pid: int) ->
     return procs
 
 
-def stop_processes(procs, timeout_s: float = 5.0) -> None:
-    """SIGTERM (engine cores exit at once on it), then SIGKILL whatever is left."""
+# "The process that started you says: exit now." Not SIGTERM: an engine core keeps serving through a SIGTERM sent
+# to the whole process group until the API server shuts it down (core_proc._on_sigterm).
+ENGINE_STOP_SIGNAL = signal.SIGUSR1
+
+
+def stop_processes(procs, timeout_s: float = 5.0, sig: int = ENGINE_STOP_SIGNAL) -> None:
+    """Send `sig` (engine cores exit at once on ENGINE_STOP_SIGNAL), then SIGKILL whatever is left."""
     for p in procs:
-        if p.is_alive():
-            p.terminate()
+        if p.is_alive() and p.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, sig)
     deadline = time.monotonic() + timeout_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))

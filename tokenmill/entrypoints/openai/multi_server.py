@@ -126,7 +126,7 @@ class APIServerSupervisor:
         deadline = time.monotonic() + self.frontend.shutdown_timeout + STOP_GRACE_S
         for p in alive:
             p.join(max(0.0, deadline - time.monotonic()))
-        stop_processes(alive, timeout_s=1.0)
+        stop_processes(alive, timeout_s=1.0, sig=signal.SIGTERM)
 
 
 def run_api_servers(engine_kwargs: dict[str, Any], frontend: FrontendConfig) -> int:
