@@ -42,14 +42,10 @@ class TritonAttentionBackend(AttentionBackend):
             store_kv(k[:t].view(t, hkv, d), v[:t].view(t, hkv, d), kv_cache, md.slot_mapping[:t], k_scale, v_scale)
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
         kc, vc = kv_cache[0], kv_cache[1]
-        has_decode = True
-        if md.captured_mixed:  # both kernels, each skipping the other's rows on the device
-            prefill_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
-                              num_tokens=t, skip_single=True, max_query_len=md.max_query_len,
-                              k_scale=k_scale, v_scale=v_scale)
-        elif md.max_query_len > 1:
-            qsl = md.query_start_loc_cpu
-            has_decode = bool((np.diff(qsl) == 1).any())
+        # A captured mixed batch runs both kernels, each skipping the other's rows on the device.
+        has_prefill = md.captured_mixed or md.max_query_len > 1
+        has_decode = md.captured_mixed or not has_prefill or bool((np.diff(md.query_start_loc_cpu) == 1).any())
+        if has_prefill:
             prefill_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
                               num_tokens=t, skip_single=has_decode, max_query_len=md.max_query_len,
                               k_scale=k_scale, v_scale=v_scale)
