@@ -172,7 +172,7 @@ class EngineCoreProc:
             if not self.running:
                 break
             if self.core.has_unfinished_requests():
-                self._send(slow_steps.run(self.core.step, lambda _: self.core.describe_last_batch()))
+                self._send(slow_steps.run(self.core.step, self.core.describe_last_batch))
                 self._stats_dirty = True
             elif self._stats_dirty:
                 # Going idle (or aborts freed blocks): publish a final snapshot so gauges return to zero.

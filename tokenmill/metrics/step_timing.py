@@ -61,7 +61,7 @@ class SlowStepLog:
             timer.enabled = True
 
     def run(self, step, describe=None):
-        """Return step(); if it took longer than the threshold, log it. describe(result) names the batch."""
+        """Return step(); if it took longer than the threshold, log it with describe() (the batch it ran)."""
         if self.threshold_s <= 0:
             return step()
         seconds, counts = dict(self.timer.seconds), dict(self.timer.counts)
@@ -73,7 +73,7 @@ class SlowStepLog:
                                for k, v in self.timer.seconds.items() if v - seconds.get(k, 0.0) > 5e-4)
             events = ", ".join(f"{k} x{n - counts.get(k, 0)}" for k, n in self.timer.counts.items()
                                if k not in self.timer.seconds and n != counts.get(k, 0))
-            what = describe(result) if describe is not None else ""
+            what = describe() if describe is not None else ""
             logger.warning("Slow step: %.1f ms (%s%s)%s", dt * 1000, phases, f"; {events}" if events else "",
                            f" {what}" if what else "")
         return result

@@ -149,6 +149,25 @@ class CudaGraphRunner:
                     "tokens)", len(self.sizes), self.max_size, len(self.mixed_token_sizes),
                     self.mixed_token_sizes[-1] if self.mixed_token_sizes else 0)
 
+    def load(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, query_start_loc: np.ndarray,
+             seq_lens: np.ndarray, block_table: np.ndarray, allow_mixed: bool = True) -> tuple[bool, int] | None:
+        """Load a batch into the smallest graph that holds it: a decode graph when every request computes one
+        token, else (with allow_mixed) a mixed graph. Returns the graph for `run` as (mixed, size), or None when
+        no graph fits (the batch runs eagerly)."""
+        num_reqs, num_tokens = len(seq_lens), len(input_ids)
+        if self.can_run(num_reqs, num_tokens):
+            return False, self.load_inputs(input_ids, positions, slots, seq_lens, block_table)
+        size = self.mixed_size(num_reqs, num_tokens) if allow_mixed else None
+        if size is None:
+            return None
+        self.load_mixed(size, input_ids, positions, slots, query_start_loc, seq_lens, block_table)
+        return True, size
+
+    def run(self, graph: tuple[bool, int], n: int) -> torch.Tensor:
+        """Replay a graph `load` returned; the logits of the batch's first n requests."""
+        mixed, size = graph
+        return self.replay_mixed(size, n) if mixed else self.replay(size, n)
+
     def can_run(self, num_reqs: int, num_tokens: int) -> bool:
         return num_tokens == num_reqs <= self.max_size and bool(self.graphs)
 

@@ -180,33 +180,23 @@ class ModelRunner:
         seq_lens = computed + n_sched
         qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         qsl[1:] = cu
-        max_blocks = int(cdiv(int(seq_lens.max()), self.block_size))
+        block_table = b.block_table[rows, :int(cdiv(int(seq_lens.max()), self.block_size))]
         sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
         fixup = self._placeholder_fixup(input_ids, token_rows)
         prompt_lp: dict[str, LogprobsLists] = {}
-        mixed = None
-        if self.cuda_graphs is not None and total != len(rows) and not (
-                self.prompt_logprobs and any(r in self.prompt_logprobs for r in req_ids)):
-            mixed = self.cuda_graphs.mixed_size(len(rows), total)
-        if mixed is not None:
-            # Prefill chunks with (or without) decodes, small enough for a captured mixed batch.
-            TIMER.count("mixed_graph_steps")
-            self.cuda_graphs.load_mixed(mixed, input_ids, positions, slots, qsl, seq_lens,
-                                        b.block_table[rows, :max_blocks])
+        graph = None
+        if self.cuda_graphs is not None:
+            # Prompt logprobs need every token's hidden state; a mixed graph returns only each request's last.
+            wants_prompt_lp = bool(self.prompt_logprobs) and any(r in self.prompt_logprobs for r in req_ids)
+            graph = self.cuda_graphs.load(input_ids, positions, slots, qsl, seq_lens, block_table,
+                                          allow_mixed=not wants_prompt_lp)
+        if graph is not None:
+            # The graph returns the logits of every request's last token (a chunk that does not end its prompt
+            # samples nothing, so keep only the rows that do).
+            TIMER.count("mixed_graph_steps" if graph[0] else "graph_steps")
             if fixup is not None:
                 self._apply_fixup(self.cuda_graphs.input_ids, fixup)
-            logits = self.cuda_graphs.replay_mixed(mixed, len(rows))
-            if len(sample_idx) != len(rows):
-                logits = logits[to_device(sample_idx, dev)]
-        elif self.cuda_graphs is not None and self.cuda_graphs.can_run(len(rows), total):
-            # One token per request: the graph returns every row's logits (a 1-token chunk that does not end
-            # its prompt samples nothing, so keep only the rows that do).
-            TIMER.count("graph_steps")
-            size = self.cuda_graphs.load_inputs(input_ids, positions, slots, seq_lens,
-                                                b.block_table[rows, :max_blocks])
-            if fixup is not None:
-                self._apply_fixup(self.cuda_graphs.input_ids, fixup)
-            logits = self.cuda_graphs.replay(size, len(rows))
+            logits = self.cuda_graphs.run(graph, len(rows))
             if len(sample_idx) != len(rows):
                 logits = logits[to_device(sample_idx, dev)]
         else:
@@ -215,7 +205,7 @@ class ModelRunner:
                 num_actual_tokens=total, slot_mapping=to_device(slots, dev),
                 query_start_loc=to_device(qsl.astype(np.int32), dev),
                 seq_lens=to_device(seq_lens.astype(np.int32), dev),
-                block_table=to_device(b.block_table[rows, :max_blocks], dev),
+                block_table=to_device(block_table, dev),
                 max_query_len=int(n_sched.max()), max_seq_len=int(seq_lens.max()),
                 query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
             ids_t = to_device(input_ids, dev)
