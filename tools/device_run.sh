@@ -12,6 +12,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 mode=${1:-check}
 bench() { echo "=== $*"; python3 -m tokenmill.benchmarks."$@" 2>&1 | grep -vE "Processed prompts|^INFO .*(Loaded|Captured)"; }
+tp2_test() {  # tp2_test DUMP_AFTER_S LIMIT_S: the TP=2 GPU equality test; py-spy dumps to tp2.txt if it stalls
+  echo "=== tp2 equality"
+  (sleep "$1"; for p in $(pgrep -f "pytest|worker_proc"); do echo "--- $p"; /tmp/site/bin/py-spy dump --pid $p 2>&1 \
+     | head -30; done > "$OUT/tp2.txt") &
+  timeout "$2" python3 -m pytest -q -p no:cacheprovider --tb=short \
+    "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" > "$OUT/tp2_pytest.txt" 2>&1
+  echo "pytest exit $?"; tail -5 "$OUT/tp2_pytest.txt"
+}
 case "$mode" in
   check+bench-small)
     "$0" check; "$0" bench-small
@@ -136,12 +144,7 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
   s4a)  # on nvidia-h200-x2, session 4: issue 5's bench with stall diagnostics; the TP=2 test after the abort fix
     echo "=== structured outputs serve bench (diagnostics on)"
     SO_DIAG=1 SO_NOISE_RUN=0 timeout 260 bash tools/device_so_bench.sh 2>&1 | tail -110
-    echo "=== tp2 equality"
-    (sleep 170; for p in $(pgrep -f "pytest|worker_proc"); do echo "--- $p"; /tmp/site/bin/py-spy dump --pid $p 2>&1 \
-       | head -30; done > "$OUT/tp2.txt") &
-    timeout 200 python3 -m pytest -q -p no:cacheprovider --tb=short \
-      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" > "$OUT/tp2_pytest.txt" 2>&1
-    echo "pytest exit $?"; tail -5 "$OUT/tp2_pytest.txt"
+    tp2_test 170 200
     ;;
   s4b)  # on nvidia-h200-x2: issue 5's bench with diagnostics and py-spy summaries; the TP=2 test (NCCL world forgotten)
     SO_DIAG=1 SO_PYSPY=1 SO_NOISE_RUN=0 timeout 270 bash tools/device_so_bench.sh > "$OUT/so_bench.txt" 2>&1
@@ -151,12 +154,7 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       rm -f "$OUT/spy_$r.txt"
     done
     grep -E "^===|acceptance|slowdown|Triton|_kernel|^[0-9]+$" "$OUT/so_bench.txt" | head -30
-    echo "=== tp2 equality"
-    (sleep 150; for p in $(pgrep -f "pytest|worker_proc"); do echo "--- $p"; /tmp/site/bin/py-spy dump --pid $p 2>&1 \
-       | head -30; done > "$OUT/tp2.txt") &
-    timeout 180 python3 -m pytest -q -p no:cacheprovider --tb=short \
-      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" > "$OUT/tp2_pytest.txt" 2>&1
-    echo "pytest exit $?"; tail -5 "$OUT/tp2_pytest.txt"
+    tp2_test 150 180
     ;;
   s4c)  # on nvidia-h200-x2: GPU tests (mixed-batch graphs), then issue 5's bench with diagnostics
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short -x tests/gpu/test_gpu_e2e.py \
