@@ -53,12 +53,15 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     "CUDA_VISIBLE_DEVICES": _str("CUDA_VISIBLE_DEVICES", None),
     # NCCL's NVLink multicast switch; tokenmill sets it to 0 for its ranks unless the user set it.
     "NCCL_NVLS_ENABLE": _str("NCCL_NVLS_ENABLE", None),
+    # torch symmetric memory's NVLink multicast switch; tokenmill sets it to 1 (off) unless the user set it.
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": _str("TORCH_SYMM_MEM_DISABLE_MULTICAST", None),
     # prometheus_client's multiprocess directory; set by tokenmill when several API server processes share the
     # metrics (--api-server-count > 1).
     "PROMETHEUS_MULTIPROC_DIR": _str("PROMETHEUS_MULTIPROC_DIR", None),
 }
 
 NCCL_NVLS_ENABLE_NAME = "NCCL_NVLS_ENABLE"
+TORCH_SYMM_MEM_DISABLE_MULTICAST_NAME = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 
 def __getattr__(name: str) -> Any:

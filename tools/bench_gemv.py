@@ -49,6 +49,17 @@ SHAPES = [
     ("l3.qkv", 4096, 6144, None), ("l3.o", 4096, 4096, None), ("l3.gate_up", 4096, 28672, None),
     ("l3.down", 14336, 4096, None), ("l3.down+silu", 14336, 4096, "silu"), ("l3.lm_head", 4096, 128256, None),
 ]
+# --shapes picks sets: "default" (above), "llama8b" (Llama-3-8B's fused-prologue products), "llama8b-tp2" (one rank's
+# share of Llama-3-8B at tensor_parallel_size 2: qkv/gate_up column shards, o/down row shards, half the vocabulary).
+SHAPE_SETS = {
+    "default": SHAPES,
+    "llama8b": [("l3.qkv+norm", 4096, 6144, "norm"), ("l3.gate_up+norm", 4096, 28672, "norm")],
+    "llama8b-tp2": [
+        ("l3tp2.qkv", 4096, 3072, None), ("l3tp2.qkv+norm", 4096, 3072, "norm"), ("l3tp2.o", 2048, 4096, None),
+        ("l3tp2.gate_up", 4096, 14336, None), ("l3tp2.gate_up+norm", 4096, 14336, "norm"),
+        ("l3tp2.down", 7168, 4096, None), ("l3tp2.down+silu", 7168, 4096, "silu"),
+        ("l3tp2.lm_head", 4096, 64128, None)],
+}
 DOT_BASES = [(32, 128, 4, 3), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 5), (64, 256, 4, 3),
              (64, 256, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 64, 8, 4)]
 FMA_BASES = [(16, 128, 4, 1), (32, 128, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1)]
@@ -262,7 +273,14 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer sweep configs")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    ap.add_argument("--shapes", default="default", help=f"comma-separated sets of {sorted(SHAPE_SETS)}")
+    ap.add_argument("--ms", default=None, help="comma-separated row counts M (default 1,2,4,8)")
+    ap.add_argument("--no-rope", action="store_true", help="skip the fused q/k-norm + RoPE benchmark")
     args = ap.parse_args()
+    global SHAPES, MS
+    if not SMOKE:
+        SHAPES = [s for name in args.shapes.split(",") for s in SHAPE_SETS[name]]
+        MS = tuple(int(m) for m in args.ms.split(",")) if args.ms else MS
     torch.manual_seed(0)
     t0 = time.time()
     name, sms = ("CPU smoke run", 132) if SMOKE else (torch.cuda.get_device_name(), _num_sms(0))
@@ -304,7 +322,8 @@ def main() -> None:
             print(f"{label:<16}{f'{k}->{n}':>13}{m:>3}{tt:>10.2f}{p.bytes / tt / 1e3:>7.0f}{tg:>9.2f}"
                   f"{p.bytes / tg / 1e3:>7.0f}{tt / tg:>6.2f}{err:>9.1e}{err_t:>9.1e}  {_fmt(cfg)}")
             best_rows.append([p, tt, tg, cfg])
-    bench_rope()
+    if not args.no_rope:
+        bench_rope()
     if args.no_sweep:
         return
     print(f"\n== sweep (budget {args.budget:.0f}s): best config per shape and M")

@@ -163,6 +163,27 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     SO_DIAG=1 SO_NOISE_RUN=0 timeout 250 bash tools/device_so_bench.sh > "$OUT/so_bench.txt" 2>&1
     grep -E "^=== (fair|summary)|acceptance|slowdown|_kernel|Captured|^[0-9]+$" "$OUT/so_bench.txt" | head -20
     ;;
+  s5a)  # on nvidia-h200-x2: GPU tests (folded graph path, symmetric all-reduce), TP=2 equality, all-reduce
+        # latency, Llama-3-8B bs1 TP=1 / TP=2 / TP=2 with NCCL only
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short -x tests/gpu/test_gpu_e2e.py \
+      tests/kernels/test_triton_attention.py tests/distributed/test_symm_all_reduce.py > "$OUT/gpu_pytest.txt" 2>&1
+    echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -8
+    tp2_test 60 80
+    echo "=== all-reduce latency"; timeout 50 python3 tools/bench_all_reduce.py 2>&1 | grep -vE "^(INFO|W[0-9])" | tail -12
+    for v in "1" "2" "2 --disable-custom-all-reduce"; do
+      echo "=== llama-3-8b bs1 -tp $v"
+      timeout 85 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $v --batch-size 1 --input-len 128 \
+        --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 \
+        --output-json "$OUT/lat_llama8b_tp${v// /_}.json" 2>&1 | grep -E "^Avg|decode|Error|error|symmetric" | head -8
+    done
+    ;;
+  s5b)  # PDL probe, gemv sweep for Llama-3-8B's fused and TP=2 shapes, where the throughput workload's GPU time goes
+    echo "=== probe_pdl"; timeout 60 python3 tools/probe_pdl.py 2>&1 | tail -8
+    echo "=== bench_gemv"; timeout 240 python3 tools/bench_gemv.py --shapes llama8b,llama8b-tp2 --ms 1 --no-rope \
+      --budget 110 > "$OUT/bench_gemv.txt" 2>&1; echo "exit $?"; grep -vE "^#   " "$OUT/bench_gemv.txt" | tail -40
+    echo "=== profile_throughput"; timeout 150 python3 tools/profile_throughput.py qwen3-0.6b 2>&1 \
+      | grep -vE "^(INFO|WARNING)" | tail -24
+    ;;
   next4)  # on nvidia-h200-x2: Llama-3-8B TP=1 vs TP=2, bs1 latency and the nano-vllm throughput workload
     for tp in 1 2; do
       timeout 100 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $tp --batch-size 1 --input-len 128 \

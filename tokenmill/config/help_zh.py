@@ -306,7 +306,8 @@ HELP_ZH: dict[str, str] = {
                                     "ray（其余各 rank 作为 Ray 集群的 actor 运行，可跨多台机器；需先 "
                                     "pip install 'tokenmill[ray]'）、external_launcher（由 torchrun 启动，每个进程各跑"
                                     "一个引擎）。",
-    "disable_custom_all_reduce": "只用 torch 的 NCCL all-reduce（tokenmill 没有自定义 all-reduce，始终走这条路径）。",
+    "disable_custom_all_reduce": "张量并行的 all-reduce 全部走 NCCL。默认在 CUDA 上，小的 all-reduce（decode 批次）"
+                                 "走基于 torch 对称内存的一次性（one-shot）all-reduce（点对点，不用 NVLink multicast）。",
     "nnodes": "mp 后端多机推理的节点数（简写 -n）。目前只支持 1；多机请用 torchrun 加 external_launcher，"
               "或在 Ray 集群上用 ray 后端（由 Ray 决定各 rank 放在哪台机器，不要再给 --nnodes）。",
     "node_rank": "mp 后端多机推理时本节点的序号（简写 -r）。",

@@ -35,7 +35,8 @@ class ParallelConfig:
                    "pip install 'tokenmill[ray]'), external_launcher (one engine per torchrun process).",
         choices=("uni", "mp", "ray", "external_launcher"))
     disable_custom_all_reduce: bool = config_field(
-        False, help="Use torch's NCCL all-reduce only (tokenmill has no custom all-reduce: that is always the path).")
+        False, help="Use NCCL for every tensor-parallel all-reduce. By default small ones (decode batches) on CUDA "
+                    "use a one-shot all-reduce over torch symmetric memory (peer-to-peer, NVLink multicast off).")
     enable_expert_parallel: bool = config_field(False, help="Expert parallelism for MoE layers.")
     nnodes: int = config_field(1, help="Number of nodes of a multi-node mp run (only 1 is supported yet).")
     node_rank: int = config_field(0, help="Rank of this node in a multi-node mp run.")

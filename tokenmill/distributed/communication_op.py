@@ -11,10 +11,14 @@ from tokenmill.distributed.parallel_state import ParallelState, get_parallel_sta
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor, state: ParallelState | None = None) -> torch.Tensor:
-    """Sum `x` over the TP group, in place; returns `x`."""
+    """The sum of `x` over the TP group: a new tensor from the one-shot kernel for small CUDA tensors (see
+    symm_all_reduce.py), otherwise `x` itself, summed in place by NCCL / gloo. Use the return value."""
     st = state or get_parallel_state()
     if st.tp_size == 1:
         return x
+    fast = st.tp_fast_all_reduce
+    if fast is not None and fast.can_reduce(x):
+        return fast.reduce(x)
     import torch.distributed as dist
     dist.all_reduce(x, group=st.tp_group)
     return x

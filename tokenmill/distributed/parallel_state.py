@@ -42,6 +42,7 @@ class ParallelState:
     pp_cpu_group: Any = None
     world_cpu_group: Any = None  # gloo group over every rank
     owns_world: bool = False     # we called init_process_group (so we destroy it), vs. joined the caller's world
+    tp_fast_all_reduce: Any = None  # SymmetricAllReduce for small TP all-reduces on CUDA, None: NCCL only
 
 
 _SINGLE = ParallelState()
@@ -128,6 +129,7 @@ def init_distributed(world_size: int, rank: int, local_rank: int, *, tp_size: in
             # NVLink multicast (NVLS) stays off, as the device rules require; a user's explicit setting wins.
             from tokenmill import envs
             os.environ.setdefault(envs.NCCL_NVLS_ENABLE_NAME, "0")
+            os.environ.setdefault(envs.TORCH_SYMM_MEM_DISABLE_MULTICAST_NAME, "1")
         kwargs: dict[str, Any] = dict(backend=backend, init_method=init_method, world_size=world_size, rank=rank)
         if timeout is not None:
             kwargs["timeout"] = timeout

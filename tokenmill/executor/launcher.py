@@ -117,6 +117,8 @@ class LocalProcessLauncher(WorkerLauncher):
         env = dict(os.environ)
         if envs.NCCL_NVLS_ENABLE is None:
             env[envs.NCCL_NVLS_ENABLE_NAME] = "0"  # NVLink multicast stays off unless the user chose otherwise
+        if envs.TORCH_SYMM_MEM_DISABLE_MULTICAST is None:
+            env[envs.TORCH_SYMM_MEM_DISABLE_MULTICAST_NAME] = "1"
         # The child must import this very tokenmill, wherever the parent found it.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

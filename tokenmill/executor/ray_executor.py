@@ -187,7 +187,9 @@ class RayExecutor(Executor):
             raise RuntimeError("This process already belongs to a torch.distributed world (another engine with "
                                "tensor parallelism?); one such engine can run per process at a time.")
         group.pg = reserve_bundles(ray, self.world_size, bundle, driver_ip, timeout_s)
-        env = {envs.NCCL_NVLS_ENABLE_NAME: envs.NCCL_NVLS_ENABLE or "0"}  # NVLink multicast off unless user set it
+        # NVLink multicast off unless the user set it
+        env = {envs.NCCL_NVLS_ENABLE_NAME: envs.NCCL_NVLS_ENABLE or "0",
+               envs.TORCH_SYMM_MEM_DISABLE_MULTICAST_NAME: envs.TORCH_SYMM_MEM_DISABLE_MULTICAST or "1"}
 
         def actor(bundle_index: int):
             return RayWorkerActor.options(

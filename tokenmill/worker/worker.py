@@ -48,6 +48,10 @@ class Worker:
                 device=self.device, init_method=distributed_init_method or "env://",
                 timeout_s=pc.distributed_timeout_seconds,
                 adopt_existing=pc.distributed_executor_backend == "external_launcher")
+            ps = self.parallel_state
+            if ps.tp_size > 1 and self.device.type == "cuda" and not pc.disable_custom_all_reduce:
+                from tokenmill.distributed.symm_all_reduce import enable_symmetric_all_reduce
+                ps.tp_fast_all_reduce = enable_symmetric_all_reduce(ps.tp_group, ps.tp_cpu_group, self.device)
         torch.manual_seed(config.model_config.seed)
         self.runner = ModelRunner(config, self.device)
         ps = self.parallel_state
