@@ -184,6 +184,20 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     echo "=== profile_throughput"; timeout 150 python3 tools/profile_throughput.py qwen3-0.6b 2>&1 \
       | grep -vE "^(INFO|WARNING)" | tail -24
     ;;
+  s5c)  # on nvidia-h200-x2: Qwen3 throughput profile (+ split and fp8 variants), Llama-3-8B TP=1 vs TP=2
+    export TRITON_CACHE_DIR=/tmp/tc5; rm -rf $TRITON_CACHE_DIR
+    flt() { grep -vE "^(INFO|WARNING)|UserWarning|_warn_once"; }
+    echo "=== qwen3 throughput profile"; timeout 120 python3 tools/profile_throughput.py qwen3-0.6b 2>&1 | flt | tail -42
+    echo "=== min-splits 4"; timeout 70 python3 tools/profile_throughput.py qwen3-0.6b --no-profile --min-splits 4 \
+      2>&1 | grep -E "output tok/s|decode +(128|256):"
+    echo "=== fp8 kv"; timeout 80 python3 tools/profile_throughput.py qwen3-0.6b --no-profile kv_cache_dtype=fp8 \
+      2>&1 | grep -E "output tok/s|decode +(128|256):|Error"
+    for tp in 1 2; do
+      echo "=== llama-3-8b tp=$tp"; timeout 150 python3 tools/tp_compare.py run $tp "$OUT/tp$tp.json" 2>&1 \
+        | grep -E "^TP=|Error|error" | head -5
+    done
+    python3 tools/tp_compare.py compare "$OUT/tp1.json" "$OUT/tp2.json"
+    ;;
   next4)  # on nvidia-h200-x2: Llama-3-8B TP=1 vs TP=2, bs1 latency and the nano-vllm throughput workload
     for tp in 1 2; do
       timeout 100 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $tp --batch-size 1 --input-len 128 \

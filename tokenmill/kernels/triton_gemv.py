@@ -202,6 +202,11 @@ MEASURED_FASTER: dict[tuple[int, int, int, str | None], tuple[GemvConfig, float,
     (4, 4096, 4096, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 13.31, 11.88),
     (8, 4096, 4096, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 13.3, 12.17),
     (1, 28672, 4096, None): (GemvConfig(64, 256, 1, 4, 3, use_dot=True), 59.54, 55.49),
+    # One rank of Llama-3-8B at tensor_parallel_size 2 (`bench_gemv.py --shapes llama8b-tp2 --ms 1`, session 5).
+    (1, 3072, 4096, 'rmsnorm'): (GemvConfig(32, 128, 6, 4, 1, use_dot=False), 13.77, 12.08),
+    (1, 3072, 4096, None): (GemvConfig(64, 128, 6, 4, 3, use_dot=True), 11.72, 10.38),
+    (1, 4096, 7168, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 20.00, 17.76),
+    (1, 64128, 4096, None): (GemvConfig(64, 128, 1, 4, 5, use_dot=True), 124.24, 118.89),
 }
 # (M bucket, N, K) -> GemvConfig overrides of the heuristic.
 TUNED: dict[tuple[int, int, int], GemvConfig] = {(m, n, k): cfg for (m, n, k, _), (cfg, _, _) in
