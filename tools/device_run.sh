@@ -198,6 +198,17 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     done
     python3 tools/tp_compare.py compare "$OUT/tp1.json" "$OUT/tp2.json"
     ;;
+  s5d)  # host-side profiles: Qwen3 throughput and batch-1 (cProfile, sync debug), then clean timings
+    export TRITON_CACHE_DIR=/tmp/tc5; rm -rf $TRITON_CACHE_DIR
+    flt() { grep -vE "^(INFO|WARNING)|UserWarning|_warn_once|^\s*$"; }
+    echo "=== qwen3 throughput, clean"; timeout 80 python3 tools/profile_throughput.py qwen3-0.6b --no-profile 2>&1 \
+      | flt | grep -vE "^  (grammar|eager|graph)" | head -30
+    echo "=== qwen3 throughput, cProfile + sync debug"; timeout 100 python3 tools/profile_throughput.py qwen3-0.6b \
+      --no-profile --cprofile --sync-debug 2>&1 | flt | grep -vE "^  (decode|prefill) |Step timing|^  [a-z_]+ +[0-9.]+ ms" | head -60
+    echo "=== qwen3 bs1, cProfile"; timeout 80 python3 tools/profile_throughput.py qwen3-0.6b --bs1 --no-profile \
+      --cprofile 2>&1 | flt | head -50
+    echo "=== qwen3 bs1, clean"; timeout 60 python3 tools/profile_throughput.py qwen3-0.6b --bs1 2>&1 | flt | head -30
+    ;;
   next4)  # on nvidia-h200-x2: Llama-3-8B TP=1 vs TP=2, bs1 latency and the nano-vllm throughput workload
     for tp in 1 2; do
       timeout 100 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $tp --batch-size 1 --input-len 128 \

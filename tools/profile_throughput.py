@@ -4,7 +4,11 @@
    then the Triton kernels compiled during it (a fresh TRITON_CACHE_DIR, so every compile leaves a file).
 2. Unless --no-profile: a second run under torch.profiler (CUDA activity only, kernels inside CUDA graphs included):
    the kernels by total time and the GPU-busy share.
-Usage: python3 tools/profile_throughput.py MODEL [--no-profile] [--min-splits N] [key=value LLM kwargs ...]
+3. With --cprofile: the timed run under cProfile instead (host hot spots; the run itself is then slower), and
+   --sync-debug: a short run with torch's sync debug mode, listing the lines that made the host wait for the GPU.
+--bs1: one request of 128 in / 1500 out instead of the nano-vllm workload.
+Usage: python3 tools/profile_throughput.py MODEL [--bs1] [--no-profile] [--cprofile] [--sync-debug] [--min-splits N]
+       [key=value LLM kwargs ...]
 --min-splits N: decode attention uses at least min(N, max_seq_len / 256) context splits (an experiment)."""
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from tokenmill.metrics.step_timing import TIMER  # noqa: E402
 args = sys.argv[1:]
 name = args.pop(0) if args and "=" not in args[0] and not args[0].startswith("--") else "qwen3-0.6b"
 do_profile = "--no-profile" not in args
+do_cprofile = "--cprofile" in args
+sync_debug = "--sync-debug" in args
 min_splits = 0
 if "--min-splits" in args:
     min_splits = int(args[args.index("--min-splits") + 1])
@@ -50,10 +56,25 @@ llm = LLM(shipped_model_dir(name) or name, load_format="dummy", skip_tokenizer_i
           max_num_seqs=256, **extra)
 core = llm.llm_engine.engine_core
 vocab = llm.llm_engine.config.model_config.vocab_size
-prompts, out_lens = random_token_prompts(256, 562, 562, 0.82, vocab, seed=0)
+if "--bs1" in args:  # one request, 128 in / 1500 out: the batch-1 decode loop
+    prompts, out_lens = random_token_prompts(1, 128, 1500, 0.0, vocab, seed=0)
+else:
+    prompts, out_lens = random_token_prompts(256, 562, 562, 0.82, vocab, seed=0)
 params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in out_lens]
 reqs = [{"prompt_token_ids": p} for p in prompts]
 llm.generate(reqs[:2], params[:2], use_tqdm=False)
+if sync_debug:
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        llm.generate(reqs[:64], [SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)] * 64,
+                     use_tqdm=False)
+        torch.cuda.set_sync_debug_mode(0)
+    where = collections.Counter(f"{w.filename}:{w.lineno} {str(w.message)[:60]}" for w in caught)
+    print(f"synchronizing calls in a 64-request run ({sum(where.values())}):")
+    for k, n in where.most_common(15):
+        print(f"  {n:5d}  {k}")
 
 # Per-step wall time by kind of batch (the step that launches batch N also finishes batch N-1 under async
 # scheduling, so a step's wall time is the pace of the pipeline at that point).
@@ -79,10 +100,18 @@ core.step = timed_step
 TIMER.seconds.clear()
 TIMER.counts.clear()
 marker = time.time()
+if do_cprofile:
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
 t = time.perf_counter()
 llm.generate(reqs, params, use_tqdm=False)
 wall = time.perf_counter() - t
 core.step = _step
+if do_cprofile:
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(28)
 print(f"{name} {extra} min_splits={min_splits}: {sum(out_lens)} output tokens in {wall:.2f} s = "
       f"{sum(out_lens) / wall:,.0f} output tok/s")
 print(TIMER.report())

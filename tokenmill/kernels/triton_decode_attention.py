@@ -113,13 +113,22 @@ def _decode_stage2_kernel(
              mask=d_mask)
 
 
+MAX_SPLITS = 32
+
+
+def _splits_p2(num_splits: int) -> int:
+    """Stage 2's split axis: one width for every count up to MAX_SPLITS, so an eager step with a new split count
+    compiles nothing mid-run (CUDA-graph capture compiled it); the unused splits are masked loads."""
+    return MAX_SPLITS if num_splits <= MAX_SPLITS else triton.next_power_of_2(num_splits)
+
+
 @functools.lru_cache(maxsize=8)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                      block_n: int = 64, min_keys_per_split: int = 256, max_splits: int = 32) -> int:
+                      block_n: int = 64, min_keys_per_split: int = 256, max_splits: int = MAX_SPLITS) -> int:
     """A power of two: enough (row, kv head, split) programs to fill the GPU about twice, with each split at least
     `min_keys_per_split` keys long. Any value is correct (splits are recomputed from the live seq_len in the kernel);
     this only sets speed. For CUDA graphs pick it once per captured batch size."""
@@ -196,6 +205,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _decode_stage2_kernel[(num_rows, hq)](
             mid_o, mid_lse, out, query_start_loc, seq_lens, num_splits,
             out.stride(0), out.stride(1), sm[0], sm[1], sm[2],
-            BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2, SPLITS_P2=triton.next_power_of_2(num_splits),
+            BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2, SPLITS_P2=_splits_p2(num_splits),
             **common,
         )

@@ -95,16 +95,18 @@ def _attend_span(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
 
 
 # num_seqs and the block table's row stride change with every batch: specialising on them (== 1, % 16) compiled new
-# variants mid-run, each a ~1 s stall of the whole engine (seen in the structured-outputs serving bench).
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+# variants mid-run, each a ~1 s stall of the whole engine (seen in the structured-outputs serving bench). skip_single
+# is a runtime flag for the same reason: CUDA-graph capture compiles the kernel with it set (mixed batches), and a
+# constexpr made the first eager prefill of a run compile another variant (0.5 s of the H200 throughput bench).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "skip_single"])
 def _prefill_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-    num_seqs, qk_scale,
+    num_seqs, skip_single, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, SKIP_SINGLE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -125,9 +127,8 @@ def _prefill_attn_kernel(
     q0 = (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q
     if q0 >= q_len:
         return
-    if SKIP_SINGLE:
-        if q_len == 1:
-            return
+    if skip_single != 0 and q_len == 1:
+        return
     seq_len = tl.load(seq_lens_ptr + b)
     ctx = seq_len - q_len
 
@@ -207,11 +208,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (num_tokens // block_q + num_seqs, hkv)
     _prefill_attn_kernel[grid](
         q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, k_scale, v_scale,
-        num_seqs, scale * _LOG2E,
+        num_seqs, int(skip_single), scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         BLOCK_SIZE=k_cache.shape[1], G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD=d, HEAD_P2=triton.next_power_of_2(d), SKIP_SINGLE=skip_single, IEEE=ieee, FP8=fp8,
+        HEAD=d, HEAD_P2=triton.next_power_of_2(d), IEEE=ieee, FP8=fp8,
         num_warps=num_warps or cfg[2], num_stages=num_stages or cfg[3],
     )
