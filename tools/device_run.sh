@@ -209,6 +209,10 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       --cprofile 2>&1 | flt | head -50
     echo "=== qwen3 bs1, clean"; timeout 60 python3 tools/profile_throughput.py qwen3-0.6b --bs1 2>&1 | flt | head -30
     ;;
+  s5e)  # decode-attention launch configs for the throughput workload's ragged batches, bf16 and fp8 caches
+    echo "=== bf16"; timeout 200 python3 tools/tune_attention.py auto ragged 2>&1 | grep -vE "^(INFO|WARNING)"
+    echo "=== fp8"; timeout 200 python3 tools/tune_attention.py fp8 ragged 2>&1 | grep -vE "^(INFO|WARNING)"
+    ;;
   next4)  # on nvidia-h200-x2: Llama-3-8B TP=1 vs TP=2, bs1 latency and the nano-vllm throughput workload
     for tp in 1 2; do
       timeout 100 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $tp --batch-size 1 --input-len 128 \

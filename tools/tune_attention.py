@@ -1,5 +1,7 @@
 """Sweep Triton attention launch configs on the GPU and print the fastest per shape (with achieved KV bandwidth).
-Usage (on the device): python3 tools/tune_attention.py [auto|fp8|fp8_e5m2]   (the KV cache dtype; auto = bf16)"""
+Usage (on the device): python3 tools/tune_attention.py [auto|fp8|fp8_e5m2] [ragged]
+(the KV cache dtype; auto = bf16). ragged: only decode at batch 256 and 128 with context lengths uniform in 101..2044,
+the shape of the nano-vllm throughput workload's decode steps."""
 from __future__ import annotations
 
 import itertools
@@ -13,7 +15,7 @@ from tokenmill.kernels.triton_decode_attention import decode_attention, decode_c
 from tokenmill.kernels.triton_prefill_attention import prefill_attention
 
 dev, dt = torch.device("cuda"), torch.bfloat16
-KV_ARG = sys.argv[1] if len(sys.argv) > 1 else "auto"
+KV_ARG = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "ragged" else "auto"
 if KV_ARG not in ("auto", *FP8_KV_CACHE_DTYPES):
     sys.exit(f"unknown KV cache dtype {KV_ARG!r}; use auto, {', '.join(FP8_KV_CACHE_DTYPES)}")
 KV_DT = FP8_KV_CACHE_DTYPES.get(KV_ARG, dt)
@@ -30,17 +32,21 @@ def paged(batch: int, ctx: int):
     return kc, vc, bt
 
 
-def tune_decode(batch: int, ctx: int) -> None:
+def tune_decode(batch: int, ctx: int, ragged: bool = False) -> None:
     kc, vc, bt = paged(batch, ctx)
     q = torch.randn(batch, HQ, D, device=dev, dtype=dt)
     out = torch.empty_like(q)
     qsl = torch.arange(batch + 1, device=dev, dtype=torch.int32)
-    sl = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
-    kv_bytes = 2 * batch * ctx * HKV * D * KV_ELEM
+    if ragged:
+        sl = torch.randint(101, ctx + 1, (batch,), device=dev, dtype=torch.int32)
+    else:
+        sl = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    kv_bytes = 2 * int(sl.sum()) * HKV * D * KV_ELEM
     default = decode_num_splits(batch, HKV, ctx, dev)
     cfg = decode_config(D, HQ // HKV, dt, KV_ELEM == 1)
     results = []
-    for bn, w, st, sp in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3), sorted({1, 2, 4, 8, 16, default})):
+    splits = sorted({1, 2, default}) if ragged else sorted({1, 2, 4, 8, 16, default})
+    for bn, w, st, sp in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3), splits):
         try:
             ms = do_bench(lambda: decode_attention(q, kc, vc, out, qsl, sl, bt, D ** -0.5, num_splits=sp,
                                                    block_n=bn, num_warps=w, num_stages=st, **SCALES),
@@ -50,9 +56,9 @@ def tune_decode(batch: int, ctx: int) -> None:
         results.append((ms, bn, w, st, sp))
     results.sort()
     base = [r for r in results if (r[1], r[2], r[3], r[4]) == (*cfg, default)]
-    print(f"decode B={batch} ctx={ctx} kv={KV_DT}: default({cfg[0]},{cfg[1]},{cfg[2]},{default}) "
+    print(f"decode B={batch} ctx={'101..' if ragged else ''}{ctx} kv={KV_DT}: default({cfg[0]},{cfg[1]},{cfg[2]},{default}) "
           f"{base[0][0] * 1e3 if base else float('nan'):.1f}us; best:")
-    for ms, bn, w, st, sp in results[:4]:
+    for ms, bn, w, st, sp in results[:6]:
         print(f"   {ms * 1e3:8.1f}us  {kv_bytes / ms / 1e9:6.0f} GB/s  block_n={bn} warps={w} stages={st} splits={sp}")
 
 
@@ -79,6 +85,11 @@ def tune_prefill(batch: int, qlen: int, ctx: int) -> None:
         print(f"   {ms * 1e3:8.1f}us  {flops / ms / 1e9:6.0f} TFLOP/s  block_m={bm} block_n={bn} warps={w} stages={st}")
 
 
+if "ragged" in sys.argv[1:]:
+    torch.manual_seed(0)
+    for b in (256, 128):
+        tune_decode(b, 2044, ragged=True)
+    sys.exit(0)
 for b, c in ((1, 256), (1, 4096), (32, 1024), (256, 256), (256, 1024)):
     tune_decode(b, c)
 for b, ql, c in ((14, 562, 562), (4, 2048, 2048)):
