@@ -213,6 +213,23 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     echo "=== bf16"; timeout 200 python3 tools/tune_attention.py auto ragged 2>&1 | grep -vE "^(INFO|WARNING)"
     echo "=== fp8"; timeout 200 python3 tools/tune_attention.py fp8 ragged 2>&1 | grep -vE "^(INFO|WARNING)"
     ;;
+  s5f)  # on nvidia-h200-x2: session 5's final numbers (issue 4 and 6 tables in docs/benchmarks.md)
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_attention.py \
+      > "$OUT/attn_pytest.txt" 2>&1; echo "attention gpu pytest exit $?"; tail -2 "$OUT/attn_pytest.txt"
+    timeout 90 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+      --output-json "$OUT/tp_qwen3.json" 2>&1 | grep -E "Throughput|Error"
+    timeout 60 python3 -m tokenmill.benchmarks.latency --model qwen3-0.6b --batch-size 1 --input-len 128 \
+      --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json" \
+      2>&1 | grep -E "decode|Error"
+    timeout 80 python3 -m tokenmill.benchmarks.latency --model llama-3-8b --batch-size 1 --input-len 128 \
+      --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_llama8b.json" \
+      2>&1 | grep -E "decode|Error"
+    for tp in 1 2; do
+      timeout 130 python3 tools/tp_compare.py run $tp "$OUT/tp$tp.json" 2>&1 | grep -E "^TP=|Error|error" | head -5
+    done
+    python3 tools/tp_compare.py compare "$OUT/tp1.json" "$OUT/tp2.json"
+    ;;
   next4)  # on nvidia-h200-x2: Llama-3-8B TP=1 vs TP=2, bs1 latency and the nano-vllm throughput workload
     for tp in 1 2; do
       timeout 100 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $tp --batch-size 1 --input-len 128 \

@@ -43,7 +43,7 @@ def tune_decode(batch: int, ctx: int, ragged: bool = False) -> None:
         sl = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
     kv_bytes = 2 * int(sl.sum()) * HKV * D * KV_ELEM
     default = decode_num_splits(batch, HKV, ctx, dev)
-    cfg = decode_config(D, HQ // HKV, dt, KV_ELEM == 1)
+    cfg = decode_config(D, HQ // HKV, dt, KV_ELEM == 1, batch)
     results = []
     splits = sorted({1, 2, default}) if ragged else sorted({1, 2, 4, 8, 16, default})
     for bn, w, st, sp in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3), splits):
@@ -59,7 +59,7 @@ def tune_decode(batch: int, ctx: int, ragged: bool = False) -> None:
     print(f"decode B={batch} ctx={'101..' if ragged else ''}{ctx} kv={KV_DT}: default({cfg[0]},{cfg[1]},{cfg[2]},{default}) "
           f"{base[0][0] * 1e3 if base else float('nan'):.1f}us; best:")
     for ms, bn, w, st, sp in results[:6]:
-        print(f"   {ms * 1e3:8.1f}us  {kv_bytes / ms / 1e9:6.0f} GB/s  block_n={bn} warps={w} stages={st} splits={sp}")
+        print(f"   {ms * 1e3:8.1f}us  {kv_bytes / ms / 1e9:6.2f} TB/s  block_n={bn} warps={w} stages={st} splits={sp}")
 
 
 def tune_prefill(batch: int, qlen: int, ctx: int) -> None:

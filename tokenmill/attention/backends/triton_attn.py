@@ -53,7 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
             splits = self.decode_num_splits
             if splits is None:
                 splits = decode_num_splits(md.seq_lens.shape[0], hkv, md.max_seq_len, q.device,
-                                           block_n=decode_config(d, hq // hkv, q.dtype, fp8)[0])
+                                           block_n=decode_config(d, hq // hkv, q.dtype, fp8, md.seq_lens.shape[0])[0])
             decode_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
                              num_splits=splits, k_scale=k_scale, v_scale=v_scale)
         return out.view(t, hq * d)
