@@ -230,6 +230,12 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     done
     python3 tools/tp_compare.py compare "$OUT/tp1.json" "$OUT/tp2.json"
     ;;
+  s5g)  # A/B of the decode tiles on the throughput workload, alternating
+    for v in "" --small-decode-tiles "" --small-decode-tiles; do
+      timeout 60 python3 tools/profile_throughput.py qwen3-0.6b --no-profile $v 2>&1 | grep -E "output tok/s"
+      echo "  ($v)"
+    done
+    ;;
   next4)  # on nvidia-h200-x2: Llama-3-8B TP=1 vs TP=2, bs1 latency and the nano-vllm throughput workload
     for tp in 1 2; do
       timeout 100 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $tp --batch-size 1 --input-len 128 \

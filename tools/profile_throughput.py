@@ -41,6 +41,10 @@ for kv in args:
     if "=" in kv:
         k, v = kv.split("=", 1)
         extra[k] = int(v) if v.isdigit() else v
+if "--small-decode-tiles" in args:  # A/B: the 64-key decode tiles at every batch size (before session 5)
+    import tokenmill.kernels.triton_decode_attention as tda
+    _cfg = tda.decode_config
+    tda.decode_config = lambda h, g, dt, fp8=False, num_rows=1: _cfg(h, g, dt, fp8, 1)
 if min_splits:
     import triton
 
