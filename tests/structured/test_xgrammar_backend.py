@@ -462,6 +462,21 @@ def test_structural_tag(compiler):
     assert grammar.matcher.accept_string("hello") and grammar.is_completed()
 
 
+def test_structural_tag_json_strings_never_hold_raw_control_characters(compiler):
+    """The JSON inside a structural tag is as strict as a json schema's (length-bounded strings included)."""
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool>"],
+        "tags": [{"begin": "<tool>", "end": "</tool>", "content": {"type": "json_schema", "json_schema": {
+            "type": "object", "properties": {"a": {"type": "string", "maxLength": 5}}, "required": ["a"]}}}]}}
+    params = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    compiler.validate(params)
+    for bad in ("\t", "\x17"):
+        grammar = RequestGrammar(compiler.compile_sync(params))
+        assert not grammar.matcher.accept_string('x <tool>{"a": "b' + bad), repr(bad)
+    grammar = RequestGrammar(compiler.compile_sync(params))
+    assert grammar.matcher.accept_string('x <tool>{"a": "héllo"}</tool> y')
+
+
 # ----- params, response_format, config ------------------------------------------------------------------------------
 
 def test_params_exactly_one_constraint():

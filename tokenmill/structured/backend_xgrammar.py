@@ -130,9 +130,26 @@ _LOOSE_STRING_CHARS = '[^\\"\\\\\\r\\n]'
 _JSON_STRING_CHARS = '[^\\0-\\x1f\\"\\\\]'
 
 
+def _strict_strings(ebnf: str) -> str:
+    """xgrammar EBNF with every JSON string character class valid JSON."""
+    return ebnf.replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS)
+
+
 def _strict_json_ebnf(schema_text: str, fmt: dict[str, Any]) -> str:
     """The EBNF of xgrammar's grammar for a JSON schema, with every string character class valid JSON."""
-    return str(xgr.Grammar.from_json_schema(schema_text, **fmt)).replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS)
+    return _strict_strings(str(xgr.Grammar.from_json_schema(schema_text, **fmt)))
+
+
+def _structural_tag_grammar(text: str, compiler: xgr.GrammarCompiler | None):
+    """A structural tag's grammar, through its EBNF so that the JSON schemas inside get strict strings too. A tag
+    that names tokens needs the vocabulary: the compiler builds it directly (None without a compiler: unchecked)."""
+    try:
+        ebnf = _strict_strings(str(xgr.Grammar.from_structural_tag(text)))
+    except Exception as e:
+        if "tokenizer_info" not in str(e):
+            raise
+        return None if compiler is None else compiler.compile_structural_tag(text)
+    return xgr.Grammar.from_ebnf(ebnf) if compiler is None else compiler.compile_grammar(ebnf)
 
 
 def _choice_ebnf(choices: Sequence[str]) -> str:
@@ -192,15 +209,7 @@ def _build(params: StructuredOutputsParams, config: StructuredOutputsConfig, com
                 return xgr.Grammar.from_lark(params.grammar, tokenizer_info=tokenizer_info)
             return compiler.compile_lark(params.grammar)
         if kind == "structural_tag":
-            text = _structural_tag_text(params.structural_tag)
-            if compiler is not None:
-                return compiler.compile_structural_tag(text)
-            try:
-                return xgr.Grammar.from_structural_tag(text)
-            except Exception as e:
-                if "tokenizer_info" in str(e):
-                    return None  # names tokens: only a compiler (with the vocabulary) can check it
-                raise
+            return _structural_tag_grammar(_structural_tag_text(params.structural_tag), compiler)
     except Exception as e:  # xgrammar raises RuntimeError subclasses (and pydantic errors for structural tags)
         if type(e) is ValueError:  # ours, already worded for the user
             raise
