@@ -118,6 +118,26 @@ def test_prefix_hits_counted():
     assert st.prefix_cache_hits == 16 and st.prefix_cache_queries == 40
 
 
+def test_cache_salt_isolates_prefix_cache():
+    """Equal prompts share cached blocks only under equal salts (none counts as a salt of its own)."""
+    s = make_scheduler(max_tokens_step=64)
+
+    def hits(rid, salt):
+        r = req(rid, 20, max_tokens=1)
+        r.cache_salt = salt
+        s.add_request(r)
+        out = s.schedule()
+        n = out.scheduled_new_reqs[0].num_computed_tokens
+        s.update_from_output(out, ModelRunnerOutput(req_ids=[rid], sampled_token_ids=[[7]]))
+        run_all(s)
+        return n
+    assert hits("a", "tenant-1") == 0
+    assert hits("b", "tenant-2") == 0      # same prompt, other salt: a miss
+    assert hits("c", None) == 0            # unsalted requests do not see salted blocks
+    assert hits("d", "tenant-1") == 16     # same salt: the 4 full blocks are hits
+    assert hits("e", None) == 16
+
+
 def test_priority_policy_orders_waiting():
     s = make_scheduler(max_seqs=1, policy="priority")
     s.add_request(req("low", 4, priority=5, t=0.0))

@@ -1,7 +1,9 @@
 """Chained block hashes for automatic prefix caching.
 
 A full block's key is hash(parent block's key, the block's token ids). Chaining makes one key identify the whole
-prefix up to and including that block, so a lookup walks the request's keys until the first miss.
+prefix up to and including that block, so a lookup walks the request's keys until the first miss. A request's
+`cache_salt` goes into the root of its chain: requests share cached blocks only when their salts are equal (vLLM's
+`cache_salt`, which keeps one tenant from probing another's prompts through cache-hit timing).
 """
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ def hash_block(hash_fn: Callable[[bytes], bytes], parent: bytes | None, token_id
     return hash_fn((parent or _ROOT) + array("q", token_ids).tobytes())
 
 
+def salted_root(hash_fn: Callable[[bytes], bytes], salt: str | None) -> bytes | None:
+    """The parent of a request's first block: the shared root (None) without a salt."""
+    return None if salt is None else hash_fn(_ROOT + b"/salt/" + salt.encode("utf-8"))
+
+
 class BlockHasher:
     """Computes the keys of a request's blocks that became full since the last call."""
 
@@ -44,7 +51,7 @@ class BlockHasher:
         bs = self.block_size
         start = len(request.block_hashes)
         end = request.num_tokens // bs
-        parent = request.block_hashes[-1] if start else None
+        parent = request.block_hashes[-1] if start else salted_root(self.hash_fn, request.cache_salt)
         tokens = request.all_token_ids
         new = []
         for i in range(start, end):  # one iteration per *block* filled (at most one per decode step)

@@ -43,12 +43,13 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float, priority: int = 0, max_model_len: int | None = None,
-                 block_hasher: BlockHasher | None = None) -> None:
+                 block_hasher: BlockHasher | None = None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.priority = priority
+        self.cache_salt = cache_salt
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -78,7 +79,7 @@ class Request:
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int | None,
                                  block_hasher: BlockHasher | None) -> "Request":
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, req.priority,
-                   max_model_len, block_hasher)
+                   max_model_len, block_hasher, req.cache_salt)
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     arrival_time: float
     priority: int = 0
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries (see core/block_hash.py)
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

@@ -26,9 +26,17 @@ class Processor:
         self.num_blocks: int | None = None  # the KV cache's size, known once the engine core is up
 
     # ----- prompts -----
+    _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""
         if isinstance(prompt, dict):
+            unknown = sorted(k for k in prompt if k not in self._PROMPT_KEYS)
+            if unknown:
+                hint = (" tokenmill serves text-only models." if any("multi_modal" in k or "mm_" in k for k in unknown)
+                        else "")
+                raise ValueError(f"Unsupported prompt dict key(s) {unknown}; a prompt dict takes "
+                                 f"{list(self._PROMPT_KEYS)}.{hint}")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(list(prompt["prompt_token_ids"]))
             if "prompt" in prompt:
@@ -100,6 +108,9 @@ class Processor:
             raise ValueError("A request priority was given but scheduling_policy is 'fcfs'; use "
                              "scheduling_policy='priority'.")
         text, ids = self.tokenize_prompt(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}.")
         if params.truncate_prompt_tokens is not None:
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             ids = ids[-keep:]
@@ -118,7 +129,7 @@ class Processor:
             params.all_stop_token_ids.update(self.extra_eos_ids)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
-            return text, [EngineCoreRequest(request_id, ids, params, arrival, priority)]
+            return text, [EngineCoreRequest(request_id, ids, params, arrival, priority, salt)]
         children = []
         for i in range(params.n):
             child = params.clone()
@@ -126,5 +137,5 @@ class Processor:
             child._all_stop_token_ids = set(params.all_stop_token_ids)
             if params.seed is not None:
                 child.seed = params.seed + i  # distinct but reproducible samples
-            children.append(EngineCoreRequest(f"{i}_{request_id}", ids, child, arrival, priority))
+            children.append(EngineCoreRequest(f"{i}_{request_id}", ids, child, arrival, priority, salt))
         return text, children

@@ -179,6 +179,8 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "a", "stop_token_ids": [-1]}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "allowed_token_ids": [10 ** 8]}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "a", "priority": 5}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "cache_salt": ""}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "a", "cache_salt": 7}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tool_choice": "auto", "tools": []}, 400),
@@ -189,6 +191,26 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400),
 ]
+
+
+def test_cache_salt_isolates_prefix_cache(http):
+    """A salted prompt hits the prefix cache only under the same salt (seen in the usage's cached_tokens)."""
+    prompt = "Salted prompt: the quick brown fox jumps over the lazy dog, again and again. " * 4
+
+    def cached(salt, path="/v1/completions"):
+        body = {"model": MODEL, "max_tokens": 1, "cache_salt": salt}
+        if path == "/v1/completions":
+            body["prompt"] = prompt
+        else:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached("tenant-1") == 0
+    assert cached("tenant-2") == 0
+    assert cached("tenant-1") > 0
+    assert cached("tenant-3", "/v1/chat/completions") == 0
+    assert cached("tenant-3", "/v1/chat/completions") > 0
 
 
 @pytest.mark.parametrize("path,body,status", BAD)

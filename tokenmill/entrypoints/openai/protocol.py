@@ -142,6 +142,8 @@ class _SamplingRequest(OpenAIBaseModel):
     user: Optional[str] = None
     priority: int = 0
     request_id: Optional[str] = None
+    # Requests share prefix-cache entries only with requests of the same salt (multi-tenant isolation).
+    cache_salt: Optional[str] = None
     return_tokens_as_token_ids: Optional[bool] = None
     return_token_ids: bool = False
     response_format: Optional[ResponseFormat] = None
@@ -158,13 +160,12 @@ class _SamplingRequest(OpenAIBaseModel):
     length_penalty: float = 1.0
     logits_processors: Optional[Any] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
-    cache_salt: Optional[str] = None
     vllm_xargs: Optional[dict[str, Any]] = None
     mm_processor_kwargs: Optional[dict[str, Any]] = None
 
     _NOT_YET: ClassVar[tuple[tuple[str, Any], ...]] = (
         ("use_beam_search", False), ("length_penalty", 1.0), ("logits_processors", None),
-        ("kv_transfer_params", None), ("cache_salt", None), ("vllm_xargs", None), ("mm_processor_kwargs", None))
+        ("kv_transfer_params", None), ("vllm_xargs", None), ("mm_processor_kwargs", None))
 
     def unsupported_fields(self) -> list[str]:
         """Names of fields set to something tokenmill cannot honour yet (each one makes the request a 400)."""

@@ -136,7 +136,7 @@ class OpenAIServingChat(OpenAIServing):
             params._grammar_after_token_id = parsing.reasoning.end_token_id()
         if parsing.tools is not None and parsing.tools.needs_special_tokens:
             params.skip_special_tokens = False  # the call markers are special tokens
-        gen = self.start(engine_id, prompt, ids, params, request.priority)
+        gen = self.start(engine_id, prompt, ids, params, request.priority, request.cache_salt)
         created = int(time.time())
         if request.stream:
             streams = await prime_all([gen])

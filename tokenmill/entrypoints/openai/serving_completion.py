@@ -36,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self.sampling_params(request, len(ids), request.max_tokens, request.logprobs, prompt_logprobs,
                                           request.stream)
             engine_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            gens.append(self.start(engine_id, text, ids, params, request.priority))
+            gens.append(self.start(engine_id, text, ids, params, request.priority, request.cache_salt))
         created = int(time.time())
         if request.stream:
             streams = await prime_all(gens)

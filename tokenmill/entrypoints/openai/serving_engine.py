@@ -323,11 +323,13 @@ class OpenAIServing:
 
     # ----- generation -----
     def start(self, engine_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
-              priority: int) -> AsyncIterator[RequestOutput]:
+              priority: int, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's stream for one prompt, tracked while it runs."""
         engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if prompt is not None:
             engine_prompt["prompt"] = prompt
+        if cache_salt is not None:
+            engine_prompt["cache_salt"] = cache_salt
         self.log_request(engine_id, prompt, ids, params)
         return self._tracked(engine_id, self.engine.generate(engine_prompt, params, engine_id, priority=priority))
 
