@@ -7,6 +7,7 @@ need the model (vocabulary size, max_logprobs, max_model_len) happen in `engine/
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import math
 from typing import Any
@@ -220,3 +221,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
     def __repr__(self) -> str:
         fields = {f: getattr(self, f) for f in self.__struct_fields__ if not f.startswith("_")}
         return "SamplingParams(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
+
+
+@dataclasses.dataclass
+class BeamSearchParams:
+    """vLLM's beam-search parameters."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"BeamSearchParams.beam_width must be an integer >= 1, got {self.beam_width!r}.")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"BeamSearchParams.temperature must be >= 0, got {self.temperature!r}.")

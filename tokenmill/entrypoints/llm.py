@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tqdm.auto import tqdm
 
@@ -10,6 +10,10 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.chat_utils import Conversation, render_chat
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.beam_search import BeamSearchOutput
+    from tokenmill.sampling_params import BeamSearchParams
 
 
 class LLM:
@@ -76,6 +80,15 @@ class LLM:
             # The template already carries BOS and other special tokens.
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Any, params: "BeamSearchParams", *, use_tqdm: bool = False,
+                    lora_request: Any = None) -> list["BeamSearchOutput"]:
+        """Beam search over each prompt (see tokenmill/beam_search.py): one BeamSearchOutput per prompt, its
+        sequences best first."""
+        from tokenmill.beam_search import beam_search
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA is not supported yet by tokenmill.")
+        return beam_search(self, self._as_prompt_list(prompts), params, use_tqdm)
 
     # ----- helpers -----
     @staticmethod

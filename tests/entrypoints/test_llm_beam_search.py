@@ -1,0 +1,79 @@
+"""LLM.beam_search against a beam search written directly over HF transformers (fp32, CPU), and its edge cases."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.beam_search import beam_score
+from tokenmill.sampling_params import BeamSearchParams
+
+PROMPTS = ["Hello, my name is", "深度学习的优势是什么？"]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_factory):
+    import transformers as tf
+    d = tiny_model_factory("llama")
+    hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    llm = LLM(d, max_model_len=256, num_gpu_blocks_override=256, max_num_seqs=16)
+    return hf, llm
+
+
+def hf_beam_search(hf, prompt_ids, k, steps, eos, length_penalty, ignore_eos):
+    """The same search, scoring every beam with a full HF forward: (tokens, cum_logprob) best first."""
+    live, done = [(list(prompt_ids), 0.0)], []
+    for _ in range(steps):
+        cands = []
+        for toks, cum in live:
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(torch.tensor([toks])).logits[0, -1].float(), -1)
+            vals, ids = lp.topk(2 * k)
+            for v, t in zip(vals.tolist(), ids.tolist()):
+                (done if t == eos and not ignore_eos else cands).append((toks + [t], cum + v))
+        live = sorted(cands, key=lambda c: c[1], reverse=True)[:k]
+
+    def score(c):
+        n = len(c[0]) - (1 if c[0][-1] == eos else 0)
+        return c[1] / n ** length_penalty
+    return sorted(done + live, key=score, reverse=True)[:k]
+
+
+@pytest.mark.parametrize("k,length_penalty", [(2, 1.0), (3, 0.5)])
+def test_beams_match_a_direct_hf_search(pair, k, length_penalty):
+    hf, llm = pair
+    tok = llm.get_tokenizer()
+    eos = llm.llm_engine.processor.eos_token_id
+    params = BeamSearchParams(beam_width=k, max_tokens=6, length_penalty=length_penalty)
+    outs = llm.beam_search(PROMPTS, params)
+    assert len(outs) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok(prompt).input_ids
+        ref = hf_beam_search(hf, ids, k, 6, eos, length_penalty, ignore_eos=False)
+        assert [s.tokens for s in out.sequences] == [r[0] for r in ref]
+        for s, (_, cum) in zip(out.sequences, ref):
+            assert s.cum_logprob == pytest.approx(cum, abs=1e-4)
+            assert s.tokens[:len(ids)] == ids and len(s.logprobs) == len(s.tokens) - len(ids)
+            assert s.text == tok.decode(s.tokens) and s.finish_reason == "length"
+        scores = [beam_score(s, eos, length_penalty) for s in out.sequences]
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_width_one_without_eos_is_greedy(pair):
+    _, llm = pair
+    out = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=1, max_tokens=8, ignore_eos=True))
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for b, g in zip(out, greedy):
+        assert b.sequences[0].tokens[len(g.prompt_token_ids):] == list(g.outputs[0].token_ids)
+
+
+def test_token_prompts_and_bad_params(pair):
+    _, llm = pair
+    out = llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert len(out[0].sequences) == 2 and all(s.tokens[:3] == [5, 6, 7] for s in out[0].sequences)
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=2)
+    with pytest.raises(ValueError, match="max_tokens"):
+        BeamSearchParams(beam_width=2, max_tokens=0)
+    with pytest.raises(ValueError, match="max_logprobs"):  # 2 * 11 logprobs per step > the default 20
+        llm.beam_search(PROMPTS, BeamSearchParams(beam_width=11, max_tokens=2))
