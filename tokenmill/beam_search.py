@@ -8,8 +8,9 @@ cum_logprob / len(tokens) ** length_penalty (the length counts the prompt, and a
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
@@ -39,52 +40,88 @@ def beam_score(seq: BeamSearchSequence, eos_token_id: int | None, length_penalty
     return seq.cum_logprob / (max(n, 1) ** length_penalty)
 
 
-def beam_search(llm: "LLM", prompts: list[Any], params: BeamSearchParams,
-                use_tqdm: bool = False) -> list[BeamSearchOutput]:
-    engine = llm.llm_engine
-    tok = llm.get_tokenizer()
-    eos = engine.processor.eos_token_id
-    k = params.beam_width
-    limit = engine.processor.max_logprobs
-    if limit != -1 and 2 * k > limit:
-        raise ValueError(f"beam_width={k} needs the top {2 * k} logprobs per step, but max_logprobs is {limit}; "
-                         "lower beam_width or raise max_logprobs.")
-    step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * k, ignore_eos=True,
-                                 detokenize=False)
-    live: list[list[BeamSearchSequence]] = []
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for p in prompts:
-        _, ids = engine.processor.tokenize_prompt(p)
-        live.append([BeamSearchSequence(tokens=list(ids))])
-    for _ in range(params.max_tokens):
-        batch = [(i, beam) for i, beams in enumerate(live) for beam in beams]
-        if not batch:
-            break
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in batch], step_params, use_tqdm=use_tqdm)
-        cands: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-        for (i, beam), out in zip(batch, outs):
-            top = out.outputs[0].logprobs[0]
+class BeamSearch:
+    """The search over several prompts at once. Drive it with `pending()` (the beams to extend next: run each as a
+    one-token request with `step_params`), then `advance()` with the top logprobs each of them got; stop when
+    pending() is empty or after max_tokens rounds, then read `results()`."""
+
+    def __init__(self, prompt_ids: list[list[int]], params: BeamSearchParams, eos_token_id: int | None,
+                 max_logprobs: int) -> None:
+        k = params.beam_width
+        if max_logprobs != -1 and 2 * k > max_logprobs:
+            raise ValueError(f"beam_width={k} needs the top {2 * k} logprobs per step, but max_logprobs is "
+                             f"{max_logprobs}; lower beam_width or raise max_logprobs.")
+        self.params, self.eos = params, eos_token_id
+        self.prompt_lens = [len(ids) for ids in prompt_ids]
+        self.live = [[BeamSearchSequence(tokens=list(ids))] for ids in prompt_ids]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
+        self.step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * k,
+                                          ignore_eos=True, detokenize=False)
+
+    def pending(self) -> list[tuple[int, BeamSearchSequence]]:
+        return [(i, beam) for i, beams in enumerate(self.live) for beam in beams]
+
+    def advance(self, pending: list[tuple[int, BeamSearchSequence]], tops: list[dict[int, Logprob]]) -> None:
+        cands: list[list[BeamSearchSequence]] = [[] for _ in self.live]
+        for (i, beam), top in zip(pending, tops):
             for token, lp in top.items():
                 new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [top], beam.cum_logprob + lp.logprob)
-                if token == eos and not params.ignore_eos:
+                if token == self.eos and not self.params.ignore_eos:
                     new.finish_reason = "stop"
-                    done[i].append(new)
+                    self.done[i].append(new)
                 else:
                     cands[i].append(new)
         for i, c in enumerate(cands):
             c.sort(key=lambda s: s.cum_logprob, reverse=True)  # one length per step: the score orders alike
-            live[i] = c[:k]
-    results = []
-    for i in range(len(prompts)):
-        for beam in live[i]:
-            beam.finish_reason = "length"
-        ranked = sorted(done[i] + live[i], key=lambda s: beam_score(s, eos, params.length_penalty), reverse=True)
-        best = ranked[:k]
-        if tok is not None:
-            for beam in best:
-                ids = beam.tokens
-                if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
-                    ids = ids[:-1]
-                beam.text = tok.decode(ids)
-        results.append(BeamSearchOutput(sequences=best))
-    return results
+            self.live[i] = c[:self.params.beam_width]
+
+    def results(self, tokenizer: Any, generated_text_only: bool = False) -> list[BeamSearchOutput]:
+        """Each prompt's best beams. `text` decodes all tokens (vLLM's LLM.beam_search), or only the generated
+        ones with generated_text_only (the API's completion text); a final EOS only with include_stop_str_in_output."""
+        out = []
+        for i in range(len(self.live)):
+            for beam in self.live[i]:
+                beam.finish_reason = "length"
+            ranked = sorted(self.done[i] + self.live[i], reverse=True,
+                            key=lambda s: beam_score(s, self.eos, self.params.length_penalty))
+            best = ranked[:self.params.beam_width]
+            if tokenizer is not None:
+                for beam in best:
+                    ids = beam.tokens[self.prompt_lens[i]:] if generated_text_only else beam.tokens
+                    if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+                        ids = ids[:-1]
+                    beam.text = tokenizer.decode(ids, skip_special_tokens=generated_text_only)
+            out.append(BeamSearchOutput(sequences=best))
+        return out
+
+
+def beam_search(llm: "LLM", prompts: list[Any], params: BeamSearchParams,
+                use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    """LLM.beam_search: all prompts searched together, one engine batch per step."""
+    engine = llm.llm_engine
+    search = BeamSearch([engine.processor.tokenize_prompt(p)[1] for p in prompts], params,
+                        engine.processor.eos_token_id, engine.processor.max_logprobs)
+    for _ in range(params.max_tokens):
+        pending = search.pending()
+        if not pending:
+            break
+        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in pending], search.step_params,
+                            use_tqdm=use_tqdm)
+        search.advance(pending, [o.outputs[0].logprobs[0] for o in outs])
+    return search.results(llm.get_tokenizer())
+
+
+async def beam_search_async(generate: Callable[[list[int], SamplingParams, str], Awaitable[Any]],
+                            prompt_ids: list[int], params: BeamSearchParams, eos_token_id: int | None,
+                            max_logprobs: int, tokenizer: Any, request_id: str) -> BeamSearchOutput:
+    """One prompt's search for the API server: `generate(token_ids, params, sub_request_id)` returns the final
+    RequestOutput of a one-token request; a step's beams run concurrently."""
+    search = BeamSearch([prompt_ids], params, eos_token_id, max_logprobs)
+    for step in range(params.max_tokens):
+        pending = search.pending()
+        if not pending:
+            break
+        outs = await asyncio.gather(*(generate(b.tokens, search.step_params, f"{request_id}-beam{step}-{j}")
+                                      for j, (_, b) in enumerate(pending)))
+        search.advance(pending, [o.outputs[0].logprobs[0] for o in outs])
+    return search.results(tokenizer, generated_text_only=True)[0]

@@ -310,7 +310,7 @@ def test_chat_tools_and_unsupported(make_client):
                  "tool_choice")
     assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], "tool_choice": {
         "type": "function", "function": {"name": "nope"}}}), 400, "tool_choice")
-    for extra in ({"use_beam_search": True},):
+    for extra in ({"logits_processors": ["my.Processor"]}, {"vllm_xargs": {"a": 1}}):
         err = assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], **extra}), 400)
         assert "not supported yet" in err["message"]
     r = c.post("/v1/chat/completions", json={"messages": MSGS, "response_format": {"type": "text"},

@@ -213,6 +213,35 @@ def test_cache_salt_isolates_prefix_cache(http):
     assert cached("tenant-3", "/v1/chat/completions") > 0
 
 
+def test_beam_search(http):
+    """use_beam_search: n beams, best first; one beam without EOS is greedy; what it cannot honour is a 400."""
+    def post(path, **kw):
+        body = {"model": MODEL, "max_tokens": 6, **kw}
+        if path == "/v1/completions":
+            body.setdefault("prompt", "Beam me up")
+        else:
+            body.setdefault("messages", [{"role": "user", "content": "Beam me up"}])
+        return http.post(path, json=body)
+    greedy = post("/v1/completions", temperature=0, ignore_eos=True).json()
+    beam = post("/v1/completions", use_beam_search=True, n=1, ignore_eos=True, temperature=0).json()
+    assert beam["choices"][0]["text"] == greedy["choices"][0]["text"]
+    r = post("/v1/completions", use_beam_search=True, n=2, temperature=0, length_penalty=0.8)  # --max-logprobs 5
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1] and len({c["text"] for c in choices}) == 2
+    assert all(c["finish_reason"] in ("stop", "length") for c in choices)
+    r = post("/v1/chat/completions", use_beam_search=True, n=2, temperature=0)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2 and r.json()["usage"]["completion_tokens"] > 0
+    for kw, field in (({"stream": True}, "stream"), ({"top_p": 0.5}, "top_p"), ({"logprobs": 2}, "logprobs"),
+                      ({"n": 3}, "n")):
+        r = post("/v1/completions", use_beam_search=True, **kw)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (kw, r.text)
+    r = post("/v1/completions", length_penalty=0.5)
+    assert r.status_code == 400 and "use_beam_search" in r.json()["error"]["message"]
+    assert http.get("/health").status_code == 200
+
+
 @pytest.mark.parametrize("path,body,status", BAD)
 def test_bad_input_gets_4xx_and_server_keeps_serving(http, path, body, status):
     r = http.post(path, json=body)

@@ -155,23 +155,43 @@ class _SamplingRequest(OpenAIBaseModel):
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
-    # vLLM fields tokenmill does not implement yet: setting them is a 400, never a silent no-op.
+    # Beam search (not streamed): n is the beam width; length_penalty ranks the finished beams.
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: Optional[float] = None
+    # vLLM fields tokenmill does not implement yet: setting them is a 400, never a silent no-op.
     logits_processors: Optional[Any] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
     vllm_xargs: Optional[dict[str, Any]] = None
     mm_processor_kwargs: Optional[dict[str, Any]] = None
 
     _NOT_YET: ClassVar[tuple[tuple[str, Any], ...]] = (
-        ("use_beam_search", False), ("length_penalty", 1.0), ("logits_processors", None),
-        ("kv_transfer_params", None), ("vllm_xargs", None), ("mm_processor_kwargs", None))
+        ("logits_processors", None), ("kv_transfer_params", None), ("vllm_xargs", None), ("mm_processor_kwargs", None))
 
     def unsupported_fields(self) -> list[str]:
         """Names of fields set to something tokenmill cannot honour yet (each one makes the request a 400)."""
         bad = [name for name, default in self._NOT_YET if getattr(self, name) != default]
         if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
             bad.append(f"guided_decoding_backend {self.guided_decoding_backend!r} (only xgrammar)")
+        return bad
+
+    # Fields beam search cannot honour, with their neutral values (a neutral value is not an error).
+    _NOT_WITH_BEAMS: ClassVar[tuple[tuple[str, Any], ...]] = (
+        ("stream", False), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+        ("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("seed", None), ("stop", None), ("stop_token_ids", None),
+        ("bad_words", None), ("logit_bias", None), ("allowed_token_ids", None), ("min_tokens", 0),
+        ("best_of", None), ("prompt_logprobs", None), ("response_format", None), ("structured_outputs", None),
+        ("guided_json", None), ("guided_regex", None), ("guided_choice", None), ("guided_grammar", None))
+
+    def beam_search_conflicts(self) -> list[str]:
+        """The fields set here that beam search cannot honour (each one makes a beam-search request a 400)."""
+        neutral = {"top_k": (-1, 0), "stop": (None, [], ""), "stop_token_ids": (None, []), "bad_words": (None, [])}
+        bad = []
+        for name, default in self._NOT_WITH_BEAMS:
+            value = getattr(self, name, default)
+            if value is not None and value not in neutral.get(name, (default,)):
+                if name == "response_format" and getattr(value, "type", None) == "text":
+                    continue
+                bad.append(name)
         return bad
 
     def structured_params(self) -> Any:

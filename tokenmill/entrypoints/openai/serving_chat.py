@@ -136,7 +136,14 @@ class OpenAIServingChat(OpenAIServing):
             params._grammar_after_token_id = parsing.reasoning.end_token_id()
         if parsing.tools is not None and parsing.tools.needs_special_tokens:
             params.skip_special_tokens = False  # the call markers are special tokens
-        gen = self.start(engine_id, prompt, ids, params, request.priority, request.cache_salt)
+        beam = self.beam_params(request, params)
+        if beam is not None and parsing.forced is not None:
+            raise ServingError("tool_choice 'required' or a named function cannot be combined with "
+                               "use_beam_search.", 400, "tool_choice")
+        if beam is not None:
+            gen = self.start_beam(engine_id, prompt, ids, beam, request.cache_salt)
+        else:
+            gen = self.start(engine_id, prompt, ids, params, request.priority, request.cache_salt)
         created = int(time.time())
         if request.stream:
             streams = await prime_all([gen])

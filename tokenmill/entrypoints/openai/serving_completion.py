@@ -36,6 +36,10 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self.sampling_params(request, len(ids), request.max_tokens, request.logprobs, prompt_logprobs,
                                           request.stream)
             engine_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            beam = self.beam_params(request, params)
+            if beam is not None:
+                gens.append(self.start_beam(engine_id, text, ids, beam, request.cache_salt))
+                continue
             gens.append(self.start(engine_id, text, ids, params, request.priority, request.cache_salt))
         created = int(time.time())
         if request.stream:

@@ -321,6 +321,64 @@ class OpenAIServing:
         n = self.frontend.max_log_len
         logger.info("Generated response %s: %r", request_id, [t[:n] if n is not None else t for t in texts])
 
+    # ----- beam search -----
+    def beam_params(self, request: Any, params: SamplingParams) -> Any:
+        """BeamSearchParams for a use_beam_search request (n beams), None otherwise; a 400 for fields beam search
+        cannot honour, and for length_penalty without beam search."""
+        if not request.use_beam_search:
+            if request.length_penalty is not None:
+                raise ServingError("length_penalty applies to beam search only; set use_beam_search.", 400,
+                                   "length_penalty")
+            return None
+        bad = request.beam_search_conflicts()
+        if params.logprobs is not None:
+            bad.append("logprobs")
+        if bad:
+            raise ServingError(f"{', '.join(bad)}: cannot be combined with use_beam_search.", 400, bad[0])
+        if self.max_logprobs != -1 and 2 * params.n > self.max_logprobs:
+            raise ServingError(f"use_beam_search with n={params.n} beams needs the top {2 * params.n} logprobs per "
+                               f"step, but the server's --max-logprobs is {self.max_logprobs}.", 400, "n")
+        from tokenmill.sampling_params import BeamSearchParams
+        temperature = request.temperature
+        if temperature is None:
+            temperature = self.default_sampling_params.get("temperature", 1.0)
+        try:
+            return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                    temperature=temperature, include_stop_str_in_output=params.include_stop_str_in_output,
+                                    length_penalty=1.0 if request.length_penalty is None else request.length_penalty)
+        except ValueError as e:
+            raise ServingError(str(e), 400, "use_beam_search") from None
+
+    def start_beam(self, engine_id: str, prompt: str | None, ids: list[int], params: Any,
+                   cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Beam search for one prompt (tokenmill/beam_search.py), as a stream of one final RequestOutput whose n
+        outputs are the best beams. Each beam step is a one-token engine request of its own."""
+        from tokenmill.beam_search import beam_search_async
+        from tokenmill.outputs import CompletionOutput
+        processor = getattr(self.engine, "processor", None)
+        eos = processor.eos_token_id if processor is not None else getattr(self.tokenizer, "eos_token_id", None)
+
+        async def one(tokens: list[int], sp: SamplingParams, sub_id: str) -> RequestOutput:
+            p: dict[str, Any] = {"prompt_token_ids": tokens}
+            if cache_salt is not None:
+                p["cache_salt"] = cache_salt
+            final = None
+            async for out in self.engine.generate(p, sp, sub_id):
+                final = out
+            if final is None:
+                raise RuntimeError("the engine returned no output for a beam-search step")
+            return final
+
+        async def run() -> AsyncIterator[RequestOutput]:
+            res = await beam_search_async(one, ids, params, eos, self.max_logprobs, self.tokenizer, engine_id)
+            outputs = [CompletionOutput(index=i, text=s.text or "", token_ids=s.tokens[len(ids):],
+                                        cumulative_logprob=s.cum_logprob, logprobs=None,
+                                        finish_reason=s.finish_reason)
+                       for i, s in enumerate(res.sequences)]
+            yield RequestOutput(engine_id, prompt, ids, None, outputs, True, num_cached_tokens=0)
+
+        return self._tracked(engine_id, run())
+
     # ----- generation -----
     def start(self, engine_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
               priority: int, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
