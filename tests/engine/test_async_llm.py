@@ -70,6 +70,18 @@ def test_stream_equals_final_and_concurrency(model_dir):
             with pytest.raises(ValueError, match="maximum model length"):
                 await collect(eng, {"prompt_token_ids": [1] * 300}, "too-long", RequestOutputKind.FINAL_ONLY)
             assert await eng.reset_prefix_cache() in (True, False)
+            # A consumer that falls behind gets the steps it missed merged into one output, nothing lost.
+            sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1,
+                                output_kind=RequestOutputKind.DELTA)
+            n_outputs, text, ids, n_lps = 0, "", [], 0
+            async for o in eng.generate("slow reader", sp, "slow"):
+                n_outputs += 1
+                text, ids = text + o.outputs[0].text, ids + o.outputs[0].token_ids
+                n_lps += len(o.outputs[0].logprobs)
+                await asyncio.sleep(0.2)
+            ref = await collect(eng, "slow reader", "slow-ref", RequestOutputKind.FINAL_ONLY, max_tokens=40)
+            assert (text, ids) == ref[:2] and n_lps == 40
+            assert n_outputs < 20, n_outputs
         finally:
             eng.shutdown()
 

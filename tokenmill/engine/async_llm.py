@@ -10,12 +10,13 @@ from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.launcher import EngineAddresses
 from tokenmill.engine.llm_engine import FrontEnd, default_sampling_kwargs
 from tokenmill.engine.messages import SchedulerStats
+from tokenmill.engine.output_collector import RequestOutputCollector
 from tokenmill.engine.processor import PromptType
 from tokenmill.engine.protocol import EngineClient, EngineDeadError
 from tokenmill.logger import init_logger
 from tokenmill.metrics.loggers import StatLogger
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
@@ -47,7 +48,7 @@ class AsyncLLM(EngineClient):
         self.stat_logger = StatLogger(config.model_config.served_model_name[0],
                                       log_interval_s if log_stats and client_index == 0 else None,
                                       num_engines=self.client.num_engines, record_engine_counters=client_index == 0)
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, RequestOutputCollector] = {}
         self._output_task: asyncio.Task | None = None
 
     @classmethod
@@ -89,7 +90,7 @@ class AsyncLLM(EngineClient):
         if request_id in self._queues:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         text, reqs = self.processor.process(request_id, prompt, sampling_params, priority=priority)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = RequestOutputCollector(delta=sampling_params.output_kind == RequestOutputKind.DELTA)
         self._queues[request_id] = queue
         for i, r in enumerate(reqs):
             self.output_processor.add_request(r, text, parent_id=request_id, index=i, n=len(reqs), queue=queue)
