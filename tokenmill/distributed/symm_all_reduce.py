@@ -12,6 +12,7 @@ require; `enable_symmetric_all_reduce` sets TORCH_SYMM_MEM_DISABLE_MULTICAST=1 u
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -44,7 +45,9 @@ class SymmetricAllReduce:
         self.max_bytes = max_bytes
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(self.group_name):
-            enable(self.group_name)
+            with warnings.catch_warnings():  # needed before torch 2.9, a deprecated no-op since
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.group_name)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
         ops = torch.ops.symm_mem
@@ -71,8 +74,15 @@ def enable_symmetric_all_reduce(group: Any, cpu_group: Any, device: torch.device
     all-reduce, which is always correct."""
     if device.type != "cuda":
         return None
+    import socket
+
     import torch.distributed as dist
     os.environ.setdefault(envs.TORCH_SYMM_MEM_DISABLE_MULTICAST_NAME, "1")
+    hosts: list[Any] = [None] * dist.get_world_size(cpu_group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=cpu_group)
+    if len(set(hosts)) > 1:  # peer-to-peer loads need every rank's GPU on this host
+        logger.info("TP group spans %d hosts: NCCL for every all-reduce.", len(set(hosts)))
+        return None
     ar: SymmetricAllReduce | None = None
     try:
         ar = SymmetricAllReduce(group, device)
