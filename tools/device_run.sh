@@ -236,6 +236,10 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       echo "  ($v)"
     done
     ;;
+  s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
+      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4
+    ;;
   next4)  # on nvidia-h200-x2: Llama-3-8B TP=1 vs TP=2, bs1 latency and the nano-vllm throughput workload
     for tp in 1 2; do
       timeout 100 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $tp --batch-size 1 --input-len 128 \
