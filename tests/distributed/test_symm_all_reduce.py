@@ -8,7 +8,8 @@ import socket
 import pytest
 import torch
 
-from tokenmill.distributed.symm_all_reduce import MAX_BYTES, SymmetricAllReduce, enable_symmetric_all_reduce
+from tokenmill.distributed.symm_all_reduce import (MAX_BYTES, SymmetricAllReduce, enable_symmetric_all_reduce,
+                                                   group_hosts)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,6 +36,35 @@ def test_only_small_aligned_fp32_bf16_contiguous_tensors_take_the_one_shot_path(
 
 def test_cpu_devices_keep_the_collective_backend():
     assert enable_symmetric_all_reduce(None, None, torch.device("cpu")) is None
+
+
+def _hosts_worker(rank: int, port: int, fake_host: bool, results) -> None:
+    import socket as _socket
+
+    import torch.distributed as dist
+    if fake_host and rank == 1:
+        _socket.gethostname = lambda: "another-node"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    results[rank] = sorted(group_hosts(dist.group.WORLD))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fake_host", [False, True])
+def test_group_hosts_sees_every_rank(fake_host):
+    """The one-shot path needs every TP rank on this host; a group across nodes keeps NCCL."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as mgr:
+        results = mgr.dict()
+        port = _free_port()
+        procs = [ctx.Process(target=_hosts_worker, args=(r, port, fake_host, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert all(p.exitcode == 0 for p in procs)
+        got = dict(results)
+    assert got[0] == got[1] and len(got[0]) == (2 if fake_host else 1)
 
 
 def _free_port() -> int:

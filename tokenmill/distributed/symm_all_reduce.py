@@ -67,6 +67,16 @@ class SymmetricAllReduce:
         return self._op(staged, "sum", self.group_name)
 
 
+def group_hosts(cpu_group: Any) -> set[str]:
+    """The host names of a group's ranks (a collective over the gloo group)."""
+    import socket
+
+    import torch.distributed as dist
+    hosts: list[Any] = [None] * dist.get_world_size(cpu_group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=cpu_group)
+    return set(hosts)
+
+
 def enable_symmetric_all_reduce(group: Any, cpu_group: Any, device: torch.device) -> SymmetricAllReduce | None:
     """The one-shot all-reduce for `group` (every rank of it must call this together), or None where it cannot
     run: not CUDA, a torch without symmetric memory, or a failed set-up (e.g. GPUs without peer access) on any
@@ -74,14 +84,11 @@ def enable_symmetric_all_reduce(group: Any, cpu_group: Any, device: torch.device
     all-reduce, which is always correct."""
     if device.type != "cuda":
         return None
-    import socket
-
     import torch.distributed as dist
     os.environ.setdefault(envs.TORCH_SYMM_MEM_DISABLE_MULTICAST_NAME, "1")
-    hosts: list[Any] = [None] * dist.get_world_size(cpu_group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=cpu_group)
-    if len(set(hosts)) > 1:  # peer-to-peer loads need every rank's GPU on this host
-        logger.info("TP group spans %d hosts: NCCL for every all-reduce.", len(set(hosts)))
+    hosts = group_hosts(cpu_group)
+    if len(hosts) > 1:  # peer-to-peer loads need every rank's GPU on this host
+        logger.info("TP group spans %d hosts: NCCL for every all-reduce.", len(hosts))
         return None
     ar: SymmetricAllReduce | None = None
     try:
