@@ -104,3 +104,13 @@ def kv_scaled_llama(tiny_model_factory, tmp_path_factory) -> str:
     weights.update({name: torch.tensor(value) for name, value in scales.items()})
     save_file(weights, os.path.join(d, "model.safetensors"))
     return d
+
+
+@pytest.fixture
+def tm_log(caplog):
+    """caplog for the `tokenmill` logger (which does not propagate to the root logger)."""
+    import logging
+    logger = logging.getLogger("tokenmill")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)

@@ -2,21 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-
-import pytest
 
 from tokenmill.metrics.step_timing import SlowStepLog, StepTimer, watch_event_loop
 
 
-@pytest.fixture
-def tm_log(caplog):
-    """caplog for the `tokenmill` logger (which does not propagate to the root logger)."""
-    logger = logging.getLogger("tokenmill")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def test_slow_steps_are_logged_with_their_phases_and_batch(monkeypatch, tm_log):

@@ -363,14 +363,6 @@ def test_malformed_bodies(client):
     assert_error(client.get("/no/such/route"), 404)
 
 
-@pytest.fixture
-def tm_log(caplog):
-    """caplog for the `tokenmill` logger (which does not propagate to the root logger)."""
-    import logging
-    logger = logging.getLogger("tokenmill")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def test_unknown_fields_are_ignored_with_warning(client, tm_log):
