@@ -343,13 +343,14 @@ class OpenAIServing:
         if temperature is None:
             temperature = self.default_sampling_params.get("temperature", 1.0)
         try:
-            return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
-                                    temperature=temperature, include_stop_str_in_output=params.include_stop_str_in_output,
-                                    length_penalty=1.0 if request.length_penalty is None else request.length_penalty)
+            return BeamSearchParams(
+                beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                temperature=temperature, include_stop_str_in_output=params.include_stop_str_in_output,
+                length_penalty=1.0 if request.length_penalty is None else request.length_penalty)
         except ValueError as e:
             raise ServingError(str(e), 400, "use_beam_search") from None
 
-    def start_beam(self, engine_id: str, prompt: str | None, ids: list[int], params: Any,
+    def start_beam(self, engine_id: str, prompt: str | None, ids: list[int], params: Any, priority: int,
                    cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Beam search for one prompt (tokenmill/beam_search.py), as a stream of one final RequestOutput whose n
         outputs are the best beams. Each beam step is a one-token engine request of its own."""
@@ -363,7 +364,7 @@ class OpenAIServing:
             if cache_salt is not None:
                 p["cache_salt"] = cache_salt
             final = None
-            async for out in self.engine.generate(p, sp, sub_id):
+            async for out in self.engine.generate(p, sp, sub_id, priority=priority):
                 final = out
             if final is None:
                 raise RuntimeError("the engine returned no output for a beam-search step")
