@@ -75,7 +75,8 @@ class BeamSearch:
             c.sort(key=lambda s: s.cum_logprob, reverse=True)  # one length per step: the score orders alike
             self.live[i] = c[:self.params.beam_width]
 
-    def results(self, tokenizer: Any, generated_text_only: bool = False) -> list[BeamSearchOutput]:
+    def results(self, tokenizer: Any, generated_text_only: bool = False,
+                skip_special_tokens: bool = False) -> list[BeamSearchOutput]:
         """Each prompt's best beams. `text` decodes all tokens (vLLM's LLM.beam_search), or only the generated
         ones with generated_text_only (the API's completion text); a final EOS only with include_stop_str_in_output."""
         out = []
@@ -90,7 +91,7 @@ class BeamSearch:
                     ids = beam.tokens[self.prompt_lens[i]:] if generated_text_only else beam.tokens
                     if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                         ids = ids[:-1]
-                    beam.text = tokenizer.decode(ids, skip_special_tokens=generated_text_only)
+                    beam.text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
             out.append(BeamSearchOutput(sequences=best))
         return out
 
@@ -113,7 +114,8 @@ def beam_search(llm: "LLM", prompts: list[Any], params: BeamSearchParams,
 
 async def beam_search_async(generate: Callable[[list[int], SamplingParams, str], Awaitable[Any]],
                             prompt_ids: list[int], params: BeamSearchParams, eos_token_id: int | None,
-                            max_logprobs: int, tokenizer: Any, request_id: str) -> BeamSearchOutput:
+                            max_logprobs: int, tokenizer: Any, request_id: str,
+                            skip_special_tokens: bool = True) -> BeamSearchOutput:
     """One prompt's search for the API server: `generate(token_ids, params, sub_request_id)` returns the final
     RequestOutput of a one-token request; a step's beams run concurrently."""
     search = BeamSearch([prompt_ids], params, eos_token_id, max_logprobs)
@@ -124,4 +126,4 @@ async def beam_search_async(generate: Callable[[list[int], SamplingParams, str],
         outs = await asyncio.gather(*(generate(b.tokens, search.step_params, f"{request_id}-beam{step}-{j}")
                                       for j, (_, b) in enumerate(pending)))
         search.advance(pending, [o.outputs[0].logprobs[0] for o in outs])
-    return search.results(tokenizer, generated_text_only=True)[0]
+    return search.results(tokenizer, generated_text_only=True, skip_special_tokens=skip_special_tokens)[0]

@@ -141,7 +141,8 @@ class OpenAIServingChat(OpenAIServing):
             raise ServingError("tool_choice 'required' or a named function cannot be combined with "
                                "use_beam_search.", 400, "tool_choice")
         if beam is not None:
-            gen = self.start_beam(engine_id, prompt, ids, beam, request.priority, request.cache_salt)
+            gen = self.start_beam(engine_id, prompt, ids, beam, request.priority, request.cache_salt,
+                                  params.skip_special_tokens)
         else:
             gen = self.start(engine_id, prompt, ids, params, request.priority, request.cache_salt)
         created = int(time.time())

@@ -38,7 +38,8 @@ class OpenAIServingCompletion(OpenAIServing):
             engine_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             beam = self.beam_params(request, params)
             if beam is not None:
-                gens.append(self.start_beam(engine_id, text, ids, beam, request.priority, request.cache_salt))
+                gens.append(self.start_beam(engine_id, text, ids, beam, request.priority, request.cache_salt,
+                                            params.skip_special_tokens))
                 continue
             gens.append(self.start(engine_id, text, ids, params, request.priority, request.cache_salt))
         created = int(time.time())

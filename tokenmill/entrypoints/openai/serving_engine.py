@@ -351,7 +351,7 @@ class OpenAIServing:
             raise ServingError(str(e), 400, "use_beam_search") from None
 
     def start_beam(self, engine_id: str, prompt: str | None, ids: list[int], params: Any, priority: int,
-                   cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                   cache_salt: str | None = None, skip_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
         """Beam search for one prompt (tokenmill/beam_search.py), as a stream of one final RequestOutput whose n
         outputs are the best beams. Each beam step is a one-token engine request of its own."""
         from tokenmill.beam_search import beam_search_async
@@ -371,7 +371,8 @@ class OpenAIServing:
             return final
 
         async def run() -> AsyncIterator[RequestOutput]:
-            res = await beam_search_async(one, ids, params, eos, self.max_logprobs, self.tokenizer, engine_id)
+            res = await beam_search_async(one, ids, params, eos, self.max_logprobs, self.tokenizer, engine_id,
+                                          skip_special_tokens)
             outputs = [CompletionOutput(index=i, text=s.text or "", token_ids=s.tokens[len(ids):],
                                         cumulative_logprob=s.cum_logprob, logprobs=None,
                                         finish_reason=s.finish_reason)
