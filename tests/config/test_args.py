@@ -199,14 +199,21 @@ def test_not_yet_supported_flags_fail_clearly(capsys):
     for cmd, flag in (("--enable-lora", "--enable-lora"), ("--speculative-config.method ngram",
                                                            "--speculative-config"),
                       ("""--kv-transfer-config '{"kv_connector": "x"}'""", "--kv-transfer-config"),
-                      ("--enable-sleep-mode", "--enable-sleep-mode"), ("-O3", "--optimization-level"),
+                      ("--enable-sleep-mode", "--enable-sleep-mode"),
                       ("--max-loras 4", "--max-loras"), ("--kv-offloading-size 10", "--kv-offloading-size"),
                       ("--limit-mm-per-prompt.image 10", "--limit-mm-per-prompt")):
         assert f"{flag} is not supported yet by tokenmill" in fails(cmd, capsys), cmd
 
 
+def test_vllm_compilation_flags_parse():
+    engine, _ = parse("-O3 -cc.cudagraph_capture_sizes 1 -cc.cudagraph_capture_sizes+ 2 -cc.mode 3")
+    assert engine == {"optimization_level": 3, "compilation_config": {"cudagraph_capture_sizes": [1, 2], "mode": 3}}
+    engine, _ = parse("""--compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}' -O0""")
+    assert engine == {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "optimization_level": 0}
+
+
 def test_not_yet_supported_flags_with_default_values_parse():
-    engine, _ = parse("--no-enable-lora --max-loras 1 -O2 --runner generate --model-impl auto --task generate "
+    engine, _ = parse("--no-enable-lora --max-loras 1 --runner generate --model-impl auto --task generate "
                       "--additional-config '{}' --preemption-mode recompute --attention-backend auto")
     assert engine == {}
 

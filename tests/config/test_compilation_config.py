@@ -27,3 +27,25 @@ def test_graph_output_rows_count_every_captured_graph():
     assert CompilationConfig(cudagraph_capture_sizes=[1, 2], cudagraph_mode="FULL_DECODE_ONLY").graph_output_rows(
         8, 64) == 3
     assert CompilationConfig(cudagraph_mode="NONE").graph_output_rows(256, 8192) == 0
+
+
+def test_vllm_compilation_config_sets_the_graph_fields():
+    c = CompilationConfig(compilation_config={"mode": 3, "cudagraph_capture_sizes": [1, 2, 4, 8],
+                                              "cudagraph_mode": "full_decode_only"})
+    assert c.cudagraph_capture_sizes == [1, 2, 4, 8] and c.cudagraph_mode == "FULL_DECODE_ONLY"
+    assert CompilationConfig(compilation_config=3).graphs_enabled          # LLM(compilation_config=3)
+    with pytest.raises(ValueError, match=r"pass_config.*not supported yet"):
+        CompilationConfig(compilation_config={"pass_config": {"fuse_norm_quant": True}})
+    with pytest.raises(ValueError, match="given twice"):
+        CompilationConfig(cudagraph_mode="FULL", compilation_config={"cudagraph_mode": "NONE"})
+    with pytest.raises(ValueError, match="compilation_config.mode"):
+        CompilationConfig(compilation_config={"mode": 9})
+
+
+def test_optimization_levels_pick_the_graphs():
+    assert not CompilationConfig(optimization_level=0).graphs_enabled
+    assert CompilationConfig(optimization_level=1).mixed_capture_sizes(8192, 256) == []
+    assert CompilationConfig(optimization_level=3).mixed_capture_sizes(8192, 256)
+    assert CompilationConfig(optimization_level=0, cudagraph_mode="FULL").graphs_enabled  # explicit mode wins
+    with pytest.raises(ValueError, match="optimization_level"):
+        CompilationConfig(optimization_level=4)

@@ -27,7 +27,8 @@ SHORT_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-
                  "quantization": ("-q",), "enable_expert_parallel": ("-ep",), "api_server_count": ("-asc",),
                  "nnodes": ("-n",), "node_rank": ("-r",),
                  "data_parallel_size_local": ("-dpl",), "data_parallel_start_rank": ("-dpr",),
-                 "data_parallel_address": ("-dpa",), "data_parallel_rpc_port": ("-dpp",)}
+                 "data_parallel_address": ("-dpa",), "data_parallel_rpc_port": ("-dpp",),
+                 "compilation_config": ("-cc",), "optimization_level": ("-O",)}
 PARSER_CLASSES = (*CONFIG_CLASSES, FrontendConfig)
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _DOTTED = "\x00dotted:"
@@ -174,13 +175,11 @@ NOT_YET_SUPPORTED: dict[str, NotYetSupported] = {
     "kv_transfer_config": _n("json", None, "Distributed KV cache transfer (disaggregated prefill)."),
     "kv_events_config": _n("json", None, "KV cache event publishing."),
     "ec_transfer_config": _n("json", None, "Distributed encoder cache transfer."),
-    "compilation_config": _n("json", None, "torch.compile and CUDA graph settings.", "-cc"),
     "attention_config": _n("json", None, "Attention settings.", "-ac"),
     "reasoning_config": _n("json", None, "Reasoning-model settings."),
     "kernel_config": _n("json", None, "Kernel settings."),
     "additional_config": _n("json", {}, "Platform-specific settings."),
     "profiler_config": _n("json", None, "Profiler settings."),
-    "optimization_level": _n("int", 2, "Compilation effort, -O0 to -O3.", "-O"),
     "performance_mode": _n("str", "balanced", "Performance mode (balanced, interactivity, throughput)."),
     "weight_transfer_config": _n("json", None, "Weight transfer during RL training."),
 }

@@ -2,11 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from tokenmill.config.utils import config_field
+from tokenmill.config.utils import config_field, not_supported_yet
 
 
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+# vLLM's torch.compile levels (its CompilationConfig.mode / level). tokenmill compiles nothing: its fused Triton
+# kernels run at every level, so each of these describes what tokenmill does.
+COMPILE_MODES = (0, 1, 2, 3, "NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_COMPILE")
+# Keys of vLLM's --compilation-config that map onto these fields.
+_GRAPH_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
+# -O levels -> cudagraph_mode when it is not set explicitly (vLLM's levels trade start-up time for speed).
+_LEVEL_MODES = {0: "NONE", 1: "FULL_DECODE_ONLY", 2: None, 3: None}
 
 
 @dataclass
@@ -23,8 +31,21 @@ class CompilationConfig:
                    "FULL_AND_PIECEWISE (the default, as in vLLM): decode batches, and batches with prefill chunks "
                    "up to 512 tokens (tokenmill captures the whole forward, attention included, for those too). "
                    "NONE: no graphs (like enforce_eager).")
+    compilation_config: dict[str, Any] | int | None = config_field(
+        None, help="vLLM's compilation config as JSON (-cc, or -cc.KEY VALUE): its cudagraph_capture_sizes, "
+                   "max_cudagraph_capture_size and cudagraph_mode set the flags of the same names; its mode / level "
+                   "(torch.compile levels 0-3) are accepted and change nothing, as tokenmill runs its own fused "
+                   "Triton kernels instead of torch.compile. Any other key is an error.")
+    optimization_level: int = config_field(
+        2, help="-O0: no CUDA graphs (the fastest start-up); -O1: decode-batch graphs only; -O2 (the default) and "
+                "-O3: decode and mixed-batch graphs. An explicit --cudagraph-mode wins.", choices=(0, 1, 2, 3))
 
     def __post_init__(self) -> None:
+        if self.optimization_level not in _LEVEL_MODES:
+            raise ValueError(f"Invalid value {self.optimization_level!r} for `optimization_level`: 0, 1, 2 or 3.")
+        self._apply_compilation_config()
+        if self.cudagraph_mode is None and self.optimization_level in _LEVEL_MODES:
+            self.cudagraph_mode = _LEVEL_MODES[self.optimization_level]
         if self.cudagraph_capture_sizes is not None:
             sizes = self.cudagraph_capture_sizes
             if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
@@ -37,6 +58,32 @@ class CompilationConfig:
                 raise ValueError(f"Invalid value {self.cudagraph_mode!r} for `cudagraph_mode`: one of "
                                  f"{', '.join(CUDAGRAPH_MODES)}.")
             self.cudagraph_mode = mode
+
+    def _apply_compilation_config(self) -> None:
+        cc = self.compilation_config
+        if cc is None:
+            return
+        if isinstance(cc, int) and not isinstance(cc, bool):  # vLLM's LLM(compilation_config=3): a compile level
+            cc = {"mode": cc}
+        if not isinstance(cc, dict):
+            raise ValueError(f"Invalid value {cc!r} for `compilation_config`: a JSON object (or a compile level).")
+        unknown = sorted(k for k in cc if k not in (*_GRAPH_KEYS, "mode", "level"))
+        if unknown:
+            raise not_supported_yet("compilation_config", {k: cc[k] for k in unknown},
+                                    "Its keys cudagraph_capture_sizes, max_cudagraph_capture_size, cudagraph_mode "
+                                    "and mode / level are.")
+        for key in ("mode", "level"):
+            if key in cc and cc[key] is not None and cc[key] not in COMPILE_MODES:
+                raise ValueError(f"Invalid value {cc[key]!r} for `compilation_config.{key}`: one of "
+                                 f"{', '.join(map(str, COMPILE_MODES))}.")
+        for key in _GRAPH_KEYS:
+            if key not in cc or cc[key] is None:
+                continue
+            mine = getattr(self, key)
+            if mine is not None and mine != cc[key]:
+                raise ValueError(f"`{key}` is given twice with different values: {mine!r} and "
+                                 f"compilation_config.{key}={cc[key]!r}.")
+            setattr(self, key, cc[key])
 
     @property
     def graphs_enabled(self) -> bool:

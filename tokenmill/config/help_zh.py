@@ -506,13 +506,17 @@ HELP_ZH: dict[str, str] = {
     "kv_transfer_config": "分布式 KV 缓存传输（预填充与解码分离部署）的设置。",
     "kv_events_config": "KV 缓存事件发布的设置。",
     "ec_transfer_config": "分布式编码器缓存传输的设置。",
-    "compilation_config": "torch.compile 与 CUDA Graph 的设置（简写 -cc）。",
+    "compilation_config": ("vLLM 的编译配置，JSON 格式（-cc，或 -cc.键 值）：其中 cudagraph_capture_sizes、"
+                           "max_cudagraph_capture_size、cudagraph_mode 与同名参数等效；mode / level（torch.compile "
+                           "级别 0-3）可以写，但不改变任何行为，因为 tokenmill 不用 torch.compile，而是始终运行自己的"
+                           "融合 Triton 内核。其他键会报错。"),
     "attention_config": "注意力的设置（简写 -ac）。",
     "reasoning_config": "推理模型的设置。",
     "kernel_config": "内核相关的设置。",
     "additional_config": "特定平台的额外设置。",
     "profiler_config": "性能分析器的设置。",
-    "optimization_level": "编译优化级别，-O0 到 -O3。",
+    "optimization_level": ("-O0：不用 CUDA Graph（启动最快）；-O1：只为解码批捕获图；-O2（默认）和 -O3：解码批与混合批"
+                           "都用图。显式指定的 --cudagraph-mode 优先。"),
     "performance_mode": "性能模式：balanced、interactivity 或 throughput。",
     "weight_transfer_config": "强化学习训练中权重传输的设置。",
 }
