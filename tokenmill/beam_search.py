@@ -1,4 +1,4 @@
-"""Beam search for the offline API (`LLM.beam_search`), with vLLM's parameters, outputs and scoring.
+"""Beam search (`LLM.beam_search`, and `use_beam_search` in the API), with vLLM's parameters, outputs and scoring.
 
 Each step extends every live beam by one token: all beams of all prompts go to the engine together as one batch of
 max_tokens=1 requests asking for the top 2 * beam_width logprobs, and the prefix cache makes each of them cost about
@@ -100,8 +100,13 @@ def beam_search(llm: "LLM", prompts: list[Any], params: BeamSearchParams,
                 use_tqdm: bool = False) -> list[BeamSearchOutput]:
     """LLM.beam_search: all prompts searched together, one engine batch per step."""
     engine = llm.llm_engine
-    search = BeamSearch([engine.processor.tokenize_prompt(p)[1] for p in prompts], params,
-                        engine.processor.eos_token_id, engine.processor.max_logprobs)
+    proc = engine.processor
+    prompt_ids = [proc.tokenize_prompt(p)[1] for p in prompts]
+    for ids in prompt_ids:
+        if len(ids) + params.max_tokens > proc.max_model_len:
+            raise ValueError(f"A prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds the maximum "
+                             f"model length of {proc.max_model_len} tokens; lower max_tokens.")
+    search = BeamSearch(prompt_ids, params, proc.eos_token_id, proc.max_logprobs)
     for _ in range(params.max_tokens):
         pending = search.pending()
         if not pending:

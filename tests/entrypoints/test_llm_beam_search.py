@@ -75,5 +75,7 @@ def test_token_prompts_and_bad_params(pair):
         BeamSearchParams(beam_width=0, max_tokens=2)
     with pytest.raises(ValueError, match="max_tokens"):
         BeamSearchParams(beam_width=2, max_tokens=0)
+    with pytest.raises(ValueError, match="maximum model length"):
+        llm.beam_search([{"prompt_token_ids": [5] * 250}], BeamSearchParams(beam_width=2, max_tokens=10))
     with pytest.raises(ValueError, match="max_logprobs"):  # 2 * 11 logprobs per step > the default 20
         llm.beam_search(PROMPTS, BeamSearchParams(beam_width=11, max_tokens=2))
