@@ -73,6 +73,9 @@ def test_simple_routes(http):
     models = http.get("/v1/models").json()["data"]
     assert [m["id"] for m in models] == [MODEL, "alias"]
     assert models[0]["max_model_len"] == MAX_MODEL_LEN and models[0]["owned_by"] == "tokenmill"
+    assert http.get("/v1/models/alias").json()["id"] == "alias"           # openai's models.retrieve
+    err = http.get("/v1/models/org/none").json()["error"]
+    assert err["code"] == 404 and "org/none" in err["message"]
     assert http.get("/openapi.json").json()["paths"]["/v1/completions"]
     assert http.get("/docs").status_code == 200 and http.get("/redoc").status_code == 200
     text = http.get("/metrics").text

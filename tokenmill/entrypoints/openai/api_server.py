@@ -308,6 +308,13 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     async def show_models() -> Response:
         return Response(content=models.show_available_models().model_dump_json(), media_type="application/json")
 
+    @app.get("/v1/models/{model_id:path}")  # OpenAI's "retrieve model"; served names may hold slashes
+    async def show_model(model_id: str) -> Response:
+        card = models.find(model_id)
+        if card is None:
+            raise ServingError(f"The model `{model_id}` does not exist.", 404, "model", "NotFoundError")
+        return Response(content=card.model_dump_json(), media_type="application/json")
+
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:
         out = await tokenization.create_tokenize(request)

@@ -1,4 +1,4 @@
-"""GET /v1/models and the served-model-name check every endpoint uses."""
+"""GET /v1/models (and /v1/models/{id}) and the served-model-name check every endpoint uses."""
 from __future__ import annotations
 
 import uuid
@@ -31,3 +31,7 @@ class OpenAIServingModels:
                            permission=[ModelPermission(id=f"modelperm-{uuid.uuid4().hex}")])
                  for name in self.served_model_names]
         return ModelList(data=cards)
+
+    def find(self, name: str) -> ModelCard | None:
+        """The card of served name `name`, or None."""
+        return next((card for card in self.show_available_models().data if card.id == name), None)
