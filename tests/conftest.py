@@ -61,6 +61,14 @@ def _make_config(arch: str, vocab_size: int, bos: int, eos: int):
         if kind == "yarn":
             scaling["original_max_position_embeddings"] = 128
         return tf.LlamaConfig(**common, rope_scaling=scaling)
+    if arch == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint, partial rotary (Phi-4-mini's 0.75)
+        return tf.Phi3Config(**common, partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=None,
+                             pad_token_id=eos)
+    if arch == "phi3_longrope":  # Phi-3-mini-128k's LongRoPE scaling, with the short and long factors
+        half = TINY["hidden_size"] // TINY["num_attention_heads"] // 2
+        return tf.Phi3Config(**common, sliding_window=None, pad_token_id=eos, original_max_position_embeddings=64,
+                             rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                           "long_factor": [1.5 + 0.2 * i for i in range(half)]})
     if arch == "qwen2_untied":
         return tf.Qwen2Config(**common, tie_word_embeddings=False)
     raise ValueError(arch)

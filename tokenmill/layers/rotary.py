@@ -28,9 +28,24 @@ def compute_inv_freq(hf_config, head_dim: int, max_model_len: int) -> tuple[torc
     if rope_type == "dynamic" and max_model_len > hf_config.max_position_embeddings:
         # HF rescales per call with the live length; a paged cache needs one table, so scale for the longest.
         inv_freq, scaling = fn(hf_config, torch.device("cpu"), seq_len=max_model_len)
+    elif rope_type == "longrope" and max_model_len > _longrope_original_len(hf_config, params):
+        # HF switches from the short to the long factors once a sequence outgrows the pretraining length (and
+        # recomputes its cache then). One table serves every sequence here, so it holds the long factors: exactly
+        # HF's for sequences past that length; shorter ones get the long factors too.
+        from tokenmill.logger import init_logger
+        init_logger(__name__).info(
+            "LongRoPE: max_model_len %d exceeds the pretraining length %d, so every sequence uses the long factors "
+            "(HF uses the short ones below that length; set max_model_len <= %d for them).", max_model_len,
+            _longrope_original_len(hf_config, params), _longrope_original_len(hf_config, params))
+        inv_freq, scaling = fn(hf_config, torch.device("cpu"), seq_len=max_model_len)
     else:
         inv_freq, scaling = fn(hf_config, torch.device("cpu"))
     return inv_freq.float(), float(scaling), rotary_dim
+
+
+def _longrope_original_len(hf_config, params: dict) -> int:
+    return int(params.get("original_max_position_embeddings")
+               or getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,6 +1,7 @@
-"""Llama-family decoders: Llama / Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+"""Llama-family decoders: Llama / Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and Phi-3 (fused
+checkpoint tensors).
 
-One implementation with two switches keeps the three architectures from drifting apart.
+One implementation with a few switches keeps the architectures from drifting apart.
 """
 from __future__ import annotations
 
@@ -225,3 +226,11 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 / Phi-3.5 / Phi-4 (and their mini variants): the Llama layer with q/k/v and gate/up already fused in
+    the checkpoint (`qkv_proj`, `gate_up_proj`, split by the layers' loaders), partial rotary and LongRoPE scaling
+    from the config, no biases."""
+
+    packed_modules_mapping: dict = {}

@@ -8,10 +8,11 @@ _MODELS = {
     "MistralForCausalLM": ("tokenmill.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("tokenmill.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tokenmill.models.llama", "Qwen3ForCausalLM"),
+    "Phi3ForCausalLM": ("tokenmill.models.llama", "Phi3ForCausalLM"),
 }
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def architecture_for_model_type(model_type: str | None) -> str | None:
