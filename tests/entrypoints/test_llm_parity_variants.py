@@ -31,22 +31,31 @@ def test_variant_matches_hf(tiny_model_factory, arch):
             assert abs(c.logprobs[pos][tid].logprob - ref) < 1e-4
 
 
-@pytest.mark.parametrize("max_model_len,prompt_len", [(64, 20), (256, 80)])
-def test_phi3_longrope_matches_hf(tiny_model_factory, max_model_len, prompt_len):
-    """LongRoPE (pretraining length 64 here): within it the short factors, as HF; past it the long factors, which HF
-    uses for a sequence whose prompt is already longer."""
+def _hf_greedy(hf, ids, n=8):
+    with torch.no_grad():
+        g = hf.generate(ids, max_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                        eos_token_id=None, pad_token_id=0)
+    return g.sequences[0, ids.shape[1]:].tolist(), [torch.log_softmax(l[0].float(), -1) for l in g.logits]
+
+
+def test_phi3_longrope_matches_hf(tiny_model_factory):
+    """LongRoPE, pretraining length 64 here. HF uses the short factors for a sequence within that length and the long
+    ones for a longer prompt; tokenmill keeps both tables and picks per request, in one batch, and a long prompt
+    never reuses a short prompt's cached blocks (they were encoded with the other table)."""
     import transformers as tf
     d = tiny_model_factory("phi3_longrope")
     hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    llm = LLM(d, max_model_len=max_model_len, num_gpu_blocks_override=64, block_size=8)
-    ids = torch.randint(3, 1000, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
-    out = llm.generate({"prompt_token_ids": ids[0].tolist()},
-                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1), use_tqdm=False)[0]
-    with torch.no_grad():
-        g = hf.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
-                        eos_token_id=None, pad_token_id=0)
-    c = out.outputs[0]
-    assert c.token_ids == g.sequences[0, prompt_len:].tolist()
-    for pos, tid in enumerate(c.token_ids):
-        ref = torch.log_softmax(g.logits[pos][0].float(), -1)[tid].item()
-        assert abs(c.logprobs[pos][tid].logprob - ref) < 1e-4
+    llm = LLM(d, max_model_len=256, num_gpu_blocks_override=64, block_size=8)
+    gen = torch.Generator().manual_seed(3)
+    short = torch.randint(3, 1000, (1, 40), generator=gen)
+    long = torch.cat([short, torch.randint(3, 1000, (1, 40), generator=gen)], dim=1)   # 80 > 64, same start
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    first = llm.generate([{"prompt_token_ids": short[0].tolist()}], sp, use_tqdm=False)
+    both = llm.generate([{"prompt_token_ids": long[0].tolist()}, {"prompt_token_ids": short[0].tolist()}], sp,
+                        use_tqdm=False)
+    for out, ids in ((first[0], short), (both[0], long), (both[1], short)):
+        ref_ids, ref_lps = _hf_greedy(hf, ids)
+        c = out.outputs[0]
+        assert c.token_ids == ref_ids, ids.shape
+        for pos, tid in enumerate(c.token_ids):
+            assert abs(c.logprobs[pos][tid].logprob - ref_lps[pos][tid].item()) < 1e-4

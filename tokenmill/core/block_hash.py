@@ -43,15 +43,23 @@ def salted_root(hash_fn: Callable[[bytes], bytes], salt: str | None) -> bytes | 
 class BlockHasher:
     """Computes the keys of a request's blocks that became full since the last call."""
 
-    def __init__(self, block_size: int, algo: str) -> None:
+    def __init__(self, block_size: int, algo: str, long_rope_prompt_len: int | None = None) -> None:
         self.block_size = block_size
         self.hash_fn = get_hash_fn(algo)
+        # LongRoPE: prompts longer than this are encoded with the other RoPE table, so they chain from another root.
+        self.long_rope_prompt_len = long_rope_prompt_len
 
     def __call__(self, request) -> list[bytes]:
         bs = self.block_size
         start = len(request.block_hashes)
         end = request.num_tokens // bs
-        parent = request.block_hashes[-1] if start else salted_root(self.hash_fn, request.cache_salt)
+        if start:
+            parent = request.block_hashes[-1]
+        else:
+            salt = request.cache_salt
+            if self.long_rope_prompt_len is not None and request.num_prompt_tokens > self.long_rope_prompt_len:
+                salt = f"{salt or ''}\x00long-rope"
+            parent = salted_root(self.hash_fn, salt)
         tokens = request.all_token_ids
         new = []
         for i in range(start, end):  # one iteration per *block* filled (at most one per decode step)

@@ -12,6 +12,16 @@ from tokenmill.engine.messages import (EngineCoreOutput, EngineCoreOutputs, Engi
                                        LogprobsLists, SchedulerStats)
 
 
+
+def _long_rope_prompt_len(config: TokenmillConfig) -> int | None:
+    """LongRoPE models read a second RoPE table for prompts longer than this (layers/rotary.py): their cached
+    blocks are not interchangeable with shorter prompts' ones."""
+    hf_config = getattr(config.model_config, "hf_config", None)
+    if hf_config is None:
+        return None
+    from tokenmill.layers.rotary import longrope_switch
+    return longrope_switch(hf_config, config.model_config.max_model_len)
+
 class Scheduler:
     """Decides, each step, how many tokens of which requests to compute.
 
@@ -40,7 +50,7 @@ class Scheduler:
         self.pp_size = config.parallel_config.pipeline_parallel_size
         self._runner_num_tokens: dict[str, int] = {}  # pp > 1: tokens the runners know, per request
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.block_hasher = BlockHasher(cc.block_size, cc.prefix_caching_hash_algo) \
+        self.block_hasher = BlockHasher(cc.block_size, cc.prefix_caching_hash_algo, _long_rope_prompt_len(config)) \
             if cc.enable_prefix_caching else None
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(self.policy)

@@ -10,7 +10,8 @@ from torch import nn
 
 
 def compute_inv_freq(hf_config, head_dim: int, max_model_len: int) -> tuple[torch.Tensor, float, int]:
-    """Returns (inv_freq [rotary_dim / 2], attention scaling applied to cos/sin, rotary_dim)."""
+    """Returns (inv_freq [rotary_dim / 2], attention scaling applied to cos/sin, rotary_dim). For LongRoPE these are
+    the short factors; `long_inv_freq` gives the long ones."""
     from tokenmill.transformers_utils.config import get_rope_params
     params = get_rope_params(hf_config)
     rope_type = params.get("rope_type", "default")
@@ -28,37 +29,52 @@ def compute_inv_freq(hf_config, head_dim: int, max_model_len: int) -> tuple[torc
     if rope_type == "dynamic" and max_model_len > hf_config.max_position_embeddings:
         # HF rescales per call with the live length; a paged cache needs one table, so scale for the longest.
         inv_freq, scaling = fn(hf_config, torch.device("cpu"), seq_len=max_model_len)
-    elif rope_type == "longrope" and max_model_len > _longrope_original_len(hf_config, params):
-        # HF switches from the short to the long factors once a sequence outgrows the pretraining length (and
-        # recomputes its cache then). One table serves every sequence here, so it holds the long factors: exactly
-        # HF's for sequences past that length; shorter ones get the long factors too.
-        from tokenmill.logger import init_logger
-        init_logger(__name__).info(
-            "LongRoPE: max_model_len %d exceeds the pretraining length %d, so every sequence uses the long factors "
-            "(HF uses the short ones below that length; set max_model_len <= %d for them).", max_model_len,
-            _longrope_original_len(hf_config, params), _longrope_original_len(hf_config, params))
-        inv_freq, scaling = fn(hf_config, torch.device("cpu"), seq_len=max_model_len)
     else:
         inv_freq, scaling = fn(hf_config, torch.device("cpu"))
     return inv_freq.float(), float(scaling), rotary_dim
 
 
-def _longrope_original_len(hf_config, params: dict) -> int:
-    return int(params.get("original_max_position_embeddings")
-               or getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
+def longrope_switch(hf_config, max_model_len: int) -> int | None:
+    """For LongRoPE, the pretraining length past which HF uses the long factors, when max_model_len exceeds it;
+    None otherwise (one table, the short factors, is then exact).
+
+    HF picks the factors per sequence: short while it is no longer than that length, long beyond (recomputing its
+    cache when it crosses). tokenmill keeps both tables, stacked; a request whose prompt is longer than the
+    pretraining length reads the long half (`RotaryEmbedding.long_offset` added to its positions, see the model
+    runner), every other request the short half. That is exactly HF for both, except for a sequence that crosses the
+    length while it generates (HF recomputes it with the long factors; here it keeps the short ones)."""
+    from tokenmill.transformers_utils.config import get_rope_params
+    params = get_rope_params(hf_config)
+    if params.get("rope_type") != "longrope":
+        return None
+    original = int(params.get("original_max_position_embeddings")
+                   or getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
+    return original if max_model_len > original else None
+
+
+def long_inv_freq(hf_config, max_model_len: int) -> torch.Tensor:
+    """The LongRoPE inverse frequencies with the long factors (see longrope_switch)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, torch.device("cpu"), seq_len=max_model_len)
+    return inv_freq.float()
 
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE (neox layout: the two halves of the rotary dims rotate together) to q and k in place of a copy."""
 
     def __init__(self, inv_freq: torch.Tensor, head_dim: int, rotary_dim: int, max_position: int,
-                 scaling: float = 1.0, is_neox_style: bool = True) -> None:
+                 scaling: float = 1.0, is_neox_style: bool = True, long_inv_freq: torch.Tensor | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.is_neox_style = is_neox_style
+        # With `long_inv_freq` (LongRoPE), rows [max_position, 2 * max_position) hold the long factors' table:
+        # position p of a request that uses them is looked up at p + long_offset.
+        self.long_offset = max_position if long_inv_freq is not None else 0
         t = torch.arange(max_position, dtype=torch.float32)  # on the default device (the model's, at build time)
         freqs = t[:, None] * inv_freq.to(t.device)[None, :]
+        if long_inv_freq is not None:
+            freqs = torch.cat([freqs, t[:, None] * long_inv_freq.to(t.device)[None, :]])
         self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
 

@@ -18,13 +18,23 @@ from tokenmill.distributed.pp import (IntermediateTensors, PPMissingLayer, is_pp
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                      default_weight_loader)
-from tokenmill.layers.rotary import RotaryEmbedding, compute_inv_freq
+from tokenmill.layers.rotary import RotaryEmbedding, compute_inv_freq, long_inv_freq, longrope_switch
 from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 
+def make_rotary(cfg, max_model_len: int) -> RotaryEmbedding:
+    """The model's one RoPE table, shared by every layer (a table per layer cost, e.g., ~0.5 GB at 32k positions for
+    32 layers)."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    inv_freq, scaling, rotary_dim = compute_inv_freq(cfg, head_dim, max_model_len)
+    max_pos = max(max_model_len, getattr(cfg, "max_position_embeddings", max_model_len))
+    long = long_inv_freq(cfg, max_model_len) if longrope_switch(cfg, max_model_len) is not None else None
+    return RotaryEmbedding(inv_freq, head_dim, rotary_dim, max_pos, scaling, long_inv_freq=long)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, layer_idx: int, max_model_len: int, backend_cls: type, biases: tuple[bool, bool],
-                 qk_norm: bool) -> None:
+    def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, backend_cls: type,
+                 biases: tuple[bool, bool], qk_norm: bool) -> None:
         super().__init__()
         hidden = cfg.hidden_size
         qkv_bias, o_bias = biases
@@ -37,9 +47,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias)
-        inv_freq, scaling, rotary_dim = compute_inv_freq(cfg, self.head_dim, max_model_len)
-        max_pos = max(max_model_len, getattr(cfg, "max_position_embeddings", max_model_len))
-        self.rotary_emb = RotaryEmbedding(inv_freq, self.head_dim, rotary_dim, max_pos, scaling)
+        self.rotary_emb = rotary_emb
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -85,10 +93,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, max_model_len: int, backend_cls: type, biases: tuple[bool, bool],
-                 qk_norm: bool) -> None:
+    def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, backend_cls: type,
+                 biases: tuple[bool, bool], qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, max_model_len, backend_cls, biases, qk_norm)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, backend_cls, biases, qk_norm)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -112,8 +120,9 @@ class LlamaModel(nn.Module):
         self.start, self.end = pp_layer_range(cfg.num_hidden_layers, pp.pp_rank, pp.pp_size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first \
             else PPMissingLayer()
+        rotary = make_rotary(cfg, max_model_len)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, max_model_len, backend_cls, biases, qk_norm) if self.start <= i < self.end
+            LlamaDecoderLayer(cfg, i, rotary, backend_cls, biases, qk_norm) if self.start <= i < self.end
             else PPMissingLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else PPMissingLayer()
         self._own_layers = tuple(self.layers[self.start:self.end])  # a plain tuple: no per-step slicing
@@ -148,6 +157,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, max_model_len, backend_cls, self.attention_biases(hf_config),
                                 self.qk_norm)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # LongRoPE with two tables: (prompt length past which a request uses the long one, its position offset).
+        switch = longrope_switch(hf_config, max_model_len)
+        self.rope_long_switch = None if switch is None else (
+            switch, max(max_model_len, getattr(hf_config, "max_position_embeddings", max_model_len)))
         if not self.model.is_last:
             self.lm_head = PPMissingLayer()
         elif self.tie_word_embeddings and self.model.is_first:

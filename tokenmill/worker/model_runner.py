@@ -65,6 +65,8 @@ class ModelRunner:
     # ----- set-up -----
     def load_model(self) -> None:
         self.model = load_model(self.config, self.device, self.backend_cls)
+        # (prompt length, position offset): requests with longer prompts read the second RoPE table (LongRoPE).
+        self.rope_long_switch: tuple[int, int] | None = getattr(self.model, "rope_long_switch", None)
         text = self.config.model_config.get_text_config()
         ps = self.parallel = get_parallel_state()  # called inside the worker's use_parallel_state
         self.is_first_stage, self.is_last_stage = ps.pp_rank == 0, ps.pp_rank == ps.pp_size - 1
@@ -177,6 +179,10 @@ class ModelRunner:
         input_ids = b.token_ids[token_rows, positions].astype(np.int64)
         slots = b.block_table[token_rows, positions // self.block_size].astype(np.int64) * self.block_size \
             + positions % self.block_size
+        rope_positions = positions
+        if self.rope_long_switch is not None:
+            length, offset = self.rope_long_switch
+            rope_positions = positions + np.where(b.num_prompt_tokens[token_rows] > length, offset, 0)
         seq_lens = computed + n_sched
         qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         qsl[1:] = cu
@@ -188,7 +194,7 @@ class ModelRunner:
         if self.cuda_graphs is not None:
             # Prompt logprobs need every token's hidden state; a mixed graph returns only each request's last.
             wants_prompt_lp = bool(self.prompt_logprobs) and any(r in self.prompt_logprobs for r in req_ids)
-            graph = self.cuda_graphs.load(input_ids, positions, slots, qsl, seq_lens, block_table,
+            graph = self.cuda_graphs.load(input_ids, rope_positions, slots, qsl, seq_lens, block_table,
                                           allow_mixed=not wants_prompt_lp)
         if graph is not None:
             # The graph returns the logits of every request's last token (a chunk that does not end its prompt
@@ -213,7 +219,7 @@ class ModelRunner:
                 self._apply_fixup(ids_t, fixup)
             inter = None if self.is_first_stage else self.link.recv(total)
             with set_forward_context(md, self.kv_caches):
-                hidden = self.model(ids_t, to_device(positions, dev), inter)
+                hidden = self.model(ids_t, to_device(rope_positions, dev), inter)
             if not self.is_last_stage:
                 self.link.send(hidden)  # returns at once: the next stage takes it from here
                 return
