@@ -40,6 +40,13 @@ def beam_score(seq: BeamSearchSequence, eos_token_id: int | None, length_penalty
     return seq.cum_logprob / (max(n, 1) ** length_penalty)
 
 
+def check_beam_width(beam_width: int, max_logprobs: int) -> None:
+    """Each step asks the engine for the top 2 * beam_width logprobs, which max_logprobs (-1: no limit) must allow."""
+    if max_logprobs != -1 and 2 * beam_width > max_logprobs:
+        raise ValueError(f"beam_width={beam_width} (n) needs the top {2 * beam_width} logprobs per step, but "
+                         f"max_logprobs (--max-logprobs) is {max_logprobs}; lower it or raise max_logprobs.")
+
+
 class BeamSearch:
     """The search over several prompts at once. Drive it with `pending()` (the beams to extend next: run each as a
     one-token request with `step_params`), then `advance()` with the top logprobs each of them got; stop when
@@ -48,9 +55,7 @@ class BeamSearch:
     def __init__(self, prompt_ids: list[list[int]], params: BeamSearchParams, eos_token_id: int | None,
                  max_logprobs: int) -> None:
         k = params.beam_width
-        if max_logprobs != -1 and 2 * k > max_logprobs:
-            raise ValueError(f"beam_width={k} needs the top {2 * k} logprobs per step, but max_logprobs is "
-                             f"{max_logprobs}; lower beam_width or raise max_logprobs.")
+        check_beam_width(k, max_logprobs)
         self.params, self.eos = params, eos_token_id
         self.prompt_lens = [len(ids) for ids in prompt_ids]
         self.live = [[BeamSearchSequence(tokens=list(ids))] for ids in prompt_ids]

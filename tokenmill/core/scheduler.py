@@ -12,7 +12,6 @@ from tokenmill.engine.messages import (EngineCoreOutput, EngineCoreOutputs, Engi
                                        LogprobsLists, SchedulerStats)
 
 
-
 def _long_rope_prompt_len(config: TokenmillConfig) -> int | None:
     """LongRoPE models read a second RoPE table for prompts longer than this (layers/rotary.py): their cached
     blocks are not interchangeable with shorter prompts' ones."""
@@ -21,6 +20,7 @@ def _long_rope_prompt_len(config: TokenmillConfig) -> int | None:
         return None
     from tokenmill.layers.rotary import longrope_switch
     return longrope_switch(hf_config, config.model_config.max_model_len)
+
 
 class Scheduler:
     """Decides, each step, how many tokens of which requests to compute.

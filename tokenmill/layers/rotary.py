@@ -63,14 +63,16 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE (neox layout: the two halves of the rotary dims rotate together) to q and k in place of a copy."""
 
     def __init__(self, inv_freq: torch.Tensor, head_dim: int, rotary_dim: int, max_position: int,
-                 scaling: float = 1.0, is_neox_style: bool = True, long_inv_freq: torch.Tensor | None = None) -> None:
+                 scaling: float = 1.0, is_neox_style: bool = True, long_inv_freq: torch.Tensor | None = None,
+                 long_prompt_len: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.is_neox_style = is_neox_style
         # With `long_inv_freq` (LongRoPE), rows [max_position, 2 * max_position) hold the long factors' table:
-        # position p of a request that uses them is looked up at p + long_offset.
+        # position p of a request whose prompt is longer than long_prompt_len is looked up at p + long_offset.
         self.long_offset = max_position if long_inv_freq is not None else 0
+        self.long_prompt_len = long_prompt_len if long_inv_freq is not None else None
         t = torch.arange(max_position, dtype=torch.float32)  # on the default device (the model's, at build time)
         freqs = t[:, None] * inv_freq.to(t.device)[None, :]
         if long_inv_freq is not None:

@@ -24,12 +24,14 @@ from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParal
 
 def make_rotary(cfg, max_model_len: int) -> RotaryEmbedding:
     """The model's one RoPE table, shared by every layer (a table per layer cost, e.g., ~0.5 GB at 32k positions for
-    32 layers)."""
+    32 layers). With LongRoPE past the pretraining length it also holds the long table (see longrope_switch)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     inv_freq, scaling, rotary_dim = compute_inv_freq(cfg, head_dim, max_model_len)
     max_pos = max(max_model_len, getattr(cfg, "max_position_embeddings", max_model_len))
-    long = long_inv_freq(cfg, max_model_len) if longrope_switch(cfg, max_model_len) is not None else None
-    return RotaryEmbedding(inv_freq, head_dim, rotary_dim, max_pos, scaling, long_inv_freq=long)
+    switch = longrope_switch(cfg, max_model_len)
+    long = long_inv_freq(cfg, max_model_len) if switch is not None else None
+    return RotaryEmbedding(inv_freq, head_dim, rotary_dim, max_pos, scaling, long_inv_freq=long,
+                           long_prompt_len=switch)
 
 
 class LlamaAttention(nn.Module):
@@ -120,7 +122,7 @@ class LlamaModel(nn.Module):
         self.start, self.end = pp_layer_range(cfg.num_hidden_layers, pp.pp_rank, pp.pp_size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first \
             else PPMissingLayer()
-        rotary = make_rotary(cfg, max_model_len)
+        self.rotary = rotary = make_rotary(cfg, max_model_len)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, rotary, backend_cls, biases, qk_norm) if self.start <= i < self.end
             else PPMissingLayer() for i in range(cfg.num_hidden_layers))
@@ -158,9 +160,8 @@ class LlamaForCausalLM(nn.Module):
                                 self.qk_norm)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # LongRoPE with two tables: (prompt length past which a request uses the long one, its position offset).
-        switch = longrope_switch(hf_config, max_model_len)
-        self.rope_long_switch = None if switch is None else (
-            switch, max(max_model_len, getattr(hf_config, "max_position_embeddings", max_model_len)))
+        rope = self.model.rotary
+        self.rope_long_switch = None if rope.long_prompt_len is None else (rope.long_prompt_len, rope.long_offset)
         if not self.model.is_last:
             self.lm_head = PPMissingLayer()
         elif self.tie_word_embeddings and self.model.is_first:

@@ -335,10 +335,12 @@ class OpenAIServing:
             bad.append("logprobs")
         if bad:
             raise ServingError(f"{', '.join(bad)}: cannot be combined with use_beam_search.", 400, bad[0])
-        if self.max_logprobs != -1 and 2 * params.n > self.max_logprobs:
-            raise ServingError(f"use_beam_search with n={params.n} beams needs the top {2 * params.n} logprobs per "
-                               f"step, but the server's --max-logprobs is {self.max_logprobs}.", 400, "n")
+        from tokenmill.beam_search import check_beam_width
         from tokenmill.sampling_params import BeamSearchParams
+        try:
+            check_beam_width(params.n, self.max_logprobs)
+        except ValueError as e:
+            raise ServingError(str(e), 400, "n") from None
         temperature = request.temperature
         if temperature is None:
             temperature = self.default_sampling_params.get("temperature", 1.0)
