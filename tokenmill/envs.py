@@ -27,6 +27,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Small-batch decode GEMV (tokenmill/layers/linear_ops.py): "auto" = only where measured faster than cuBLAS,
     # "always" = every eligible product (tests use it to cover the fused path on tiny shapes), "never" = cuBLAS.
     "TOKENMILL_GEMV": _str("TOKENMILL_GEMV", "auto"),
+    # Programmatic dependent launch between the Triton kernels of a step (Hopper and newer): each kernel starts
+    # while the previous one finishes and waits on the GPU for its inputs; weights are read before that wait.
+    # 0 = plain stream order (an A/B switch; tokenmill/kernels/pdl.py).
+    "TOKENMILL_PDL": _bool("TOKENMILL_PDL", True),
     # KV cache size on CPU when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given.
     "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _int("TOKENMILL_CPU_KVCACHE_SPACE_GIB", 1),
     # Number of torch intra-op threads on CPU (0 = torch's default).

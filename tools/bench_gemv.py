@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 import types
@@ -21,6 +20,7 @@ import types
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --smoke: the whole script on the CPU through Triton's interpreter with tiny shapes (checks the script, not speed).
 SMOKE = "--smoke" in sys.argv
+DEEP = "--deep" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 # Import only the kernel modules: the package's __init__ needs msgspec, which the bare device image may lack.
@@ -31,6 +31,9 @@ if "tokenmill" not in sys.modules:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_timing import graph_us as _graph_us  # noqa: E402
 
 from tokenmill.kernels.triton_gemv import GemvConfig, _num_sms, default_config, gemv, launch_plan  # noqa: E402
 from tokenmill.kernels.triton_kv_store import store_kv  # noqa: E402
@@ -59,10 +62,19 @@ SHAPE_SETS = {
         ("l3tp2.gate_up", 4096, 14336, None), ("l3tp2.gate_up+norm", 4096, 14336, "norm"),
         ("l3tp2.down", 7168, 4096, None), ("l3tp2.down+silu", 7168, 4096, "silu"),
         ("l3tp2.lm_head", 4096, 64128, None)],
+    # Every product a batch-1 decode step of Qwen3-0.6B / Llama-3-8B runs (with the prologues it can fuse).
+    "bs1": [("q3.qkv+norm", 1024, 4096, "norm"), ("q3.o", 2048, 1024, None), ("q3.gate_up+norm", 1024, 6144, "norm"),
+            ("q3.down+silu", 3072, 1024, "silu"), ("q3.lm_head", 1024, 151936, None),
+            ("l3.qkv+norm", 4096, 6144, "norm"), ("l3.o", 4096, 4096, None), ("l3.gate_up+norm", 4096, 28672, "norm"),
+            ("l3.down+silu", 14336, 4096, "silu"), ("l3.lm_head", 4096, 128256, None)],
 }
 DOT_BASES = [(32, 128, 4, 3), (32, 256, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 4, 5), (64, 256, 4, 3),
              (64, 256, 8, 3), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 64, 8, 4)]
 FMA_BASES = [(16, 128, 4, 1), (32, 128, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1)]
+# Deeper K tiles: with programmatic dependent launch a program's first weight tile is read before the wait on the
+# previous kernel, so one tile holding a program's whole share of W overlaps that kernel completely (--deep).
+DEEP_BASES = [((16, 512, 4, 1), False), ((16, 1024, 8, 1), False), ((8, 1024, 4, 1), False),
+              ((32, 512, 8, 1), False), ((32, 512, 4, 2), True), ((64, 512, 8, 2), True)]
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 if SMOKE:
     SHAPES = [("s.plain", 256, 96, None), ("s.norm", 128, 80, "norm"), ("s.silu", 96, 64, "silu")]
@@ -77,29 +89,7 @@ def graph_us(calls) -> float:
         for c in calls:
             c()
         return (time.perf_counter() - t) * 1e6 / len(calls)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):              # warm-up: compile, allocate, create split-K counters
-        for c in calls[:2]:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del g
-    return statistics.median(times) * 1e3 / len(calls)
+    return _graph_us(calls)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -168,6 +158,8 @@ def candidates(m, n, k, quick: bool):
     bases = [(b, True) for b in ((DOT_BASES[3:6] + DOT_BASES[8:9] or DOT_BASES) if quick else DOT_BASES)]
     if m <= 2 and not quick:
         bases += [(b, False) for b in FMA_BASES]
+    if DEEP:
+        bases += [(b, dot) for b, dot in DEEP_BASES if b[1] <= k]
     out = []
     for (bn, bk, warps, stages), dot in bases:
         steps = max(1, k // bk)
@@ -276,6 +268,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="default", help=f"comma-separated sets of {sorted(SHAPE_SETS)}")
     ap.add_argument("--ms", default=None, help="comma-separated row counts M (default 1,2,4,8)")
     ap.add_argument("--no-rope", action="store_true", help="skip the fused q/k-norm + RoPE benchmark")
+    ap.add_argument("--deep", action="store_true", help="also sweep K tiles of 512 and 1024 (for PDL)")
     args = ap.parse_args()
     global SHAPES, MS
     if not SMOKE:

@@ -236,6 +236,39 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       echo "  ($v)"
     done
     ;;
+  s6a)  # on nvidia-h200-x2: GPU tests of session 5's untested changes, TP=2 equality, PDL probe, bs1 kernel table
+    flt() { grep -vE "^(INFO|WARNING)|UserWarning|_warn_once|^\s*$"; }
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/layers tests/gpu \
+      tests/distributed/test_symm_all_reduce.py > "$OUT/gpu_pytest.txt" 2>&1
+    echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -12
+    tp2_test 70 90
+    echo "=== probe_pdl"; timeout 60 python3 tools/probe_pdl.py 2>&1 | tail -8
+    echo "=== qwen3 bs1 kernels"; timeout 90 python3 tools/profile_throughput.py qwen3-0.6b --bs1 2>&1 | flt | head -70
+    ;;
+  s6b)  # PDL: GPU kernel tests, batch-1 A/B (Qwen3, Llama-3-8B) with TOKENMILL_PDL=1/0, gemv sweep with PDL
+    timeout 130 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/gpu/test_gpu_e2e.py \
+      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -12
+    for run in qwen3-0.6b:1 qwen3-0.6b:0 qwen3-0.6b:1 llama-3-8b:1 llama-3-8b:0; do model=${run%:*} pdl=${run#*:}
+      echo "=== $model bs1 TOKENMILL_PDL=$pdl"
+      TOKENMILL_PDL=$pdl timeout 80 python3 -m tokenmill.benchmarks.latency --model $model --batch-size 1 --input-len 128 \
+        --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 2>&1 | grep -E "decode|Error|error"
+    done
+    echo "=== bench_gemv bs1 shapes, PDL on"; timeout 200 python3 tools/bench_gemv.py --shapes bs1 --ms 1 --no-rope --deep \
+      --budget 120 > "$OUT/bench_gemv.txt" 2>&1; echo "exit $?"; grep -vE "^#   " "$OUT/bench_gemv.txt" | tail -32
+    ;;
+  s6c)  # PDL + deep-K gemv table + merged decode attention: GPU tests, batch-1 split tuning, bs1 and throughput
+    timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/gpu/test_gpu_e2e.py \
+      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -12
+    echo "=== tune_attention bs1"; timeout 120 python3 tools/tune_attention.py bs1 2>&1 | grep -vE "^(INFO|WARNING)"
+    for model in qwen3-0.6b llama-3-8b; do
+      echo "=== $model bs1"
+      timeout 80 python3 -m tokenmill.benchmarks.latency --model $model --batch-size 1 --input-len 128 \
+        --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 2>&1 | grep -E "decode|Error|error"
+    done
+    echo "=== qwen3 throughput"; timeout 90 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 \
+      --input-len 562 --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 2>&1 \
+      | grep -E "Throughput|Error"
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4

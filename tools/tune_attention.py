@@ -1,10 +1,13 @@
 """Sweep Triton attention launch configs on the GPU and print the fastest per shape (with achieved KV bandwidth).
-Usage (on the device): python3 tools/tune_attention.py [auto|fp8|fp8_e5m2] [ragged]
+Usage (on the device): python3 tools/tune_attention.py [auto|fp8|fp8_e5m2] [ragged|bs1]
 (the KV cache dtype; auto = bf16). ragged: only decode at batch 256 and 128 with context lengths uniform in 101..2044,
-the shape of the nano-vllm throughput workload's decode steps."""
+the shape of the nano-vllm throughput workload's decode steps. bs1: decode at batch 1 (Qwen3-0.6B and Llama-3-8B
+heads), 28 layers' launches chained in a CUDA graph as a decode step runs them: the split merge in one launch vs
+the stage-2 kernel, and the shortest split (min_split_keys), for the split counts of max_model_len 2048 and 32k."""
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 
 import torch
@@ -15,7 +18,7 @@ from tokenmill.kernels.triton_decode_attention import decode_attention, decode_c
 from tokenmill.kernels.triton_prefill_attention import prefill_attention
 
 dev, dt = torch.device("cuda"), torch.bfloat16
-KV_ARG = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "ragged" else "auto"
+KV_ARG = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] not in ("ragged", "bs1") else "auto"
 if KV_ARG not in ("auto", *FP8_KV_CACHE_DTYPES):
     sys.exit(f"unknown KV cache dtype {KV_ARG!r}; use auto, {', '.join(FP8_KV_CACHE_DTYPES)}")
 KV_DT = FP8_KV_CACHE_DTYPES.get(KV_ARG, dt)
@@ -85,6 +88,33 @@ def tune_prefill(batch: int, qlen: int, ctx: int) -> None:
         print(f"   {ms * 1e3:8.1f}us  {flops / ms / 1e9:6.0f} TFLOP/s  block_m={bm} block_n={bn} warps={w} stages={st}")
 
 
+def tune_bs1(hq: int, hkv: int) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from graph_timing import graph_us
+    layers = 28
+    print(f"decode batch 1, {hq}/{hkv} heads, D={D}: us per layer (chained in a graph); rows: min_split_keys")
+    for max_len in (2048, 32768):
+        splits = decode_num_splits(1, hkv, max_len, dev)
+        for ctx in (128, 256, 384, 512, 1024, 2048):
+            kc, vc, bt = paged(1, ctx)
+            q = torch.randn(1, hq, D, device=dev, dtype=dt)
+            qsl = torch.tensor([0, 1], device=dev, dtype=torch.int32)
+            sl = torch.tensor([ctx], device=dev, dtype=torch.int32)
+            outs = [torch.empty_like(q) for _ in range(layers)]
+            row = []
+            for merge, mins in ((False, 64), (True, 64), (True, 128), (True, 256), (True, 512)):
+                def call(i, merge=merge, mins=mins):
+                    return lambda: decode_attention(q, kc, vc, outs[i], qsl, sl, bt, D ** -0.5, num_splits=splits,
+                                                    min_split_keys=mins, merge=merge)
+                row.append(f"{'merge' if merge else 'stage2'}/{mins} {graph_us([call(i) for i in range(layers)]):.2f}")
+            print(f"  max_len {max_len:>5} (splits {splits:>2}) ctx {ctx:>4}: " + "  ".join(row))
+
+
+if "bs1" in sys.argv[1:]:
+    torch.manual_seed(0)
+    for hq, hkv in ((16, 8), (32, 8)):
+        tune_bs1(hq, hkv)
+    sys.exit(0)
 if "ragged" in sys.argv[1:]:
     torch.manual_seed(0)
     for b in (256, 128):

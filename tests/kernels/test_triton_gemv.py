@@ -186,3 +186,50 @@ def test_gemv_gpu_cuda_graph_replays():
         torch.cuda.synchronize()
         assert rel_err(y, F.linear(x.double(), w.double())) < TOL[dtype]
     assert not any(c.any() for c in triton_gemv._COUNTERS.values())
+
+
+@pytest.mark.gpu
+def test_gemv_gpu_pdl_chain_in_graph(monkeypatch):
+    """A chain of dependent products (each reads the one before; prologues, split-K counters and the deep-K batch-1
+    configs of the table) captured in a CUDA graph with programmatic dependent launch: bit-identical to the same
+    chain launched in plain stream order, on every replay."""
+    from tokenmill.kernels import pdl
+    dev = torch.device(DEV)
+    if not pdl.pdl_enabled(dev):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    gen = torch.Generator(device=DEV).manual_seed(77)
+    dt = torch.bfloat16
+    # (N, K, config, prologue): 1024 -> 4096 (+norm), 2048 -> 1024, 1024 -> 6144 (+norm), 3072 -> 1024 (silu_mul)
+    steps = [(4096, 1024, GemvConfig(16, 512, 1, 4, 1, use_dot=False), "norm"),
+             (1024, 2048, GemvConfig(8, 1024, 1, 4, 1, use_dot=False), None),
+             (6144, 1024, GemvConfig(8, 1024, 1, 4, 1, use_dot=False), "norm"),
+             (1024, 3072, GemvConfig(64, 128, 4, 4, 3), "silu_mul")] * 3
+    ws = [_rand(n, k, dtype=dt, gen=gen, scale=k ** -0.5) for n, k, _, _ in steps]
+    nws = [_rand(k, dtype=dt, gen=gen) for _, k, _, _ in steps]
+    x0 = _rand(1, 1024, dtype=dt, gen=gen)
+
+    def chain():
+        x, res = x0, x0
+        for (n, k, cfg, pro), w, nw in zip(steps, ws, nws):
+            if pro == "norm":
+                x, res = gemv(x[:, :k], w, norm_weight=nw, residual=res[:, :k], config=cfg)
+            elif pro == "silu_mul":
+                x = gemv(x[:, :2 * k], w, act="silu_mul", config=cfg)
+            else:
+                x = gemv(x[:, :k], w, config=cfg)
+        return x
+
+    monkeypatch.setenv("TOKENMILL_PDL", "0")
+    assert not pdl.pdl_enabled(dev)
+    want = chain()
+    monkeypatch.setenv("TOKENMILL_PDL", "1")
+    chain()                                  # warm-up outside the capture (compiles, split-K counters)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = chain()
+    for _ in range(3):
+        got.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    assert not any(c.any() for c in triton_gemv._COUNTERS.values())

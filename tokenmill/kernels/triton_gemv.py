@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
+
 MAX_M = 16                    # rows above this go to cuBLAS: the weight is no longer the only cost
 _MAX_SPLIT_TILES = 8192       # size of the per-device arrival-counter buffer (N tiles of one split-K launch)
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -49,7 +51,7 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_ym, stride_rm, stride_rom,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -73,38 +75,18 @@ def _gemv_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
     ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + offs_k
-        if EVEN_K:
-            xm = tl.broadcast_to(m_mask[:, None], [BLOCK_M, BLOCK_K])
-            w = tl.load(w_ptrs)
-        else:
-            xm = m_mask[:, None] & (kk < K)[None, :]
-            w = tl.load(w_ptrs, mask=(kk < K)[:, None], other=0.0)
-        if SILU_MUL:
-            gate = tl.load(x_rows + kk[None, :], mask=xm, other=0.0).to(tl.float32)
-            up = tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0).to(tl.float32)
-            a = (gate / (1.0 + tl.exp(-gate))).to(xdt).to(tl.float32)       # torch rounds silu(gate) first
-            xin = (a * up).to(xdt)
-        else:
-            xin = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
-            if HAS_RES:
-                r = tl.load(r_rows + kk[None, :], mask=xm, other=0.0)
-                xin = (xin.to(tl.float32) + r.to(tl.float32)).to(xdt)     # torch adds in the activation dtype
-                tl.store(ro_rows + kk[None, :], xin, mask=xm & (offs_m < ro_m)[:, None])
-            if NORM:
-                xf = xin.to(tl.float32)
-                ss += xf * xf
-                nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-                xin = (xf * nw[None, :]).to(xdt)
-        if USE_DOT:
-            if DOT_F32:
-                acc += tl.dot(xin.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(xin, w)
-        else:
-            acc += xin.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
+    # The first weight tile is loaded before waiting on the previous kernel (PDL): no kernel writes weights, and
+    # this load is what overlaps the previous kernel's tail. Every other load and every store comes after the wait.
+    w = _load_w_tile(w_ptrs, k_start + offs_k, K, EVEN_K)
+    wait_then_release(PDL)
+    acc, ss = _gemv_step(acc, ss, w, k_start + offs_k, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K,
+                         xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
+        kk = k0 + offs_k
+        w = _load_w_tile(w_ptrs, kk, K, EVEN_K)
+        acc, ss = _gemv_step(acc, ss, w, kk, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K,
+                             xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32)
     if USE_DOT:
         part = acc
     else:
@@ -137,6 +119,48 @@ def _gemv_kernel(
             _gemv_epilogue(total, ss_total, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM,
                            HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+@triton.jit
+def _load_w_tile(w_ptrs, kk, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_ptrs)
+    return tl.load(w_ptrs, mask=(kk < K)[:, None], other=0.0)
+
+
+@triton.jit
+def _gemv_step(acc, ss, w, kk, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K, xdt,
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, USE_DOT: tl.constexpr,
+               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """One BLOCK_K step: the prologue on x's columns kk, then acc += x_tile @ w_tile."""
+    if EVEN_K:
+        xm = tl.broadcast_to(m_mask[:, None], [BLOCK_M, BLOCK_K])
+    else:
+        xm = m_mask[:, None] & (kk < K)[None, :]
+    if SILU_MUL:
+        gate = tl.load(x_rows + kk[None, :], mask=xm, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0).to(tl.float32)
+        a = (gate / (1.0 + tl.exp(-gate))).to(xdt).to(tl.float32)       # torch rounds silu(gate) first
+        xin = (a * up).to(xdt)
+    else:
+        xin = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_rows + kk[None, :], mask=xm, other=0.0)
+            xin = (xin.to(tl.float32) + r.to(tl.float32)).to(xdt)     # torch adds in the activation dtype
+            tl.store(ro_rows + kk[None, :], xin, mask=xm & (offs_m < ro_m)[:, None])
+        if NORM:
+            xf = xin.to(tl.float32)
+            ss += xf * xf
+            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            xin = (xf * nw[None, :]).to(xdt)
+    if USE_DOT:
+        if DOT_F32:
+            acc += tl.dot(xin.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(xin, w)
+    else:
+        acc += xin.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
+    return acc, ss
 
 
 @triton.jit
@@ -183,13 +207,9 @@ class GemvConfig:
 # (M bucket, N, K, prologue) -> (best config, cuBLAS us, gemv us). Only these products take the gemv path in the
 # model (`prefer_gemv`); everything else stays on cuBLAS, which was as fast or faster there.
 MEASURED_FASTER: dict[tuple[int, int, int, str | None], tuple[GemvConfig, float, float]] = {
-    (1, 4096, 1024, 'rmsnorm'): (GemvConfig(16, 256, 1, 4, 1, use_dot=False), 7.12, 6.66),
-    (1, 1024, 2048, None): (GemvConfig(16, 256, 4, 4, 1, use_dot=False), 13.08, 5.57),
     (2, 1024, 2048, None): (GemvConfig(32, 128, 8, 4, 3, use_dot=True), 10.55, 5.66),
     (4, 1024, 2048, None): (GemvConfig(32, 128, 8, 4, 3, use_dot=True), 10.36, 5.71),
     (8, 1024, 2048, None): (GemvConfig(32, 256, 4, 4, 3, use_dot=True), 6.12, 5.78),
-    (1, 6144, 1024, 'rmsnorm'): (GemvConfig(16, 256, 1, 4, 1, use_dot=False), 8.01, 7.34),
-    (1, 1024, 3072, 'silu_mul'): (GemvConfig(16, 256, 8, 4, 1, use_dot=False), 9.06, 6.55),
     (2, 1024, 3072, 'silu_mul'): (GemvConfig(16, 256, 8, 4, 1, use_dot=False), 9.12, 6.67),
     (1, 151936, 1024, None): (GemvConfig(128, 128, 1, 4, 3, use_dot=True), 75.37, 72.04),
     (2, 151936, 1024, None): (GemvConfig(128, 128, 1, 4, 3, use_dot=True), 75.85, 72.43),
@@ -197,7 +217,6 @@ MEASURED_FASTER: dict[tuple[int, int, int, str | None], tuple[GemvConfig, float,
     (8, 151936, 1024, None): (GemvConfig(64, 256, 1, 4, 3, use_dot=True), 78.0, 75.1),
     (1, 6144, 4096, None): (GemvConfig(64, 128, 1, 4, 5, use_dot=True), 16.46, 15.35),
     (2, 6144, 4096, None): (GemvConfig(64, 128, 1, 4, 5, use_dot=True), 15.82, 15.29),
-    (1, 4096, 4096, None): (GemvConfig(64, 128, 4, 4, 3, use_dot=True), 13.2, 11.87),
     (2, 4096, 4096, None): (GemvConfig(64, 128, 4, 4, 3, use_dot=True), 13.19, 11.88),
     (4, 4096, 4096, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 13.31, 11.88),
     (8, 4096, 4096, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 13.3, 12.17),
@@ -207,10 +226,24 @@ MEASURED_FASTER: dict[tuple[int, int, int, str | None], tuple[GemvConfig, float,
     (1, 3072, 4096, None): (GemvConfig(64, 128, 6, 4, 3, use_dot=True), 11.72, 10.38),
     (1, 4096, 7168, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 20.00, 17.76),
     (1, 64128, 4096, None): (GemvConfig(64, 128, 1, 4, 5, use_dot=True), 124.24, 118.89),
+    # Batch-1 products re-measured with programmatic dependent launch on (session 6, `bench_gemv.py --shapes bs1
+    # --ms 1 --deep`): one deep K tile per program is read before the wait on the previous kernel.
+    (1, 4096, 1024, 'rmsnorm'): (GemvConfig(16, 512, 1, 4, 1, use_dot=False), 6.43, 4.49),
+    (1, 1024, 2048, None): (GemvConfig(8, 1024, 1, 4, 1, use_dot=False), 13.13, 3.08),
+    (1, 6144, 1024, 'rmsnorm'): (GemvConfig(8, 1024, 1, 4, 1, use_dot=False), 7.68, 5.93),
+    (1, 1024, 3072, 'silu_mul'): (GemvConfig(8, 1024, 1, 4, 1, use_dot=False), 8.04, 4.65),
+    (1, 6144, 4096, 'rmsnorm'): (GemvConfig(8, 1024, 1, 4, 1, use_dot=False), 18.66, 16.52),
+    (1, 4096, 4096, None): (GemvConfig(64, 256, 4, 4, 3, use_dot=True), 13.14, 11.31),
 }
-# (M bucket, N, K) -> GemvConfig overrides of the heuristic.
-TUNED: dict[tuple[int, int, int], GemvConfig] = {(m, n, k): cfg for (m, n, k, _), (cfg, _, _) in
-                                                 MEASURED_FASTER.items()}
+# (M bucket, N, K) -> GemvConfig overrides of the heuristic; the plain product's config where a fused one exists too.
+def _tuned() -> dict[tuple[int, int, int], GemvConfig]:
+    out: dict[tuple[int, int, int], GemvConfig] = {}
+    for (m, n, k, _), (cfg, _, _) in sorted(MEASURED_FASTER.items(), key=lambda kv: kv[0][3] is not None):
+        out.setdefault((m, n, k), cfg)
+    return out
+
+
+TUNED: dict[tuple[int, int, int], GemvConfig] = _tuned()
 
 
 def prefer_gemv(m: int, n: int, k: int, prologue: str | None = None) -> GemvConfig | None:
@@ -380,5 +413,5 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x2.device),
     )

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
+
 
 # ----------------------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
@@ -17,8 +19,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     n_cols, eps,
     stride_x, stride_r, stride_o, stride_ro,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -72,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(m,)](
             x2, r2, weight, out2, ro2, n, eps,
             x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
-            HAS_RES=residual is not None, BLOCK=block, num_warps=warps,
+            HAS_RES=residual is not None, BLOCK=block, num_warps=warps, **launch_kwargs(x.device),
         )
     out = x if inplace else out2.view(x.shape)
     if residual is None:
@@ -103,7 +106,9 @@ def _rope_kernel(
     num_q_heads, num_k_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr, HAS_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -149,14 +154,16 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor |
         qv.shape[1], kv.shape[1] if k is not None else 0,
         qv.stride(0), qv.stride(1), kv.stride(0), kv.stride(1), cos_cache.stride(0), sin_cache.stride(0),
         HALF=half, HALF_P2=half_p2, BLOCK_H=block_h, IS_NEOX=is_neox, HAS_K=k is not None,
-        num_warps=4 if block_h * half_p2 >= 1024 else 1,
+        num_warps=4 if block_h * half_p2 >= 1024 else 1, **launch_kwargs(q.device),
     )
     return q, k
 
 
 # ------------------------------------------------------------------------------------------------------ SiLU-and-mul
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -179,5 +186,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     block = min(triton.next_power_of_2(d), 1024)
     if m:
         _silu_and_mul_kernel[(m, triton.cdiv(d, block))](x2, o2, d, x2.stride(0), o2.stride(0), BLOCK=block,
-                                                          num_warps=4 if block >= 512 else 1)
+                                                          num_warps=4 if block >= 512 else 1,
+                                                          **launch_kwargs(x.device))
     return out

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
+
 
 @triton.jit
 def _norm_rope(src, w_ptr, heads, h_mask, off1, off2, i_mask, rest, r_mask, c, s, eps,
@@ -68,7 +70,9 @@ def _qk_norm_rope_store_kernel(
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, REST_P2: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, HAS_REST: tl.constexpr, WRITE_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)
     tok = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1)
     n_qg = tl.cdiv(num_q_heads, BLOCK_H)
@@ -197,5 +201,6 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping:
         IS_NEOX=is_neox, HAS_NORM=q_norm_weight is not None, HAS_REST=rotary_dim < head_dim,
         WRITE_K=k_out is not None,
         num_warps=4 if block_h * head_p2 >= 1024 else 2 if block_h * head_p2 >= 256 else 1,
+        **launch_kwargs(qkv.device),
     )
     return q_out

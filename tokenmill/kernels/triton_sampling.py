@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
 from tokenmill.layers import sampling_rng as rng
 
 _BLOCK = 2048
@@ -45,7 +46,8 @@ def _mix32(x):
 @triton.jit
 def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, best_val_ptr, best_idx_ptr, V, n_chunks,
                  SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_TEMP: tl.constexpr):
+                 HAS_TEMP: tl.constexpr, PDL: tl.constexpr = False):
+    wait_then_release(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
     s = tl.load(seeds_ptr + b).to(tl.int64)
@@ -73,7 +75,9 @@ def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, best_val_pt
 
 
 @triton.jit
-def _race_stage2(best_val_ptr, best_idx_ptr, out_ptr, n_chunks, CHUNKS_P2: tl.constexpr):
+def _race_stage2(best_val_ptr, best_idx_ptr, out_ptr, n_chunks, CHUNKS_P2: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    wait_then_release(PDL)
     b = tl.program_id(0)
     c = tl.arange(0, CHUNKS_P2)
     m = c < n_chunks
@@ -98,8 +102,10 @@ def race_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     if b == 0:
         return out
     has_temp = temperature is not None
+    pdl = launch_kwargs(logits.device)
     _race_stage1[(b, n_chunks)](logits, logits.stride(0), seeds, positions, temperature if has_temp else seeds,
                                 best_val, best_idx, v, n_chunks, SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS,
-                                SALT_COL=rng._SALT_COL, BLOCK=_BLOCK, HAS_TEMP=has_temp, num_warps=8)
-    _race_stage2[(b,)](best_val, best_idx, out, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks), num_warps=4)
+                                SALT_COL=rng._SALT_COL, BLOCK=_BLOCK, HAS_TEMP=has_temp, num_warps=8, **pdl)
+    _race_stage2[(b,)](best_val, best_idx, out, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks), num_warps=4,
+                       **pdl)
     return out
