@@ -269,6 +269,25 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       --input-len 562 --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 2>&1 \
       | grep -E "Throughput|Error"
     ;;
+  s6d)  # on nvidia-h200-x2: session 6's final numbers (PDL, deep-K batch-1 gemv table)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_gemv.py > "$OUT/kernels_pytest.txt" 2>&1; echo "kernel gpu pytest exit $?"
+    grep -E "passed|failed|Error|assert" "$OUT/kernels_pytest.txt" | tail -6
+    for tp in 1 2; do
+      timeout 140 python3 tools/tp_compare.py run $tp "$OUT/tp$tp.json" 2>&1 | grep -E "^TP=|Error|error" | head -5
+    done
+    python3 tools/tp_compare.py compare "$OUT/tp1.json" "$OUT/tp2.json"
+    timeout 90 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+      --output-json "$OUT/tp_qwen3.json" 2>&1 | grep -E "Throughput|Error"
+    for model in qwen3-0.6b llama-3-8b; do
+      timeout 80 python3 -m tokenmill.benchmarks.latency --model $model --batch-size 1 --input-len 128 \
+        --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$model.json" \
+        2>&1 | grep -E "decode|Error"
+    done
+    echo "=== qwen3 bs1 kernels"; timeout 70 python3 tools/profile_throughput.py qwen3-0.6b --bs1 2>&1 \
+      | grep -vE "^(INFO|WARNING)|UserWarning|_warn_once|^\s*$" | head -40
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4

@@ -2,8 +2,8 @@
 Usage (on the device): python3 tools/tune_attention.py [auto|fp8|fp8_e5m2] [ragged|bs1]
 (the KV cache dtype; auto = bf16). ragged: only decode at batch 256 and 128 with context lengths uniform in 101..2044,
 the shape of the nano-vllm throughput workload's decode steps. bs1: decode at batch 1 (Qwen3-0.6B and Llama-3-8B
-heads), 28 layers' launches chained in a CUDA graph as a decode step runs them: the split merge in one launch vs
-the stage-2 kernel, and the shortest split (min_split_keys), for the split counts of max_model_len 2048 and 32k."""
+heads), 28 layers' launches chained in a CUDA graph as a decode step runs them, with and without programmatic
+dependent launch, for the split counts of max_model_len 2048 and 32k."""
 from __future__ import annotations
 
 import itertools
@@ -92,21 +92,23 @@ def tune_bs1(hq: int, hkv: int) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from graph_timing import graph_us
     layers = 28
-    print(f"decode batch 1, {hq}/{hkv} heads, D={D}: us per layer (chained in a graph); rows: min_split_keys")
+    print(f"decode batch 1, {hq}/{hkv} heads, D={D}: us per layer, {layers} launches chained in a graph")
     for max_len in (2048, 32768):
         splits = decode_num_splits(1, hkv, max_len, dev)
-        for ctx in (128, 256, 384, 512, 1024, 2048):
+        for ctx in (128, 512, 2048):
             kc, vc, bt = paged(1, ctx)
             q = torch.randn(1, hq, D, device=dev, dtype=dt)
             qsl = torch.tensor([0, 1], device=dev, dtype=torch.int32)
             sl = torch.tensor([ctx], device=dev, dtype=torch.int32)
             outs = [torch.empty_like(q) for _ in range(layers)]
             row = []
-            for merge, mins in ((False, 64), (True, 64), (True, 128), (True, 256), (True, 512)):
-                def call(i, merge=merge, mins=mins):
-                    return lambda: decode_attention(q, kc, vc, outs[i], qsl, sl, bt, D ** -0.5, num_splits=splits,
-                                                    min_split_keys=mins, merge=merge)
-                row.append(f"{'merge' if merge else 'stage2'}/{mins} {graph_us([call(i) for i in range(layers)]):.2f}")
+            for pdl in ("1", "0"):
+                os.environ["TOKENMILL_PDL"] = pdl
+
+                def call(i):
+                    return lambda: decode_attention(q, kc, vc, outs[i], qsl, sl, bt, D ** -0.5, num_splits=splits)
+                row.append(f"PDL={pdl} {graph_us([call(i) for i in range(layers)]):.2f}")
+            os.environ.pop("TOKENMILL_PDL")
             print(f"  max_len {max_len:>5} (splits {splits:>2}) ctx {ctx:>4}: " + "  ".join(row))
 
 

@@ -2,12 +2,9 @@
 
 Flash-decoding: stage 1 runs a program per (request, kv head, split); it attends the G = Hq / Hkv query heads of that
 kv head (stacked as the M dim of a BLOCK_G >= 16 tile so tl.dot applies) to keys [split * L_s, (split + 1) * L_s) of
-the request, L_s = max(ceil(ceil(seq_len / num_splits) / BLOCK_N) * BLOCK_N, min_split_keys) computed in the
-kernel from the live seq_len, and writes the normalised partial output and its log-sum-exp (base 2). The merge of
-the used splits runs in the same launch: each split bumps a (request, kv head) arrival counter and the last one
-sums the parts, then resets the counter (the split-K gemv's scheme). A row that needs one split writes its output
-directly, and so does num_splits == 1. Without counters (more pairs than the buffer holds, or `merge=False`) stage 2
-merges instead, a program per (request, q head).
+the request, L_s = ceil(ceil(seq_len / num_splits) / BLOCK_N) * BLOCK_N computed in the kernel from the live
+seq_len, and writes the normalised partial output and its log-sum-exp (base 2). Stage 2 runs a program per
+(request, q head) and merges the used splits. With num_splits == 1 stage 1 writes the output directly.
 
 Everything the kernels need is read from device tensors (query_start_loc, seq_lens, block_table), so the launch is
 CUDA-graph friendly: the host only picks the grid (batch rows, num_splits). Rows whose query_len != 1 are skipped
@@ -25,24 +22,24 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
 from tokenmill.attention.kv_quant import is_fp8, require_scales
+from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
 from tokenmill.kernels.triton_prefill_attention import _attend_span
 
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_splits", "min_split", "stride_bt"])  # vary per step: no recompiles while serving
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary per step: no recompiles while serving
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
-    cnt_ptr, k_scale_ptr, v_scale_ptr, qk_scale, num_splits, min_split,
+    k_scale_ptr, v_scale_ptr, qk_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_mb, stride_mh, stride_ms,
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-    MERGE: tl.constexpr = False, SPLITS_P2: tl.constexpr = 1, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     wait_then_release(PDL)
     b = tl.program_id(0)
@@ -53,16 +50,11 @@ def _decode_stage1_kernel(
     if q_len != 1:
         return
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_len(seq_len, num_splits, min_split, BLOCK_N)
-    used = tl.cdiv(seq_len, split_len)     # splits with keys (0 when seq_len == 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     if not DIRECT:
-        if MERGE:
-            if split >= tl.maximum(used, 1):    # unused split; split 0 always runs (a 0- or 1-split row's output)
-                return
-        else:
-            if split >= used:                   # unused split: stage 2 does not read it
-                return
+        if start >= seq_len:        # unused split: stage 2 does not read it
+            return
     end = tl.minimum(start + split_len, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -79,71 +71,21 @@ def _decode_stage1_kernel(
     o, m_i, l_i = _attend_span(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                block_table_ptr + b * stride_bt, kvh * stride_ch, d, d_mask, start, full_end, end,
                                qk_scale, stride_cb, stride_cs, BLOCK_G, HEAD_P2, BLOCK_SIZE, BLOCK_N, IEEE, FP8)
-    out_ptrs = out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :]
-    gd_mask = g_mask[:, None] & d_mask[None, :]
-    row = b * stride_mb + head * stride_mh      # [BLOCK_G] offsets of this row's heads in mid_o
     if DIRECT:
-        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=gd_mask)
-    elif MERGE:
-        if used <= 1:
-            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=gd_mask)
-        else:
-            _store_partial(mid_o_ptr, mid_lse_ptr, row + split * stride_ms, o, m_i, l_i, d, g_mask, gd_mask,
-                           HEAD_P2)
-            # The split that arrives last merges them all (as the split-K gemv does): no second launch. Every
-            # thread's partial stores precede the single-thread release of the (row, kv head) counter.
-            tl.debug_barrier()
-            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == used - 1:
-                res = _merge_splits(mid_o_ptr, mid_lse_ptr, row, used, g_mask, d, d_mask, stride_ms,
-                                    BLOCK_G, HEAD_P2, SPLITS_P2)
-                tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=gd_mask)
-                tl.atomic_xchg(cnt, 0)
+        tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
-        _store_partial(mid_o_ptr, mid_lse_ptr, row + split * stride_ms, o, m_i, l_i, d, g_mask, gd_mask, HEAD_P2)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        base = b * stride_mb + head * stride_mh + split * stride_ms
+        tl.store(mid_o_ptr + base[:, None] + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
+        # mid_lse is mid_o without its last dim ([B, Hq, S] contiguous), so its offset is base / HEAD_P2.
+        tl.store(mid_lse_ptr + base // HEAD_P2, lse, mask=g_mask)
 
 
-@triton.jit
-def _store_partial(mid_o_ptr, mid_lse_ptr, base, o, m_i, l_i, d, g_mask, gd_mask, HEAD_P2: tl.constexpr):
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    tl.store(mid_o_ptr + base[:, None] + d[None, :], o, mask=gd_mask)
-    # mid_lse is mid_o without its last dim ([B, Hq, S] contiguous), so its offset is base / HEAD_P2.
-    tl.store(mid_lse_ptr + base // HEAD_P2, lse, mask=g_mask)
-
-
-@triton.jit
-def _split_len(seq_len, num_splits, min_split, BLOCK_N: tl.constexpr):
-    """Keys per split: the context cut into num_splits BLOCK_N-aligned parts, none shorter than min_split."""
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, tl.maximum(min_split, BLOCK_N))
-
-
-@triton.jit
-def _merge_splits(mid_o_ptr, mid_lse_ptr, row, used, g_mask, d, d_mask, stride_ms,
-                  BLOCK_G: tl.constexpr, HEAD_P2: tl.constexpr, SPLITS_P2: tl.constexpr):
-    """Softmax-weighted sum of the `used` partial outputs of rows `row` ([BLOCK_G] offsets into mid_o), read from
-    L2 (.cg): the other programs wrote them."""
-    s = tl.arange(0, SPLITS_P2)
-    lse_all = tl.load(mid_lse_ptr + (row[:, None] + s[None, :] * stride_ms) // HEAD_P2,
-                      mask=g_mask[:, None] & (s < used)[None, :], other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse_all, 1)
-    m = tl.where(m > -1.0e30, m, 0.0)
-    num = tl.zeros([BLOCK_G, HEAD_P2], dtype=tl.float32)
-    den = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for i in range(0, used):
-        lse = tl.load(mid_lse_ptr + (row + i * stride_ms) // HEAD_P2, mask=g_mask, other=float("-inf"),
-                      cache_modifier=".cg")
-        w = tl.exp2(lse - m)                                   # 0 for empty splits
-        o = tl.load(mid_o_ptr + (row + i * stride_ms)[:, None] + d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-        num += o * w[:, None]
-        den += w
-    return num / tl.where(den > 0.0, den, 1.0)[:, None]
-
-
-@triton.jit(do_not_specialize=["num_splits", "min_split"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_stage2_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, qsl_ptr, seq_lens_ptr,
-    num_splits, min_split,
+    num_splits,
     stride_ot, stride_oh,
     stride_mb, stride_mh, stride_ms,
     BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
@@ -157,7 +99,7 @@ def _decode_stage2_kernel(
     if q_len != 1:
         return
     seq_len = tl.load(seq_lens_ptr + b)
-    split_len = _split_len(seq_len, num_splits, min_split, BLOCK_N)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     used = tl.cdiv(seq_len, tl.maximum(split_len, 1))        # splits stage 1 wrote (0 when seq_len == 0)
     s = tl.arange(0, SPLITS_P2)
     s_mask = s < used
@@ -177,9 +119,6 @@ def _decode_stage2_kernel(
 
 
 MAX_SPLITS = 32
-# Shortest context part of a split decode row: below it, one program reading more keys beats more programs plus the
-# merge. (Tuned on the H200 at batch 1: tools/tune_attention.py bs1.)
-MIN_SPLIT_KEYS = 64
 
 
 def _splits_p2(num_splits: int) -> int:
@@ -223,36 +162,17 @@ def decode_config(head_size: int, group: int, dtype: torch.dtype, fp8: bool = Fa
     return 64, 4, 2
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MAX_COUNTERS = 1 << 16        # (row, kv head) pairs one merged launch can track
-
-
-def _counters(device: torch.device) -> torch.Tensor | None:
-    """The per-device zeroed arrival counters of the merged launch, or None inside a CUDA-graph capture that has
-    none yet (a zeros() there would only run at replay); the caller then keeps the two-kernel path."""
-    buf = _COUNTERS.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
-    return buf
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                      scale: float, num_splits: int = 1, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                     min_split_keys: int = MIN_SPLIT_KEYS, merge: bool | None = None) -> None:
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Attention of the single query token of each query_len-1 request in q [T, Hq, D] against the paged cache.
 
     Row b's token is q[query_start_loc[b]]; rows with query_len != 1 are left alone; query_len 1 with seq_len 0
     gives zeros. k_cache/v_cache [num_blocks, block_size, Hkv, D]; out [T, Hq, D] (may alias nothing in q). An fp8
     cache needs k_scale / v_scale (float32 device scalars): cached values are read as fp8 * scale.
-    With num_splits > 1 a row's context is cut into at most num_splits parts of at least min_split_keys keys
-    (computed on the device from the live seq_len). merge (default: whenever the counters cover the batch) has the
-    last split of each (row, kv head) merge the parts in the same launch; otherwise a second kernel does.
-    Grid: (B, Hkv, num_splits) [then (B, Hq)], B = seq_lens.shape[0]."""
+    Grid: (B, Hkv, num_splits) then (B, Hq) when num_splits > 1, B = seq_lens.shape[0]."""
     num_rows = seq_lens.shape[0]
     if num_rows == 0:
         return
@@ -273,12 +193,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         require_scales(k_scale, v_scale)
     else:  # never read: any pointer will do
         k_scale = v_scale = seq_lens
-    cnt = None
-    if not direct and merge is not False and num_rows * hkv <= _MAX_COUNTERS:
-        cnt = _counters(q.device)
-    if merge and cnt is None:
-        raise ValueError("decode_attention: merge=True needs num_splits > 1, at most "
-                         f"{_MAX_COUNTERS} (row, kv head) pairs and a first call outside CUDA-graph capture")
     if direct:
         mid_o = mid_lse = out          # unused
         sm = (0, 0, 0)
@@ -289,18 +203,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     common = dict(num_warps=num_warps or cfg[1], **launch_kwargs(q.device))
     _decode_stage1_kernel[(num_rows, hkv, num_splits)](
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens, mid_o, mid_lse, out,
-        cnt if cnt is not None else seq_lens, k_scale, v_scale, scale * _LOG2E, num_splits, min_split_keys,
+        k_scale, v_scale, scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         sm[0], sm[1], sm[2],
         BLOCK_SIZE=k_cache.shape[1], G=g, BLOCK_G=block_g, BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2,
-        DIRECT=direct, IEEE=ieee, FP8=fp8, MERGE=cnt is not None, SPLITS_P2=_splits_p2(num_splits),
-        num_stages=num_stages or cfg[2], **common,
+        DIRECT=direct, IEEE=ieee, FP8=fp8, num_stages=num_stages or cfg[2], **common,
     )
-    if not direct and cnt is None:
+    if not direct:
         _decode_stage2_kernel[(num_rows, hq)](
-            mid_o, mid_lse, out, query_start_loc, seq_lens, num_splits, min_split_keys,
+            mid_o, mid_lse, out, query_start_loc, seq_lens, num_splits,
             out.stride(0), out.stride(1), sm[0], sm[1], sm[2],
             BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2, SPLITS_P2=_splits_p2(num_splits),
             **common,
