@@ -288,6 +288,27 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     echo "=== qwen3 bs1 kernels"; timeout 70 python3 tools/profile_throughput.py qwen3-0.6b --bs1 2>&1 \
       | grep -vE "^(INFO|WARNING)|UserWarning|_warn_once|^\s*$" | head -40
     ;;
+  s6e)  # on nvidia-h200: session 6's final issue-4 numbers (PDL, deep-K batch-1 gemv table), A/B with PDL off
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_gemv.py > "$OUT/kernels_pytest.txt" 2>&1; echo "kernel gpu pytest exit $?"
+    grep -E "passed|failed|Error|assert" "$OUT/kernels_pytest.txt" | tail -6
+    for model in qwen3-0.6b llama-3-8b; do
+      echo "=== $model throughput"
+      timeout 120 python3 -m tokenmill.benchmarks.throughput --model $model --num-prompts 256 --input-len 562 \
+        --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+        --output-json "$OUT/tp_$model.json" 2>&1 | grep -E "Throughput|Error"
+      echo "=== $model bs1"
+      timeout 80 python3 -m tokenmill.benchmarks.latency --model $model --batch-size 1 --input-len 128 \
+        --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$model.json" \
+        2>&1 | grep -E "decode|Error"
+    done
+    echo "=== qwen3-0.6b bs1, TOKENMILL_PDL=0"
+    TOKENMILL_PDL=0 timeout 60 python3 -m tokenmill.benchmarks.latency --model qwen3-0.6b --batch-size 1 --input-len 128 \
+      --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 2>&1 | grep -E "decode|Error"
+    echo "=== tune_attention bs1"; timeout 60 python3 tools/tune_attention.py bs1 2>&1 | grep -vE "^(INFO|WARNING)"
+    echo "=== qwen3 bs1 kernels"; timeout 70 python3 tools/profile_throughput.py qwen3-0.6b --bs1 2>&1 \
+      | grep -vE "^(INFO|WARNING)|UserWarning|_warn_once|^\s*$" | head -40
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4
