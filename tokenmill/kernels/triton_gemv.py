@@ -18,6 +18,10 @@ Optional prologues on x, each saving a launch per layer:
                   scales each output row by rsqrt(mean(h^2) + eps) at the end: one pass over x instead of two.
                   fp16 caveat: |h * norm_weight| must stay below 65504 (it is rounded before normalisation).
 
+With programmatic dependent launch (tokenmill/kernels/pdl.py) each program loads its first W tile before waiting
+on the previous kernel, so that load overlaps the previous kernel's tail; the batch-1 configs of the table use one
+deep K tile that holds the program's whole share of W where that measured fastest.
+
 CUDA-graph safe: no host syncs, the launch configuration depends only on shapes, the workspace is allocated per call
 (from the graph pool when capturing), and the counters are one per-device zeroed buffer created on the first eager
 call. That buffer assumes split-K launches of this module on one device do not run concurrently on two streams.
