@@ -30,6 +30,8 @@ def _flatten_content(content: Any, content_format: str) -> Any:
             texts.append(part)
         elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
             texts.append(part.get("text", ""))
+        elif isinstance(part, dict) and part.get("type") == "refusal":  # an earlier assistant turn, sent back
+            texts.append(part.get("refusal", ""))
         elif isinstance(part, dict):
             raise ValueError(f"Message content part of type {part.get('type')!r} is not supported (text only).")
     if content_format == "openai":

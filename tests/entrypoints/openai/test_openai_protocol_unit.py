@@ -296,8 +296,10 @@ def test_chat_response_role(make_client):
 def test_chat_tools_and_unsupported(make_client):
     c, engine = make_client()
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], "max_tokens": 1})
-    assert r.status_code == 200, r.text
+    # tools without tool_choice mean "auto" (OpenAI's and vLLM's default), which needs a tool-call parser
+    err = assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], "max_tokens": 1}),
+                       400, "tool_choice")
+    assert "--enable-auto-tool-choice" in err["message"] and "defaults" in err["message"]
     r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], "tool_choice": "none",
                                              "max_tokens": 1})
     assert r.status_code == 200, r.text

@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
-import importlib
 import inspect
 import os
 import signal
 import sys
-import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -32,8 +27,9 @@ from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
 from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenmill.entrypoints.openai.serving_chat import ChatRenderer, OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from tokenmill.entrypoints.openai.serving_engine import (GENERATED_REQUEST_ID, RequestTracker, ServingError,
-                                                         SSEStream, error_body)
+from tokenmill.entrypoints.openai.middleware import (APIKeyMiddleware, HeaderCountMiddleware, JSONBodyMiddleware,
+                                                     RequestIdMiddleware, add_user_middleware, error_response)
+from tokenmill.entrypoints.openai.serving_engine import RequestTracker, ServingError, SSEStream
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -45,91 +41,7 @@ logger = init_logger(__name__)
 WATCHDOG_INTERVAL_S = 0.5
 
 
-def _error(message: str, status: int, param: str | None = None, err_type: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param, err_type), status_code=status)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# middleware (plain ASGI, so streaming and disconnect detection pass through untouched)
-# ----------------------------------------------------------------------------------------------------------------
-def _route_path(scope: dict) -> str:
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
-
-
-class APIKeyMiddleware:
-    """Every /v1/* request must carry `Authorization: Bearer <one of the keys>` (compared in constant time)."""
-
-    def __init__(self, app: Any, api_keys: list[str]) -> None:
-        self.app = app
-        self.digests = [hashlib.sha256(f"Bearer {k}".encode()).digest() for k in api_keys]
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS" \
-                or not _route_path(scope).startswith("/v1"):
-            return await self.app(scope, receive, send)
-        given = hashlib.sha256(Headers(scope=scope).get("authorization", "").encode()).digest()
-        ok = False
-        for digest in self.digests:  # fixed-length digests, no early exit: timing reveals nothing about keys
-            ok |= hmac.compare_digest(given, digest)
-        if not ok:
-            response = _error("Unauthorized: missing or invalid API key (send 'Authorization: Bearer <key>').",
-                              401, None, "AuthenticationError")
-            return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-class RequestIdMiddleware:
-    """Echoes the client's X-Request-Id, or generates one (which then also names the completion, unless the body
-    gives a request_id)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        request_id = Headers(scope=scope).get("x-request-id")
-        if not request_id:
-            request_id = uuid.uuid4().hex
-            scope = dict(scope)
-            scope[GENERATED_REQUEST_ID] = request_id
-
-        async def send_with_id(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message).append("X-Request-Id", request_id)
-            await send(message)
-        await self.app(scope, receive, send_with_id)
-
-
-class HeaderCountMiddleware:
-    """--h11-max-header-count: requests with more headers get a 431."""
-
-    def __init__(self, app: Any, max_headers: int) -> None:
-        self.app = app
-        self.max_headers = max_headers
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and len(scope.get("headers", ())) > self.max_headers:
-            response = _error(f"Too many request headers (at most {self.max_headers}).", 431)
-            return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-def _add_user_middleware(app: FastAPI, path: str) -> None:
-    module_name, _, attr = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"--middleware {path!r} must be an import path like 'package.module.Name'.")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"Cannot import --middleware {path!r}: {e}") from None
-    if inspect.isclass(obj):
-        app.add_middleware(obj)
-    elif inspect.iscoroutinefunction(obj):
-        app.middleware("http")(obj)
-    else:
-        raise ValueError(f"--middleware {path!r} is neither a class nor an async function.")
+_error = error_response
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -185,10 +97,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") == "json_invalid":
             parts.append(f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
             continue
+        if not loc and err.get("type") in ("model_attributes_type", "dict_type"):
+            parts.append("The request body must be a JSON object.")
+            continue
         where = ".".join(loc)
         if param is None and loc:
             param = loc[0]
         msg = str(err.get("msg", "invalid value"))
+        if err.get("type") == "value_error":  # our own validators' messages, without pydantic's "Value error, "
+            msg = msg.removeprefix("Value error, ")
         parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts) or "Invalid request.", param
 
@@ -337,6 +254,13 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
         return await _serve_generation(raw_request, responses.create_response(request, raw_request))
 
+    @app.get("/v1/responses/{response_id}")
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def stored_response(response_id: str) -> Response:
+        raise ServingError(f"Response `{response_id}` not found: tokenmill stores no responses (store is accepted "
+                           "but nothing is kept), so they cannot be retrieved or cancelled.", 404, "response_id",
+                           "NotFoundError")
+
     from tokenmill.entrypoints.openai.compat_routes import add_compat_routes
     add_compat_routes(app, lambda raw, request: _serve_generation(raw, chat.create_chat_completion(request, raw)),
                       lambda raw, request: _serve_generation(raw, completion.create_completion(request, raw)))
@@ -369,8 +293,9 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     if frontend.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     app.add_middleware(HeaderCountMiddleware, max_headers=frontend.h11_max_header_count)
+    app.add_middleware(JSONBodyMiddleware)
     for path in frontend.middleware:
-        _add_user_middleware(app, path)
+        add_user_middleware(app, path)
     return app
 
 

@@ -35,8 +35,10 @@ class StreamPiece:
 class ChoiceStream:
     """One choice's streaming state: text -> (reasoning | content) -> (content | tool-call deltas)."""
 
-    def __init__(self, reasoning: ReasoningStream | None, tools: ToolStream | None, include_reasoning: bool) -> None:
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolStream | None, include_reasoning: bool,
+                 max_calls: int | None = None) -> None:
         self.reasoning, self.tools, self.include_reasoning = reasoning, tools, include_reasoning
+        self.max_calls = max_calls  # parallel_tool_calls false: 1 (the calls after the first are dropped)
         self.tools_called = False
 
     def _route(self, reasoning_text: str, content: str, final: bool) -> StreamPiece:
@@ -51,6 +53,8 @@ class ChoiceStream:
         for p in parts:
             piece.content += p.content
             for tc in p.tool_calls:
+                if self.max_calls is not None and tc.index >= self.max_calls:
+                    continue
                 self.tools_called = True
                 entry: dict[str, Any] = {"index": tc.index, "function": {"arguments": tc.arguments}}
                 if tc.id is not None:
@@ -73,9 +77,11 @@ class ChoiceStream:
         return self._route(d.reasoning, d.content, final=True)
 
 
-def forced_tool_schema(tools: list[dict] | None, tool_choice: Any) -> tuple[dict, str | None] | None:
+def forced_tool_schema(tools: list[dict] | None, tool_choice: Any,
+                       max_calls: int | None = None) -> tuple[dict, str | None] | None:
     """tool_choice "required" or {"type": "function", "function": {"name": N}} -> (JSON schema the output must
-    follow, the named function or None for "required"); None for other choices. ValueError for bad choices."""
+    follow, the named function or None for "required"); None for other choices. ValueError for bad choices.
+    max_calls bounds the number of calls "required" may make (parallel_tool_calls false: 1)."""
     if tool_choice != "required" and not isinstance(tool_choice, dict):
         return None
     if not tools:
@@ -85,7 +91,10 @@ def forced_tool_schema(tools: list[dict] | None, tool_choice: Any) -> tuple[dict
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
                                                    "parameters": fn.get("parameters") or {"type": "object"}},
                   "required": ["name", "parameters"]} for name, fn in fns.items()]
-        return {"type": "array", "minItems": 1, "items": {"anyOf": items}}, None
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if max_calls is not None:
+            schema["maxItems"] = max_calls
+        return schema, None
     name = (tool_choice.get("function") or {}).get("name")
     if name not in fns:
         raise ValueError(f"tool_choice names the function {name!r}, which is not in `tools` "
@@ -138,10 +147,11 @@ class RequestParsing:
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, request_tools: list | None,
                  opens_reasoning: bool, thinking_enabled: bool, include_reasoning: bool,
-                 forced: tuple[dict, str | None] | None = None) -> None:
+                 forced: tuple[dict, str | None] | None = None, max_calls: int | None = None) -> None:
         self.reasoning, self.tools, self.request_tools = reasoning, tools, request_tools
         self.opens, self.enabled, self.include_reasoning = opens_reasoning, thinking_enabled, include_reasoning
         self.forced = forced  # (schema, function name or None for "required"): the output IS the call(s)
+        self.max_calls = max_calls  # None: any number of calls; 1 when the request sets parallel_tool_calls false
 
     @property
     def active(self) -> bool:
@@ -151,7 +161,7 @@ class RequestParsing:
         if self.forced is not None:
             name = self.forced[1]
             calls = [tool_call_json(ToolCall(name=name, arguments=text))] if name else parse_required_calls(text)
-            return ParsedChoice(content=None, reasoning=None, tool_calls=calls)
+            return ParsedChoice(content=None, reasoning=None, tool_calls=calls[:self.max_calls])
         reasoning, content = (None, text)
         if self.reasoning is not None:
             reasoning, content = self.reasoning.extract(text, self.opens, self.enabled)
@@ -159,7 +169,7 @@ class RequestParsing:
         if self.tools is not None and content:
             got = self.tools.extract(content, self.request_tools)
             if got.tools_called:
-                calls = [tool_call_json(c) for c in got.tool_calls]
+                calls = [tool_call_json(c) for c in got.tool_calls][:self.max_calls]
                 content = got.content
         return ParsedChoice(content=content, reasoning=reasoning if self.include_reasoning else None,
                             tool_calls=calls)
@@ -169,7 +179,7 @@ class RequestParsing:
             return ForcedToolStream(self.forced[1])
         r = self.reasoning.new_stream(self.opens, self.enabled) if self.reasoning is not None else None
         t = self.tools.new_stream(self.request_tools) if self.tools is not None else None
-        return ChoiceStream(r, t, self.include_reasoning)
+        return ChoiceStream(r, t, self.include_reasoning, self.max_calls)
 
 
 class ChatParsing:
@@ -186,12 +196,14 @@ class ChatParsing:
             if frontend.enable_auto_tool_choice and frontend.tool_call_parser else None
 
     def for_request(self, prompt_text: str, tools: list | None, tool_choice: Any, template_kwargs: dict,
-                    include_reasoning: bool) -> RequestParsing:
+                    include_reasoning: bool, parallel_tool_calls: bool | None = None) -> RequestParsing:
         """tool_choice: None (= auto when the server parses tools), "none", "auto", "required" or a named
-        function (the last two force the output to be the call(s), through structured outputs)."""
-        forced = forced_tool_schema(tools, tool_choice)
+        function (the last two force the output to be the call(s), through structured outputs).
+        parallel_tool_calls false: at most one call is returned (and "required" may make only one)."""
+        max_calls = 1 if parallel_tool_calls is False else None
+        forced = forced_tool_schema(tools, tool_choice, max_calls)
         use_tools = self.tools is not None and bool(tools) and tool_choice in (None, "auto")
         opens = self.reasoning.prompt_opens_reasoning(prompt_text) if self.reasoning is not None else False
         enabled = template_kwargs.get("enable_thinking", True) is not False
         return RequestParsing(None if forced else self.reasoning, self.tools if use_tools else None, tools, opens,
-                              enabled, include_reasoning, forced)
+                              enabled, include_reasoning, forced, max_calls)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from tokenmill.logger import init_logger
 
@@ -331,6 +331,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     include_reasoning: bool = True
     reasoning_effort: Optional[str] = None
+    _tool_choice_defaulted: bool = PrivateAttr(default=False)
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
@@ -350,6 +351,12 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise ValueError("When using top_logprobs, logprobs must be set to true.")
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("Cannot set both continue_final_message and add_generation_prompt to true.")
+        if "tool_choice" not in self.model_fields_set and self.tools:
+            # OpenAI's (and vLLM's) default once tools are given: a server that cannot parse calls then says so
+            # (a 400 naming the flags) instead of returning the model's raw call text as content. An explicit
+            # null keeps vLLM's meaning: the tools go to the template and the output is not parsed.
+            self.tool_choice = "auto"
+            self._tool_choice_defaulted = True
         return self
 
 

@@ -93,8 +93,11 @@ class OpenAIServingChat(OpenAIServing):
         if request.tool_choice == "none" and self.frontend.exclude_tools_when_tool_choice_none:
             tools = None
         if request.tool_choice == "auto" and self.parsing.tools is None:
-            raise ServingError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
-                               "set.", 400, "tool_choice")
+            why = "`tools` were given without `tool_choice`, which then defaults to \"auto\". " \
+                if request._tool_choice_defaulted else ""
+            raise ServingError(f'{why}"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                               'to be set (or send tool_choice "none", "required" or a named function).', 400,
+                               "tool_choice")
         if self.tokenizer is None:
             raise ServingError("Chat needs a tokenizer, but this server was started with skip_tokenizer_init.", 400)
         prompt = self.renderer.render(request.messages, request_template=request.chat_template,
@@ -110,7 +113,7 @@ class OpenAIServingChat(OpenAIServing):
                            **(request.chat_template_kwargs or {})}
         try:
             parsing = self.parsing.for_request(prompt, tools, request.tool_choice, template_kwargs,
-                                               request.include_reasoning)
+                                               request.include_reasoning, request.parallel_tool_calls)
         except ValueError as e:
             raise ServingError(str(e), 400, "tool_choice") from None
         params = self.sampling_params(request, len(ids), requested, logprobs, request.prompt_logprobs,

@@ -21,8 +21,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                 raw_request: Any = None) -> CompletionResponse | SSEStream:
         self.check_model(request.model)
         self.check_supported(request)
-        if request.max_tokens is not None and request.max_tokens < 1:
-            raise ServingError(f"max_tokens must be at least 1, got {request.max_tokens}.", 400, "max_tokens")
+        # echo with max_tokens 0 returns only the prompt (and its logprobs): how clients score a text, as in vLLM.
+        echo_only = request.echo and request.max_tokens == 0
+        if request.max_tokens is not None and request.max_tokens < 1 and not echo_only:
+            raise ServingError(f"max_tokens must be at least 1, got {request.max_tokens}"
+                               " (0 is allowed only with echo).", 400, "max_tokens")
         self.check_logprobs("logprobs", request.logprobs)
         self.check_logprobs("prompt_logprobs", request.prompt_logprobs)
         response_id, base_id = self.request_ids(raw_request, request.request_id, "cmpl-")
@@ -30,10 +33,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs  # echoed prompt tokens get their logprobs too
+        # The engine always samples one token; an echo-only request drops it from the response.
+        max_tokens = 1 if echo_only else request.max_tokens
         gens = []
         for i, (text, ids) in enumerate(prompts):
-            self.check_length(len(ids), request.max_tokens)
-            params = self.sampling_params(request, len(ids), request.max_tokens, request.logprobs, prompt_logprobs,
+            self.check_length(len(ids), max_tokens)
+            params = self.sampling_params(request, len(ids), max_tokens, request.logprobs, prompt_logprobs,
                                           request.stream)
             engine_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             beam = self.beam_params(request, params)
@@ -122,8 +127,10 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_tokens += len(pids)
             cached += res.num_cached_tokens or 0
             for out in res.outputs:
-                completion_tokens += len(out.token_ids)
                 text, ids, lps = out.text, list(out.token_ids), out.logprobs
+                if request.max_tokens == 0:  # echo only
+                    text, ids, lps = "", [], []
+                completion_tokens += len(ids)
                 if request.echo:
                     text = self._prompt_text(prompts[pi]) + text
                     if request.logprobs is not None:
@@ -137,7 +144,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.prompt_logprobs is not None:
                     choice.prompt_logprobs = self.prompt_logprobs_json(res)
                 if request.return_token_ids:
-                    choice.prompt_token_ids, choice.token_ids = pids, list(out.token_ids)
+                    choice.prompt_token_ids, choice.token_ids = pids, [] if request.max_tokens == 0 else list(
+                        out.token_ids)
                 choices.append(choice)
         choices.sort(key=lambda c: c.index)
         self.log_output(response_id, [c.text for c in choices])
@@ -168,6 +176,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 for out in res.outputs:
                     i = pi * n + out.index
                     delta_text, ids, lps = out.text, list(out.token_ids), out.logprobs
+                    if request.max_tokens == 0:  # echo only
+                        delta_text, ids, lps = "", [], []
+                    new_ids = ids
                     first = not echoed[i]
                     if request.echo and first:
                         delta_text = self._prompt_text(prompts[pi]) + delta_text
@@ -175,21 +186,21 @@ class OpenAIServingCompletion(OpenAIServing):
                             ids = pids + ids
                             lps = list(prompt_lps[pi] or [None] * len(pids)) + list(lps or [])
                     echoed[i] = True
-                    if not delta_text and not out.token_ids and out.finish_reason is None:
+                    if not delta_text and not new_ids and out.finish_reason is None:
                         continue
                     logprobs = None
                     if request.logprobs is not None:
                         logprobs = self.completion_logprobs(ids, lps, request.logprobs, text_len[i], as_ids)
                     text_len[i] += len(delta_text)
-                    tokens_out[i] += len(out.token_ids)
-                    texts[i] += out.text
+                    tokens_out[i] += len(new_ids)
+                    texts[i] += delta_text
                     choice = CompletionResponseStreamChoice(index=i, text=delta_text, logprobs=logprobs,
                                                             finish_reason=out.finish_reason,
                                                             stop_reason=out.stop_reason)
                     if request.return_token_ids:
                         if first:
                             choice.prompt_token_ids = pids
-                        choice.token_ids = list(out.token_ids)
+                        choice.token_ids = list(new_ids)
                     chunk = CompletionStreamResponse(id=response_id, object="text_completion", created=created,
                                                      model=model, choices=[choice])
                     if continuous:

@@ -1,0 +1,153 @@
+"""OpenAI-API conformance as clients see it, against the fake engine: the official `openai` client talks to the
+app through the TestClient's transport (no model, no engine process)."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.entrypoints.openai.test_chat_parsing import ScriptedEngine
+from tests.entrypoints.openai.test_openai_protocol_unit import assert_error, sse_events
+
+MSGS = [{"role": "user", "content": "What is the weather in Paris and Oslo?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+
+
+def oai(test_client) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=test_client, max_retries=0)
+
+
+@pytest.fixture
+def scripted(fake_engine, smollm2_tokenizer):
+    cls = type("Scripted", (ScriptedEngine, type(fake_engine)), {})
+    return lambda text: cls(smollm2_tokenizer, text)
+
+
+# ----- tools -----
+def test_tools_without_tool_choice_mean_auto(make_client):
+    """OpenAI and vLLM default tool_choice to "auto" once tools are given; without a tool-call parser that is a
+    400 naming the flags, not the model's raw call text returned as content."""
+    c, _ = make_client()
+    client = oai(c)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="fake-model", messages=MSGS, tools=TOOLS, max_tokens=2)
+    assert "--enable-auto-tool-choice" in str(e.value) and "defaults" in str(e.value)
+    err = e.value.body
+    assert err["param"] == "tool_choice" and err["code"] == 400
+    # "none" or an explicit null (vLLM: no parsing) still works, and the server keeps serving
+    for choice in ("none", None):
+        r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "tool_choice": choice,
+                                                 "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+def _stream_calls(c, body) -> tuple[dict, str | None]:
+    r = c.post("/v1/chat/completions", json={**body, "stream": True})
+    calls, finish = {}, None
+    for ev in sse_events(r.text):
+        if ev == "[DONE]" or not ev["choices"]:
+            continue
+        ch = ev["choices"][0]
+        for tc in ch["delta"].get("tool_calls") or []:
+            entry = calls.setdefault(tc["index"], "")
+            calls[tc["index"]] = entry + tc.get("function", {}).get("arguments", "")
+        finish = ch.get("finish_reason") or finish
+    return calls, finish
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_parallel_tool_calls_false_returns_one_call(make_client, scripted, parallel):
+    c, _ = make_client(scripted(TWO_CALLS), enable_auto_tool_choice=True, tool_call_parser="hermes")
+    body = {"messages": MSGS, "tools": TOOLS, "max_tokens": 80}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    r = oai(c).chat.completions.create(model="fake-model", **body)
+    cities = [json.loads(tc.function.arguments)["city"] for tc in r.choices[0].message.tool_calls]
+    expected = ["Paris"] if parallel is False else ["Paris", "Oslo"]
+    assert cities == expected and r.choices[0].finish_reason == "tool_calls"
+    calls, finish = _stream_calls(c, body)
+    assert [json.loads(a)["city"] for _, a in sorted(calls.items())] == expected and finish == "tool_calls"
+
+
+def test_parallel_tool_calls_false_limits_required_to_one_call(make_client):
+    c, engine = make_client()
+    r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "tool_choice": "required",
+                                             "parallel_tool_calls": False, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    schema = engine.calls[-1][1].structured_outputs.json
+    schema = json.loads(schema) if isinstance(schema, str) else schema
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    c.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "tool_choice": "required",
+                                         "max_tokens": 2})
+    schema = engine.calls[-1][1].structured_outputs.json
+    schema = json.loads(schema) if isinstance(schema, str) else schema
+    assert "maxItems" not in schema
+
+
+# ----- completions: echo with max_tokens 0 (prompt scoring) -----
+def test_echo_with_max_tokens_zero_returns_the_prompt_only(make_client, smollm2_tokenizer):
+    c, engine = make_client()
+    client = oai(c)
+    prompt = "Hello there world"
+    n_prompt = len(smollm2_tokenizer.encode(prompt))
+    r = client.completions.create(model="fake-model", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    ch = r.choices[0]
+    assert ch.text == prompt and ch.finish_reason == "length"
+    assert len(ch.logprobs.tokens) == n_prompt and "".join(ch.logprobs.tokens) == prompt
+    assert ch.logprobs.token_logprobs[0] is None and all(x is not None for x in ch.logprobs.token_logprobs[1:])
+    assert ch.logprobs.text_offset[0] == 0
+    assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 0
+    assert r.usage.total_tokens == n_prompt
+    assert engine.calls[-1][1].prompt_logprobs == 1 and engine.calls[-1][1].max_tokens == 1
+    # streamed: one chunk with the prompt, then the usage chunk
+    chunks = list(client.completions.create(model="fake-model", prompt=prompt, max_tokens=0, echo=True,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == prompt
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 0
+    # without echo, 0 stays an error that says when it is allowed
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="fake-model", prompt=prompt, max_tokens=0)
+
+
+# ----- request bodies and error messages -----
+def test_json_body_sent_with_a_form_or_text_content_type(client):
+    """curl -d without -H sends application/x-www-form-urlencoded; the body is still JSON."""
+    body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+    for ctype in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8"):
+        r = client.post("/v1/completions", content=body, headers={"content-type": ctype})
+        assert r.status_code == 200, r.text
+        assert r.json()["object"] == "text_completion"
+    err = assert_error(client.post("/v1/completions", content=b"prompt=Hello",
+                                   headers={"content-type": "application/x-www-form-urlencoded"}), 400)
+    assert "Invalid JSON body" in err["message"]
+
+
+def test_validation_messages_read_cleanly(client):
+    err = assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400)
+    assert err["message"] == "messages must contain at least one message."
+    err = assert_error(client.post("/v1/completions", json=[{"prompt": "a"}]), 400)
+    assert err["message"] == "The request body must be a JSON object."
+    assert client.get("/health").status_code == 200
+
+
+def test_assistant_refusal_parts_are_text(make_client):
+    c, engine = make_client()
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot help with that."}]},
+            {"role": "user", "content": [{"type": "text", "text": "why?"}]}]
+    r = oai(c).chat.completions.create(model="fake-model", messages=msgs, max_tokens=1)
+    assert r.choices[0].message.role == "assistant"
+    prompt_ids = engine.calls[-1][0]["prompt_token_ids"]
+    assert "I cannot help with that." in engine.tokenizer.decode(prompt_ids)
+
+
+def test_stored_responses_are_a_clear_404(client):
+    client_ = oai(client)
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        client_.responses.retrieve("resp_123")
+    assert_error(client.post("/v1/responses/resp_123/cancel"), 404, "response_id")
