@@ -121,7 +121,8 @@ def test_null_fields_and_tool_loop_messages(make_client):
             {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                 "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]
-    r = c.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS, "max_tokens": 2, "n": None,
+    r = c.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS, "tool_choice": None,
+                                             "max_tokens": 2, "n": None,
                                              "stream": None, "echo": None, "ignore_eos": None, "priority": None})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1
