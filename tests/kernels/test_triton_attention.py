@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from tests.kernels.kernel_check import DEV, rel_err  # noqa: E402
+from tests.kernels.kernel_check import DEV, check_pdl_chain, rel_err  # noqa: E402
 from tokenmill.attention.backend import AttentionMetadata  # noqa: E402
 from tokenmill.attention.backends.torch_ref import TorchRefBackend  # noqa: E402
 from tokenmill.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
@@ -349,15 +349,4 @@ def test_decode_gpu_pdl_chain_in_graph(monkeypatch):
             x = out
         return x
 
-    monkeypatch.setenv("TOKENMILL_PDL", "0")
-    want = chain()
-    monkeypatch.setenv("TOKENMILL_PDL", "1")
-    assert torch.equal(chain(), want)        # eager (and compiles outside the capture)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got = chain()
-    for _ in range(3):
-        got.zero_()
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got, want)
+    check_pdl_chain(chain, monkeypatch)

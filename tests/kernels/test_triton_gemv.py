@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from tests.kernels.kernel_check import DEV, INTERPRETED, rel_err  # noqa: E402
+from tests.kernels.kernel_check import DEV, INTERPRETED, check_pdl_chain, rel_err  # noqa: E402
 from tokenmill.kernels import triton_gemv  # noqa: E402
 from tokenmill.kernels.triton_gemv import GemvConfig, default_config, gemv, use_gemv  # noqa: E402
 
@@ -219,17 +219,5 @@ def test_gemv_gpu_pdl_chain_in_graph(monkeypatch):
                 x = gemv(x[:, :k], w, config=cfg)
         return x
 
-    monkeypatch.setenv("TOKENMILL_PDL", "0")
-    assert not pdl.pdl_enabled(dev)
-    want = chain()
-    monkeypatch.setenv("TOKENMILL_PDL", "1")
-    chain()                                  # warm-up outside the capture (compiles, split-K counters)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got = chain()
-    for _ in range(3):
-        got.zero_()
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got, want)
+    check_pdl_chain(chain, monkeypatch)
     assert not any(c.any() for c in triton_gemv._COUNTERS.values())
