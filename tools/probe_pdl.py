@@ -7,9 +7,17 @@ Two chains, each captured in a CUDA graph and replayed, with and without PDL:
 Usage: python3 tools/probe_pdl.py"""
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_timing import graph_us as _graph_us  # noqa: E402
+
+REPS = 20
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -50,24 +58,9 @@ def _gemv(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, PDL: tl.constexpr, PREFETCH: 
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
 
 
-def graph_us(fn, reps=20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / reps
+def graph_us(fn, reps: int = REPS) -> float:
+    """us per replay of one captured call of fn (tools/graph_timing.py: median over the replays)."""
+    return _graph_us([fn], replays=reps)
 
 
 def main() -> None:
@@ -83,7 +76,7 @@ def main() -> None:
                 _add_one[(1,)](x, 1024, PDL=pdl, BLOCK=1024, launch_pdl=pdl)
         t = graph_us(tiny)
         print(f"tiny chain PDL={pdl}: {t / 256:.2f} us per kernel, value check {x[0].item():.0f} "
-              f"(expect {256 * 22:.0f})")
+              f"(expect {256 * (REPS + 2):.0f}: a warm-up call, the first replay and the timed ones)")
     n, k, layers = 4096, 1024, 112
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03 for _ in range(layers)]
     x0 = torch.randn(k, device="cuda", dtype=torch.bfloat16)

@@ -41,9 +41,6 @@ logger = init_logger(__name__)
 WATCHDOG_INTERVAL_S = 0.5
 
 
-_error = error_response
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # responses
 # ----------------------------------------------------------------------------------------------------------------
@@ -167,30 +164,30 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return _error(message, 400, param)
+        return error_response(message, 400, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(str(exc.detail), exc.status_code)
+        return error_response(str(exc.detail), exc.status_code)
 
     @app.exception_handler(ServingError)
     async def _on_serving(_: Request, exc: ServingError) -> JSONResponse:
-        return _error(exc.message, exc.status, exc.param, exc.err_type)
+        return error_response(exc.message, exc.status, exc.param, exc.err_type)
 
     @app.exception_handler(EngineDeadError)
     async def _on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         engine_died(str(exc))
-        return _error(f"The engine is dead: {exc}", 503)
+        return error_response(f"The engine is dead: {exc}", 503)
 
     @app.exception_handler(ValueError)
     @app.exception_handler(TypeError)
     async def _on_value(_: Request, exc: Exception) -> JSONResponse:
-        return _error(str(exc), 400)
+        return error_response(str(exc), 400)
 
     @app.exception_handler(Exception)
     async def _on_other(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("Internal error while serving a request")
-        return _error(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+        return error_response(f"Internal server error: {type(exc).__name__}: {exc}", 500)
 
     # ----- routes -----
     async def health() -> Response:
