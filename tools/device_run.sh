@@ -309,6 +309,26 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     echo "=== qwen3 bs1 kernels"; timeout 70 python3 tools/profile_throughput.py qwen3-0.6b --bs1 2>&1 \
       | grep -vE "^(INFO|WARNING)|UserWarning|_warn_once|^\s*$" | head -40
     ;;
+  s7a)  # on nvidia-h200-x2: PDL under TP=2 (symm all-reduce test, TP2 equality), then where batch 1's time goes
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
+      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4
+    for model in qwen3-0.6b llama-3-8b; do
+      echo "=== profile_steps $model --bs1-only"
+      timeout 150 python3 tools/profile_steps.py $model --bs1-only > "$OUT/steps_$model.txt" 2>&1
+      grep -vE "^(INFO|WARNING)" "$OUT/steps_$model.txt" | grep -E "ms per|back to back|synced|Error" | head -12
+    done
+    ;;
+  s7e)  # host cost of pinned staging variants while the GPU is busy
+    timeout 60 python3 tools/probe_staging.py 2>&1
+    ;;
+  s7g)  # on nvidia-h200-x2: Llama-3-8B batch-1 decode, TP=1 then TP=2 (PDL on), bench latency
+    for tp in 1 2; do
+      echo "=== llama-3-8b bs1 tp=$tp"
+      timeout 130 python3 -m tokenmill.benchmarks.latency --model llama-3-8b -tp $tp --batch-size 1 --input-len 128 \
+        --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 \
+        --output-json "$OUT/lat_llama8b_tp$tp.json" 2>&1 | grep -E "^Avg|decode:|Error|error"
+    done
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4

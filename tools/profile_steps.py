@@ -1,6 +1,6 @@
 """Where does a decode step's time go? Runs on the GPU machine: per-component wall times (with a device sync at
 each boundary) for decode at batch 1 and 256, then a torch.profiler CUDA table.
-Usage: python3 tools/profile_steps.py qwen3-0.6b"""
+Usage: python3 tools/profile_steps.py qwen3-0.6b [--bs1-only]"""
 from __future__ import annotations
 
 import collections
@@ -15,6 +15,7 @@ from tokenmill.benchmarks.offline_common import shipped_model_dir
 from tokenmill.sampling_params import RequestOutputKind
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
+bs1_only = "--bs1-only" in sys.argv
 llm = LLM(shipped_model_dir(name), load_format="dummy", skip_tokenizer_init=True, max_model_len=2048)
 eng = llm.llm_engine
 core = eng.engine_core
@@ -44,7 +45,7 @@ def drain():
     core.async_scheduling = mode
 
 
-for bs, steps in ((1, 64), (256, 24)):
+for bs, steps in ((1, 64),) if bs1_only else ((1, 64), (256, 24)):
     sp = SamplingParams(temperature=0.6, max_tokens=1000, ignore_eos=True, detokenize=False,
                         output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(bs):
@@ -62,6 +63,16 @@ for bs, steps in ((1, 64), (256, 24)):
         torch.cuda.synchronize()
         print(f"batch {bs}, async_scheduling={mode}: {1000 * (time.perf_counter() - t) / steps:.3f} ms per decode "
               "step (wall, uninstrumented)")
+    if bs == 1 and runner.cuda_graphs is not None:
+        # The device's own pace: the batch-1 graph replayed back to back, nothing else on the host.
+        g = runner.cuda_graphs.graphs[1]
+        for reps in (50, 400):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(reps):
+                g.replay()
+            torch.cuda.synchronize()
+        print(f"batch-1 decode graph replayed back to back: {1000 * (time.perf_counter() - t) / reps:.3f} ms each")
     if bs == 1:  # where does the host time go at batch 1 (async on, as served)?
         import cProfile
         import pstats
@@ -71,7 +82,7 @@ for bs, steps in ((1, 64), (256, 24)):
         for _ in range(steps):
             eng.step()
         pr.disable()
-        pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(40)
     drain()
     T = collections.defaultdict(float)
     saved = [(runner.sampler, "forward", timed(runner.sampler, "forward", "sampler", T)),
@@ -105,6 +116,8 @@ for bs, steps in ((1, 64), (256, 24)):
     while core.has_unfinished_requests():
         eng.step()
 
+if bs1_only:
+    sys.exit(0)
 # Prefill: one step of 16 prompts x 512 tokens = 8192 tokens (the default token budget), synchronous.
 core.async_scheduling = False
 sp1 = SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, detokenize=False,
