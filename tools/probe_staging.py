@@ -21,24 +21,23 @@ def busy():
         torch.mm(a, a, out=a)  # ~40 x 0.2 ms of queued GPU work
 
 
-def h2d(kind, i):
+def staging(kind, i):
+    """A pinned int64[64] host buffer of the given kind (what each copy's host side costs to obtain is timed too)."""
     if kind == "fresh":
-        t = torch.empty(64, dtype=torch.int64, pin_memory=True)
-    elif kind == "arena_view":
-        t = arena[i % 4, 128:128 + 512].view(torch.int64)
-    else:
-        t = persist[i % 4]
+        return torch.empty(64, dtype=torch.int64, pin_memory=True)
+    if kind == "arena_view":
+        return arena[i % 4, 128:128 + 512].view(torch.int64)
+    return persist[i % 4]
+
+
+def h2d(kind, i):
+    t = staging(kind, i)
     np.copyto(t.numpy(), src)
     return t.to(dev, non_blocking=True)
 
 
 def d2h(kind, i):
-    if kind == "fresh":
-        t = torch.empty(64, dtype=torch.int64, pin_memory=True)
-    elif kind == "arena_view":
-        t = arena[i % 4, 128:128 + 512].view(torch.int64)
-    else:
-        t = persist[i % 4]
+    t = staging(kind, i)
     t.copy_(d_src, non_blocking=True)
     return t
 
