@@ -309,9 +309,8 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     echo "=== qwen3 bs1 kernels"; timeout 70 python3 tools/profile_throughput.py qwen3-0.6b --bs1 2>&1 \
       | grep -vE "^(INFO|WARNING)|UserWarning|_warn_once|^\s*$" | head -40
     ;;
-  s7a)  # on nvidia-h200-x2: PDL under TP=2 (symm all-reduce test, TP2 equality), then where batch 1's time goes
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
-      "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4
+  s7a)  # on nvidia-h200-x2: PDL under TP=2 (s5h's tests), then where batch 1's time goes
+    "$0" s5h
     for model in qwen3-0.6b llama-3-8b; do
       echo "=== profile_steps $model --bs1-only"
       timeout 150 python3 tools/profile_steps.py $model --bs1-only > "$OUT/steps_$model.txt" 2>&1
