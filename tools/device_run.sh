@@ -328,6 +328,16 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
         --output-json "$OUT/lat_llama8b_tp$tp.json" 2>&1 | grep -E "^Avg|decode:|Error|error"
     done
     ;;
+  s8a)  # fused decode attention (q/k-norm + RoPE + KV store + split merge in one launch): GPU tests, then a bs1 A/B
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_decode_qkv.py \
+      tests/kernels/test_triton_attention.py tests/kernels/test_triton_fp8_kv.py tests/gpu/test_gpu_e2e.py \
+      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -12
+    for run in qwen3-0.6b:1 qwen3-0.6b:0 llama-3-8b:1 llama-3-8b:0; do model=${run%:*} f=${run#*:}
+      echo "=== profile_steps $model --bs1-only, TOKENMILL_FUSED_DECODE=$f"
+      TOKENMILL_FUSED_DECODE=$f timeout 85 python3 tools/profile_steps.py $model --bs1-only > "$OUT/steps_${model}_$f.txt" 2>&1
+      grep -vE "^(INFO|WARNING)" "$OUT/steps_${model}_$f.txt" | grep -E "ms per|back to back|synced|Error" | head -8
+    done
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4
