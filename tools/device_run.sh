@@ -338,6 +338,15 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       grep -vE "^(INFO|WARNING)" "$OUT/steps_${model}_$f.txt" | grep -E "ms per|back to back|synced|Error" | head -8
     done
     ;;
+  s8b)  # quick fused-decode iteration: its kernel tests, then Qwen3-0.6B bs1 graph time fused / not fused
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_decode_qkv.py \
+      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -8
+    for f in 1 0; do
+      echo "=== profile_steps qwen3-0.6b --bs1-only, TOKENMILL_FUSED_DECODE=$f"
+      TOKENMILL_FUSED_DECODE=$f timeout 85 python3 tools/profile_steps.py qwen3-0.6b --bs1-only 2>&1 \
+        | grep -vE "^(INFO|WARNING)" | grep -E "ms per|back to back|Error" | head -6
+    done
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4

@@ -27,7 +27,7 @@ import triton.language as tl
 from tokenmill.attention.kv_quant import is_fp8, require_scales
 from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
 from tokenmill.kernels.triton_prefill_attention import _attend_span
-from tokenmill.kernels.triton_qk_norm_rope_store import norm_rope_tile
+from tokenmill.kernels.triton_qk_norm_rope_store import norm_rope_tile, rope_cos_sin
 
 _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -46,26 +46,37 @@ def _decode_stage1_kernel(
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
     MERGE: tl.constexpr = False, ROPE: tl.constexpr = False, HQ: tl.constexpr = 1, HKV: tl.constexpr = 1,
     ROT: tl.constexpr = 0, IS_NEOX: tl.constexpr = True, HAS_NORM: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    SPLITS_P2: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
-    wait_then_release(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    if q_len != 1:
-        return
-    seq_len = tl.load(seq_lens_ptr + b)
+    d = tl.arange(0, HEAD_P2)
+    d_mask = d < HEAD
+    if ROPE:
+        # Pure decode: row b's token is b. Step metadata, the RoPE table and the norm weights are written by no
+        # kernel of the forward, so they are read before the PDL wait, under the previous kernel's tail.
+        tok = b.to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + b)
+        pos = tl.load(pos_ptr + tok).to(tl.int64)
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        c, sn = rope_cos_sin(cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin, d, d_mask,
+                             q_ptr.dtype.element_ty, ROT, IS_NEOX)
+        wait_then_release(PDL)
+    else:
+        wait_then_release(PDL)
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
+        if q_len != 1:
+            return
+        tok = q_start.to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + b)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     used = tl.cdiv(seq_len, tl.maximum(split_len, 1))        # splits with keys (0 when seq_len == 0)
     start = split * split_len
     g = tl.arange(0, BLOCK_G)
     head = kvh * G + g
     g_mask = g < G
-    d = tl.arange(0, HEAD_P2)
-    d_mask = d < HEAD
-    tok = q_start.to(tl.int64)
     if not DIRECT:
         if start >= seq_len:        # unused split: nobody reads it
             if MERGE:
@@ -82,16 +93,11 @@ def _decode_stage1_kernel(
         # split holding the new token (the last used one) stores its k (normalised, rotated) and v in the cache
         # first; the barrier makes those stores visible to this program's own key loop, the only one reading them.
         row = q_ptr + tok * stride_qt
-        pos = tl.load(pos_ptr + tok).to(tl.int64)
-        cos_row = cos_ptr + pos * stride_cos
-        sin_row = sin_ptr + pos * stride_sin
-        q = norm_rope_tile(row, head, g_mask, qw_ptr, cos_row, sin_row, d, d_mask, eps,
-                           HEAD, ROT, IS_NEOX, HAS_NORM)
+        q = norm_rope_tile(row, head, g_mask, qw_ptr, c, sn, d, d_mask, eps, HEAD, ROT, IS_NEOX, HAS_NORM)
         if split == used - 1:
-            slot = tl.load(slot_ptr + tok).to(tl.int64)
             if slot >= 0:
                 one = g < 1
-                kk = norm_rope_tile(row + HQ * HEAD, kvh + g * 0, one, kw_ptr, cos_row, sin_row, d, d_mask, eps,
+                kk = norm_rope_tile(row + HQ * HEAD, kvh + g * 0, one, kw_ptr, c, sn, d, d_mask, eps,
                                     HEAD, ROT, IS_NEOX, HAS_NORM)
                 vv = tl.load(row + (HQ + HKV + kvh + g * 0)[:, None] * HEAD + d[None, :],
                              mask=one[:, None] & d_mask[None, :])
@@ -124,32 +130,33 @@ def _decode_stage1_kernel(
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt_ptr + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
             if arrived == used - 1:
-                _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptrs, b * stride_mb + head * stride_mh, stride_ms, used,
-                              g_mask, d, d_mask, BLOCK_G, HEAD_P2)
+                _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr + tok * stride_ot + kvh * G * stride_oh, stride_oh,
+                              b * stride_mb + kvh * G * stride_mh, stride_mh, stride_ms, used, d, d_mask, G,
+                              HEAD_P2, SPLITS_P2)
                 tl.atomic_xchg(cnt_ptr + b * tl.num_programs(1) + kvh, 0)
 
 
 @triton.jit
-def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptrs, base, stride_ms, used, g_mask, d, d_mask,
-                  BLOCK_G: tl.constexpr, HEAD_P2: tl.constexpr):
-    """out = the log-sum-exp weighted mean of the first `used` split outputs of heads at base (online, one pass).
-    .cg loads: the other programs' partials are in L2, never in a stale L1 line."""
-    m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-    den = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_P2], dtype=tl.float32)
-    for s in range(used):
-        off = base + s * stride_ms
-        lse = tl.load(mid_lse_ptr + off // HEAD_P2, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(mid_o_ptr + off[:, None] + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+def _merge_splits(mid_o_ptr, mid_lse_ptr, out_row, stride_oh, base, stride_mh, stride_ms, used, d, d_mask,
+                  G: tl.constexpr, HEAD_P2: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """Stage 2 for the G heads of one (row, kv head), in the program that finished last: each head's output is the
+    log-sum-exp weighted mean of its `used` split outputs, reduced in the same shapes as the stage-2 kernel (so the
+    two agree bit for bit). All loads of a head are independent: one L2 round trip, not one per split. .cg: the
+    other programs' partials are in L2, never in a stale L1 line."""
+    s = tl.arange(0, SPLITS_P2)
+    s_mask = s < used
+    for gi in tl.static_range(G):
+        off = base + gi * stride_mh + s * stride_ms
+        lse = tl.load(mid_lse_ptr + off // HEAD_P2, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse, 0)
+        m = tl.where(m > -1.0e30, m, 0.0)
+        w = tl.exp2(lse - m)
+        o = tl.load(mid_o_ptr + off[:, None] + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0,
                     cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)                              # 0 for an empty split (lse -inf)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        den = den * alpha + w
-        m = m_new
-    res = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-    tl.store(out_ptrs, res.to(out_ptrs.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        num = tl.sum(o * w[:, None], 0)
+        den = tl.sum(w, 0)
+        res = num / tl.where(den > 0.0, den, 1.0)
+        tl.store(out_row + gi * stride_oh + d, res.to(out_row.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -365,7 +372,8 @@ def _launch(q, hq, hkv, d, stride_qt, stride_qh, k_cache, v_cache, out, query_st
         BLOCK_SIZE=k_cache.shape[1], G=g, BLOCK_G=block_g, BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2,
         DIRECT=direct, IEEE=ieee, FP8=fp8, MERGE=merge, ROPE=r is not None, HQ=hq, HKV=hkv,
         ROT=r.rotary_dim if r else 0, IS_NEOX=r.is_neox if r else True, HAS_NORM=r is not None and
-        r.q_norm_weight is not None, num_stages=num_stages or cfg[2], **common,
+        r.q_norm_weight is not None, SPLITS_P2=_splits_p2(num_splits) if merge else 1,
+        num_stages=num_stages or cfg[2], **common,
     )
     if not direct and not merge:
         _decode_stage2_kernel[(num_rows, hq)](
