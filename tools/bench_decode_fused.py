@@ -1,9 +1,8 @@
 """Batch-1 decode attention variants inside a layer-like chain (GPU machine): qkv gemv -> attention -> o_proj gemv,
 repeated per layer and captured in one CUDA graph (PDL as configured), timed per layer.
 
-Variants: `sep2` qk_norm_rope_store + decode_attention with the stage-2 merge launch (the unfused path); `sep1` the
-same with the merge in the attention kernel; `fused` decode_attention_qkv (one launch). Prints each variant's
-us per layer and the registers / spills of the attention kernels it compiled.
+Variants: `sep` qk_norm_rope_store + decode_attention (the unfused path); `fused` decode_attention_qkv. Prints each
+variant's us per layer and the registers / spills of the attention kernels it compiled.
 Usage: python3 tools/bench_decode_fused.py [qwen3|llama] [--ctx N] [--splits S] [--layers L]"""
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import sys
 import torch
 
 from tokenmill.kernels import triton_decode_attention as tda
+from tokenmill.kernels import triton_decode_attention_qkv as tdq
 from tokenmill.kernels.triton_gemv import gemv, prefer_gemv
 from tokenmill.kernels.triton_qk_norm_rope_store import qk_norm_rope_store
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -44,7 +44,7 @@ inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
 rope = RotaryEmbedding(inv_freq, d, d, 4096, scaling=1.0).to(dev)
 qw = torch.ones(d, device=dev, dtype=dt) if norm else None
 kw = torch.ones(d, device=dev, dtype=dt) if norm else None
-spec = tda.QkvRope(positions, slots, rope.cos_cache, rope.sin_cache, d, True, qw, kw, 1e-6)
+spec = tdq.QkvRope(positions, slots, rope.cos_cache, rope.sin_cache, d, True, qw, kw, 1e-6)
 x0 = torch.randn(1, hidden, device=dev, dtype=dt)
 
 
@@ -55,12 +55,12 @@ def forward(variant: str) -> torch.Tensor:
         out = torch.empty((1, hq, d), device=dev, dtype=dt)
         kc, vc = caches[i][0], caches[i][1]
         if variant == "fused":
-            tda.decode_attention_qkv(qkv, spec, kc, vc, out, qsl, seq_lens, table, d ** -0.5, num_splits=splits)
+            tdq.decode_attention_qkv(qkv, spec, kc, vc, out, qsl, seq_lens, table, d ** -0.5, num_splits=splits)
         else:
             q = qk_norm_rope_store(qkv, positions, slots, caches[i], rope.cos_cache, rope.sin_cache, num_heads=hq,
                                    num_kv_heads=hkv, head_dim=d, q_norm_weight=qw, k_norm_weight=kw)
             tda.decode_attention(q.view(1, hq, d), kc, vc, out, qsl, seq_lens, table, d ** -0.5,
-                                 num_splits=splits, merge_in_kernel=variant == "sep1")
+                                 num_splits=splits)
         x = gemv(out.view(1, hq * d), w_o[i], config=cfg_o)
     return x
 
@@ -85,10 +85,9 @@ def timed(variant: str) -> float:
 
 
 print(f"{shape}: hidden {hidden}, heads {hq}/{hkv}, ctx {ctx}, splits {splits}, {layers} layers")
-for variant in ("sep2", "sep1", "fused", "sep2", "fused"):
+for variant in ("sep", "fused", "sep", "fused"):
     print(f"{variant:6s} {timed(variant):7.2f} us per layer")
-# Compiled variants in compile order (stage 1: sep2's, sep1's, then fused's).
-for kern in (tda._decode_stage1_kernel, tda._decode_stage2_kernel):
+for kern in (tda._decode_stage1_kernel, tdq._decode_qkv_kernel, tda._decode_stage2_kernel):
     try:
         for entry in kern.device_caches.values():
             for ck in entry[0].values():

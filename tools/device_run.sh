@@ -347,9 +347,9 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
         | grep -vE "^(INFO|WARNING)" | grep -E "ms per|back to back|Error" | head -6
     done
     ;;
-  s8c)  # batch-1 attention variants in a layer-like chain (tools/bench_decode_fused.py), PDL on and off
+  s8c)  # batch-1 attention variants in a layer-like chain (tools/bench_decode_fused.py), then s8b
     for shape in qwen3 llama; do timeout 100 python3 tools/bench_decode_fused.py $shape 2>&1 | grep -vE "^(INFO|WARNING)"; done
-    echo "=== PDL off"; TOKENMILL_PDL=0 timeout 100 python3 tools/bench_decode_fused.py qwen3 2>&1 | grep -vE "^(INFO|WARNING)"
+    "$0" s8b
     ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \

@@ -1,6 +1,6 @@
-"""Decode attention straight from the qkv projection (decode_attention_qkv: q/k-norm, RoPE, KV store and attention
-in one launch, splits merged in the kernel) against the separate kernels it replaces: qk_norm_rope_store, then
-decode_attention with a stage-2 merge launch. Also the in-kernel merge of plain decode_attention against stage 2.
+"""Decode attention straight from the qkv projection (tokenmill/kernels/triton_decode_attention_qkv.py: q/k-norm,
+RoPE, KV store and attention in one launch) against the separate kernels it replaces: qk_norm_rope_store, then
+decode_attention.
 
 On the CPU the kernels run in Triton's interpreter (tests/kernels/conftest.py sets TRITON_INTERPRET=1)."""
 from __future__ import annotations
@@ -16,7 +16,8 @@ pytest.importorskip("triton")
 
 from tests.kernels.kernel_check import DEV, check_pdl_chain, rel_err  # noqa: E402
 from tests.kernels.test_triton_attention import make_batch  # noqa: E402
-from tokenmill.kernels.triton_decode_attention import QkvRope, decode_attention, decode_attention_qkv  # noqa: E402
+from tokenmill.kernels.triton_decode_attention import decode_attention  # noqa: E402
+from tokenmill.kernels.triton_decode_attention_qkv import QkvRope, decode_attention_qkv  # noqa: E402
 from tokenmill.kernels.triton_qk_norm_rope_store import qk_norm_rope_store  # noqa: E402
 from tokenmill.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -45,14 +46,14 @@ def check_qkv(ctx_lens, *, hq, hkv, d, rot=None, is_neox=True, norm=True, dtype=
     rope, positions, qw, kw = _rope_inputs(n, pad_rows, d, rot, is_neox, norm, dtype, gen)
     scale = d ** -0.5
 
-    # Reference: the separate kernels (store + rotate, then attention merged by the stage-2 launch).
+    # Reference: the separate kernels (store + rotate, then attention).
     ref_cache = kv_cache.clone()
     q = qk_norm_rope_store(qkv, positions, md.slot_mapping, ref_cache, rope.cos_cache, rope.sin_cache,
                            num_heads=hq, num_kv_heads=hkv, head_dim=d, rotary_dim=rot, is_neox=is_neox,
                            q_norm_weight=qw, k_norm_weight=kw, eps=1e-6)
     ref = torch.full((rows, hq, d), float("nan"), dtype=dtype, device=DEV)
     decode_attention(q.view(rows, hq, d), ref_cache[0], ref_cache[1], ref, md.query_start_loc, md.seq_lens,
-                     md.block_table, scale, num_splits=splits, block_n=16, merge_in_kernel=False)
+                     md.block_table, scale, num_splits=splits, block_n=16)
 
     cache = kv_cache.clone()
     out = torch.full((rows, hq, d), float("nan"), dtype=dtype, device=DEV)
@@ -89,6 +90,12 @@ def test_qkv_odd_group_and_head():
     check_qkv([5, 20], hq=6, hkv=2, d=96, splits=2, seed=12)
 
 
+def test_qkv_several_tiles_per_split():
+    """Splits of several 16-key tiles: the new token sits in a tile read after the PDL wait, not the prefetched one."""
+    check_qkv([70, 47, 100], hq=4, hkv=2, d=64, splits=1, seed=13)
+    check_qkv([70, 47, 100], hq=4, hkv=2, d=64, splits=2, seed=14)
+
+
 def test_qkv_rejects_bad_arguments():
     md, kv_cache, _, _, _ = make_batch([1], [4], hq=4, hkv=2, d=64, block_size=16, dtype=torch.float32, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -105,26 +112,6 @@ def test_qkv_rejects_bad_arguments():
     with pytest.raises(ValueError, match="rotary_dim"):
         decode_attention_qkv(torch.zeros(1, 512, device=DEV), bad, kv_cache[0], kv_cache[1], out,
                              md.query_start_loc, md.seq_lens, md.block_table, 0.1)
-
-
-@pytest.mark.parametrize("splits", [2, 8])
-def test_in_kernel_merge_matches_stage2(splits):
-    """Plain decode_attention: the last-arriving split's merge against the stage-2 launch, including a row with
-    fewer used splits than launched and padding rows; the arrival counters are left at zero for the next call."""
-    hq, hkv, d = 8, 2, 64
-    md, kv_cache, q, _, _ = make_batch([1] * 4, [0, 15, 16, 90], hq=hq, hkv=hkv, d=d, block_size=16,
-                                       dtype=torch.float32, seed=50 + splits, pad_rows=2)
-    t = md.num_actual_tokens
-    outs = []
-    for merge in (False, True, True):        # twice in kernel: the counters must be clean after the first call
-        out = torch.full((t, hq, d), float("nan"), device=DEV)
-        decode_attention(q.view(t, hq, d), kv_cache[0], kv_cache[1], out, md.query_start_loc, md.seq_lens,
-                         md.block_table, 0.125, num_splits=splits, block_n=16, merge_in_kernel=merge)
-        outs.append(out)
-    assert rel_err(outs[1], outs[0]) < 1e-6
-    assert torch.equal(outs[1], outs[2])
-    from tokenmill.kernels import triton_decode_attention as tda
-    assert not tda._COUNTERS[torch.device(DEV) if DEV.type == "cuda" else DEV].any()
 
 
 # ------------------------------------------------------------------------------------------------------------ GPU

@@ -43,7 +43,7 @@ class Attention(nn.Module):
             return None
         fused = getattr(self.impl, "forward_decode_qkv", None)
         if fused is not None:
-            from tokenmill.kernels.triton_decode_attention import QkvRope
+            from tokenmill.kernels.triton_decode_attention_qkv import QkvRope
             rope = QkvRope(positions, md.slot_mapping, rotary_emb.cos_cache, rotary_emb.sin_cache,
                            rotary_emb.rotary_dim, rotary_emb.is_neox_style,
                            None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,

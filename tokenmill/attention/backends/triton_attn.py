@@ -14,8 +14,8 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.attention.kv_quant import check_triton_fp8_support, is_fp8
 from tokenmill import envs
-from tokenmill.kernels.triton_decode_attention import (QkvRope, decode_attention, decode_attention_qkv,
-                                                      decode_config, decode_num_splits)
+from tokenmill.kernels.triton_decode_attention import decode_attention, decode_config, decode_num_splits
+from tokenmill.kernels.triton_decode_attention_qkv import QkvRope, decode_attention_qkv
 from tokenmill.kernels.triton_kv_store import store_kv
 from tokenmill.kernels.triton_prefill_attention import prefill_attention
 
@@ -53,8 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
                               k_scale=k_scale, v_scale=v_scale)
         if has_decode:
             decode_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
-                             num_splits=self._splits(md, q.dtype, fp8), k_scale=k_scale, v_scale=v_scale,
-                             merge_in_kernel=envs.TOKENMILL_FUSED_DECODE)
+                             num_splits=self._splits(md, q.dtype, fp8), k_scale=k_scale, v_scale=v_scale)
         return out.view(t, hq * d)
 
     def _splits(self, md: AttentionMetadata, dtype: torch.dtype, fp8: bool) -> int:
@@ -68,7 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_decode_qkv(self, qkv: torch.Tensor, rope: QkvRope, kv_cache: torch.Tensor,
                            md: AttentionMetadata) -> torch.Tensor | None:
         """Attention of a pure-decode step straight from the qkv projection: one launch normalises and rotates q/k,
-        stores the new K/V and attends (decode_attention_qkv). None when the step is not pure decode (a row with
+        stores the new K/V and attends (decode_attention_qkv; a second merges the context splits). None when the step is not pure decode (a row with
         another query length, a captured mixed batch), the cache is not qkv's 16-bit dtype, or
         TOKENMILL_FUSED_DECODE=0: the caller takes the separate kernels."""
         t = md.num_actual_tokens
