@@ -3,12 +3,12 @@ qk_norm_rope_store + decode stage 1.
 
 Why it pays: with programmatic dependent launch (tokenmill/kernels/pdl.py) a kernel boundary costs little; what a
 batch-1 layer waits on is each kernel's chain of dependent memory round trips after its PDL wait. So everything that
-does not depend on the previous kernel is read before the wait: the step metadata (seq_len, position, slot, block
-table), the RoPE table and, above all, the first K/V tile of the program's context split. Only the K/V of positions
-before this step's token are read there; no kernel of the step writes those. After the wait a program reads its row
-of qkv once, normalises (Qwen3's per-head q_norm / k_norm, optional) and rotates its G query heads, and the program
-whose split holds the new token also rotates the new k, stores k and v into the cache, and patches them into its
-tiles from registers (its tiles may hold the slot's stale bytes). Then flash-decoding as in
+does not depend on the previous kernel is read before the wait: the step metadata (seq_len, position, slot), the
+RoPE table and the block-table entries of the program's first K/V tile. After the wait the loads of that tile and of
+the row of qkv go out together (one round trip); a program normalises (Qwen3's per-head q_norm / k_norm, optional)
+and rotates its G query heads, and the program whose split holds the new token also rotates the new k, stores k and
+v into the cache, and patches them into its tiles from registers (the tiles were read before the store). Reading
+the whole first tile before the wait measured slower: 222 registers a program held the next kernels off the SMs. Then flash-decoding as in
 triton_decode_attention: a normalised partial output and log-sum-exp per split, merged by that module's stage 2
 (a separate launch measured faster than a merge by the last-arriving split, whose fence and atomic add round trips).
 
@@ -46,12 +46,16 @@ class QkvRope:
 
 
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, offs, end, d, d_mask, stride_cb, stride_cs,
-                  BLOCK_SIZE: tl.constexpr):
-    """K^T [HEAD_P2, BLOCK_N] and V [BLOCK_N, HEAD_P2] of context positions offs (zeros from `end` on)."""
+def _kv_rows(bt_row_ptr, kv_head_off, offs, end, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr):
+    """Cache offsets [BLOCK_N] of context positions offs through the block table (position 0's for masked ones)."""
+    blk = tl.load(bt_row_ptr + offs // BLOCK_SIZE, mask=offs < end, other=0).to(tl.int64)
+    return blk * stride_cb + (offs % BLOCK_SIZE) * stride_cs + kv_head_off
+
+
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, row_off, offs, end, d, d_mask):
+    """K^T [HEAD_P2, BLOCK_N] and V [BLOCK_N, HEAD_P2] at cache offsets row_off (zeros from position `end` on)."""
     k_mask = offs < end
-    blk = tl.load(bt_row_ptr + offs // BLOCK_SIZE, mask=k_mask, other=0).to(tl.int64)
-    row_off = blk * stride_cb + (offs % BLOCK_SIZE) * stride_cs + kv_head_off
     kt = tl.load(k_cache_ptr + row_off[None, :] + d[:, None], mask=k_mask[None, :] & d_mask[:, None], other=0.0)
     vv = tl.load(v_cache_ptr + row_off[:, None] + d[None, :], mask=k_mask[:, None] & d_mask[None, :], other=0.0)
     return kt, vv
@@ -114,8 +118,7 @@ def _decode_qkv_kernel(
     bt_row = block_table_ptr + b * stride_bt
     kv_off = kvh * stride_ch
     offs = start + tl.arange(0, BLOCK_N)
-    kt, vv = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_off, offs, end, d, d_mask, stride_cb, stride_cs,
-                           BLOCK_SIZE)
+    rows = _kv_rows(bt_row, kv_off, offs, end, stride_cb, stride_cs, BLOCK_SIZE)
     wait_then_release(PDL)
 
     if start >= seq_len:
@@ -124,6 +127,8 @@ def _decode_qkv_kernel(
                      tl.zeros([BLOCK_G, HEAD_P2], dtype=out_ptr.dtype.element_ty),
                      mask=g_mask[:, None] & d_mask[None, :])
         return              # an unused split: stage 2 does not read it
+    # The first tile's K/V loads are independent of the qkv loads below: both are one round trip together.
+    kt, vv = _load_kv_tile(k_cache_ptr, v_cache_ptr, rows, offs, end, d, d_mask)
     row = qkv_ptr + tok * stride_qt
     q = norm_rope_tile(row, head, g_mask, qw_ptr, c, sn, d, d_mask, eps, HEAD, ROT, IS_NEOX, HAS_NORM)
     k_new = tl.zeros([HEAD_P2], dtype=dt)
@@ -145,8 +150,8 @@ def _decode_qkv_kernel(
     acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, kt, vv, offs, end, new, k_new, v_new, qk_scale, IEEE)
     for start_n in range(start + BLOCK_N, end, BLOCK_N):
         offs = start_n + tl.arange(0, BLOCK_N)
-        kt, vv = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_off, offs, end, d, d_mask, stride_cb,
-                               stride_cs, BLOCK_SIZE)
+        rows = _kv_rows(bt_row, kv_off, offs, end, stride_cb, stride_cs, BLOCK_SIZE)
+        kt, vv = _load_kv_tile(k_cache_ptr, v_cache_ptr, rows, offs, end, d, d_mask)
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, kt, vv, offs, end, new, k_new, v_new, qk_scale, IEEE)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
