@@ -5,10 +5,10 @@ Why it pays: with programmatic dependent launch (tokenmill/kernels/pdl.py) a ker
 batch-1 layer waits on is each kernel's chain of dependent memory round trips after its PDL wait. So everything that
 does not depend on the previous kernel is read before the wait: the step metadata (seq_len, position, slot), the
 RoPE table and the block-table entries of the program's first K/V tile. After the wait the loads of that tile and of
-the row of qkv go out together (one round trip); a program normalises (Qwen3's per-head q_norm / k_norm, optional)
-and rotates its G query heads, and the program whose split holds the new token also rotates the new k, stores k and
-v into the cache, and patches them into its tiles from registers (the tiles were read before the store). Reading
-the whole first tile before the wait measured slower: 222 registers a program held the next kernels off the SMs. Then flash-decoding as in
+the row of qkv go out together (one round trip); every program normalises (Qwen3's per-head q_norm / k_norm, optional)
+and rotates its G query heads and its kv head's new k in one tile (row G is k), and patches the new k and v into its
+tiles from registers (the tiles may hold the slot's stale bytes); the program whose split holds the new token also
+stores them into the cache. Then flash-decoding as in
 triton_decode_attention: a normalised partial output and log-sum-exp per split, merged by that module's stage 2
 (a separate launch measured faster than a merge by the last-arriving split, whose fence and atomic add round trips).
 
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
 from tokenmill.kernels.triton_decode_attention import _LOG2E, decode_config, merge_splits, split_buffers
-from tokenmill.kernels.triton_qk_norm_rope_store import norm_rope_tile, rope_cos_sin
+from tokenmill.kernels.triton_qk_norm_rope_store import norm_rope_tile, rope_cos_sin, rope_partner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +115,20 @@ def _decode_qkv_kernel(
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     c, sn = rope_cos_sin(cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin, d, d_mask, dt, ROT, IS_NEOX)
+    # Tile row G (BLOCK_G > G) carries the kv head's new k, so q and k are normalised and rotated in one pass.
+    is_k = g == G
+    src = tl.where(is_k, HQ + kvh, head)
+    if HAS_NORM:
+        partner, _, _ = rope_partner(d, ROT, IS_NEOX)
+        qw = tl.load(qw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        kw = tl.load(kw_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        qwp = tl.load(qw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        kwp = tl.load(kw_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w = tl.where(is_k[:, None], kw, qw)
+        wp = tl.where(is_k[:, None], kwp, qwp)
+    else:
+        w = tl.zeros([1, HEAD_P2], dtype=tl.float32)
+        wp = w
     bt_row = block_table_ptr + b * stride_bt
     kv_off = kvh * stride_ch
     offs = start + tl.arange(0, BLOCK_N)
@@ -127,18 +141,14 @@ def _decode_qkv_kernel(
                      tl.zeros([BLOCK_G, HEAD_P2], dtype=out_ptr.dtype.element_ty),
                      mask=g_mask[:, None] & d_mask[None, :])
         return              # an unused split: stage 2 does not read it
-    # The first tile's K/V loads are independent of the qkv loads below: both are one round trip together.
+    # Every load below is independent of the others: one round trip for the qkv row and the first K/V tile.
     kt, vv = _load_kv_tile(k_cache_ptr, v_cache_ptr, rows, offs, end, d, d_mask)
     row = qkv_ptr + tok * stride_qt
-    q = norm_rope_tile(row, head, g_mask, qw_ptr, c, sn, d, d_mask, eps, HEAD, ROT, IS_NEOX, HAS_NORM)
-    k_new = tl.zeros([HEAD_P2], dtype=dt)
-    v_new = tl.zeros([HEAD_P2], dtype=dt)
+    qk = norm_rope_tile(row, src, g <= G, w, wp, c, sn, d, d_mask, eps, HEAD, ROT, IS_NEOX, HAS_NORM)
+    v_new = tl.load(row + (HQ + HKV + kvh) * HEAD + d, mask=d_mask, other=0.0)
+    k_new = tl.sum(tl.where(is_k[:, None], qk.to(tl.float32), 0.0), 0).to(dt)          # exact: one term
+    q = tl.where(is_k[:, None], 0.0, qk.to(tl.float32)).to(dt)
     if new < end:           # this split holds the step's token (new >= start always holds here)
-        first = g < 1       # norm_rope_tile works on tiles: row 0 is head kvh, the others are masked
-        kk = norm_rope_tile(row + HQ * HEAD, kvh + g * 0, first, kw_ptr, c, sn, d, d_mask, eps, HEAD, ROT,
-                            IS_NEOX, HAS_NORM)
-        k_new = tl.sum(tl.where(first[:, None], kk.to(tl.float32), 0.0), 0).to(dt)       # exact: one term
-        v_new = tl.load(row + (HQ + HKV + kvh) * HEAD + d, mask=d_mask, other=0.0)
         if slot >= 0:
             dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_off
             tl.store(k_cache_ptr + dst + d, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
@@ -208,7 +218,7 @@ def decode_attention_qkv(qkv: torch.Tensor, rope: QkvRope, k_cache: torch.Tensor
         scale * _LOG2E, num_splits, rope.eps,
         qkv.stride(0), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), sm[0], sm[1], sm[2], rope.cos_cache.stride(0), rope.sin_cache.stride(0),
-        BLOCK_SIZE=k_cache.shape[1], G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n, HEAD=d,
+        BLOCK_SIZE=k_cache.shape[1], G=g, BLOCK_G=max(16, triton.next_power_of_2(g + 1)), BLOCK_N=block_n, HEAD=d,
         HEAD_P2=head_p2, HQ=hq, HKV=hkv, ROT=rope.rotary_dim, IS_NEOX=rope.is_neox,
         HAS_NORM=rope.q_norm_weight is not None, DIRECT=num_splits == 1, IEEE=qkv.dtype == torch.float32,
         num_warps=num_warps, num_stages=2, **launch_kwargs(qkv.device),
