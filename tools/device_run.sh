@@ -351,6 +351,21 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     for shape in qwen3 llama; do timeout 100 python3 tools/bench_decode_fused.py $shape 2>&1 | grep -vE "^(INFO|WARNING)"; done
     "$0" s8b
     ;;
+  s8d)  # session 8's final code: GPU tests with the fused decode forced on, bs1 latency (default and fused off), throughput
+    TOKENMILL_FUSED_DECODE=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short \
+      tests/kernels/test_triton_decode_qkv.py tests/kernels/test_triton_attention.py tests/gpu/test_gpu_e2e.py \
+      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest (TOKENMILL_FUSED_DECODE=1) exit $?"
+    grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -8
+    for run in qwen3-0.6b:auto llama-3-8b:auto llama-3-8b:0; do model=${run%:*} f=${run#*:}
+      echo "=== $model bs1, TOKENMILL_FUSED_DECODE=$f"
+      TOKENMILL_FUSED_DECODE=$f timeout 90 python3 -m tokenmill.benchmarks.latency --model $model --batch-size 1 \
+        --input-len 128 --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 \
+        --output-json "$OUT/lat_${model}_$f.json" 2>&1 | grep -E "decode|Error"
+    done
+    echo "=== qwen3 throughput"; timeout 100 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b \
+      --num-prompts 256 --input-len 562 --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 \
+      --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json" 2>&1 | grep -E "Throughput|Error"
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4

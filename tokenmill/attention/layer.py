@@ -42,7 +42,7 @@ class Attention(nn.Module):
         if kv_cache.dtype != qkv.dtype:
             return None
         fused = getattr(self.impl, "forward_decode_qkv", None)
-        if fused is not None:
+        if fused is not None and md.max_query_len == 1 and not md.captured_mixed:
             from tokenmill.kernels.triton_decode_attention_qkv import QkvRope
             rope = QkvRope(positions, md.slot_mapping, rotary_emb.cos_cache, rotary_emb.sin_cache,
                            rotary_emb.rotary_dim, rotary_emb.is_neox_style,

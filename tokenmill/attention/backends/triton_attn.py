@@ -67,12 +67,15 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_decode_qkv(self, qkv: torch.Tensor, rope: QkvRope, kv_cache: torch.Tensor,
                            md: AttentionMetadata) -> torch.Tensor | None:
         """Attention of a pure-decode step straight from the qkv projection: one launch normalises and rotates q/k,
-        stores the new K/V and attends (decode_attention_qkv; a second merges the context splits). None when the step is not pure decode (a row with
-        another query length, a captured mixed batch), the cache is not qkv's 16-bit dtype, or
-        TOKENMILL_FUSED_DECODE=0: the caller takes the separate kernels."""
+        stores the new K/V and attends (decode_attention_qkv; a second merges the context splits). None, and the
+        caller takes the separate kernels, when the step is not pure decode (a row with another query length, a
+        captured mixed batch), the cache is not qkv's dtype, or TOKENMILL_FUSED_DECODE says no for this layer."""
         t = md.num_actual_tokens
-        if (not envs.TOKENMILL_FUSED_DECODE or md.captured_mixed or md.max_query_len != 1 or t == 0
-                or md.seq_lens.shape[0] != t or kv_cache.dtype != qkv.dtype):
+        mode = (envs.TOKENMILL_FUSED_DECODE or "auto").strip().lower()
+        if mode not in ("auto", "1", "0"):
+            raise ValueError(f"TOKENMILL_FUSED_DECODE must be auto, 1 or 0, got {mode!r}")
+        if (mode == "0" or (mode == "auto" and rope.q_norm_weight is not None) or md.captured_mixed
+                or md.max_query_len != 1 or t == 0 or md.seq_lens.shape[0] != t or kv_cache.dtype != qkv.dtype):
             return None
         hq, d = self.num_heads, self.head_size
         out = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
