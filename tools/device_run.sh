@@ -366,6 +366,16 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       --num-prompts 256 --input-len 562 --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 \
       --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json" 2>&1 | grep -E "Throughput|Error"
     ;;
+  s8e)  # qk_norm_rope_store reads metadata before the PDL wait: its GPU tests, bs1 graph times, Llama fused A/B
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_qk_norm_rope_store.py \
+      tests/kernels/test_triton_attention.py > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"
+    grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -6
+    for run in qwen3-0.6b:auto llama-3-8b:0 llama-3-8b:1; do model=${run%:*} f=${run#*:}
+      echo "=== profile_steps $model --bs1-only, TOKENMILL_FUSED_DECODE=$f"
+      TOKENMILL_FUSED_DECODE=$f timeout 90 python3 tools/profile_steps.py $model --bs1-only > "$OUT/steps_${model}_$f.txt" 2>&1
+      grep -vE "^(INFO|WARNING)" "$OUT/steps_${model}_$f.txt" | grep -E "ms per|back to back|Error" | head -6
+    done
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4

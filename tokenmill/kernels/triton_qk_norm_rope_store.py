@@ -120,12 +120,19 @@ def _qk_norm_rope_store_kernel(
     IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, HAS_REST: tl.constexpr, WRITE_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    wait_then_release(PDL)
     tok = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1)
     n_qg = tl.cdiv(num_q_heads, BLOCK_H)
     n_kg = tl.cdiv(num_kv_heads, BLOCK_H)
+    # Step metadata and the RoPE table are written by no kernel of the forward: read before the PDL wait.
     slot = tl.load(slot_ptr + tok).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    i = tl.arange(0, HALF_P2)
+    i_mask = i < HALF
+    dt = qkv_ptr.dtype.element_ty
+    c = tl.load(cos_ptr + pos * stride_cos + i, mask=i_mask, other=0.0).to(dt).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * stride_sin + i, mask=i_mask, other=0.0).to(dt).to(tl.float32)[None, :]
+    wait_then_release(PDL)
     row = qkv_ptr + tok * stride_t
     hb = tl.arange(0, BLOCK_H)
     if grp >= n_qg + n_kg:
@@ -139,9 +146,6 @@ def _qk_norm_rope_store_kernel(
             tl.store(v_cache_ptr + dst + heads[:, None] * stride_ch + d[None, :],
                      vv.to(v_cache_ptr.dtype.element_ty), mask=mask)
     else:
-        pos = tl.load(pos_ptr + tok).to(tl.int64)
-        i = tl.arange(0, HALF_P2)
-        i_mask = i < HALF
         if IS_NEOX:
             off1 = i
             off2 = i + HALF
@@ -150,9 +154,6 @@ def _qk_norm_rope_store_kernel(
             off2 = 2 * i + 1
         rest = 2 * HALF + tl.arange(0, REST_P2)
         r_mask = rest < HEAD
-        dt = qkv_ptr.dtype.element_ty
-        c = tl.load(cos_ptr + pos * stride_cos + i, mask=i_mask, other=0.0).to(dt).to(tl.float32)[None, :]
-        s = tl.load(sin_ptr + pos * stride_sin + i, mask=i_mask, other=0.0).to(dt).to(tl.float32)[None, :]
         if grp < n_qg:
             heads = grp * BLOCK_H + hb
             h_mask = heads < num_q_heads
