@@ -31,10 +31,6 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # while the previous one finishes and waits on the GPU for its inputs; weights are read before that wait.
     # 0 = plain stream order (an A/B switch; tokenmill/kernels/pdl.py).
     "TOKENMILL_PDL": _bool("TOKENMILL_PDL", True),
-    # Pure-decode steps on the Triton backend may fold RoPE (and q/k-norm) and the KV store into the decode-attention
-    # kernel (tokenmill/kernels/triton_decode_attention_qkv.py): "auto" = for layers without q/k-norm only (measured
-    # faster on the Llama-3-8B shape, slower on Qwen3-0.6B's), "1" = always, "0" = never (the separate kernels).
-    "TOKENMILL_FUSED_DECODE": _str("TOKENMILL_FUSED_DECODE", "auto"),
     # KV cache size on CPU when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given.
     "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _int("TOKENMILL_CPU_KVCACHE_SPACE_GIB", 1),
     # Number of torch intra-op threads on CPU (0 = torch's default).

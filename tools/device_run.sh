@@ -328,52 +328,24 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
         --output-json "$OUT/lat_llama8b_tp$tp.json" 2>&1 | grep -E "^Avg|decode:|Error|error"
     done
     ;;
-  s8a)  # fused decode attention (q/k-norm + RoPE + KV store + split merge in one launch): GPU tests, then a bs1 A/B
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_decode_qkv.py \
-      tests/kernels/test_triton_attention.py tests/kernels/test_triton_fp8_kv.py tests/gpu/test_gpu_e2e.py \
-      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -12
-    for run in qwen3-0.6b:1 qwen3-0.6b:0 llama-3-8b:1 llama-3-8b:0; do model=${run%:*} f=${run#*:}
-      echo "=== profile_steps $model --bs1-only, TOKENMILL_FUSED_DECODE=$f"
-      TOKENMILL_FUSED_DECODE=$f timeout 85 python3 tools/profile_steps.py $model --bs1-only > "$OUT/steps_${model}_$f.txt" 2>&1
-      grep -vE "^(INFO|WARNING)" "$OUT/steps_${model}_$f.txt" | grep -E "ms per|back to back|synced|Error" | head -8
-    done
-    ;;
-  s8b)  # quick fused-decode iteration: its kernel tests, then Qwen3-0.6B bs1 graph time fused / not fused
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_decode_qkv.py \
-      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -8
-    for f in 1 0; do
-      echo "=== profile_steps qwen3-0.6b --bs1-only, TOKENMILL_FUSED_DECODE=$f"
-      TOKENMILL_FUSED_DECODE=$f timeout 85 python3 tools/profile_steps.py qwen3-0.6b --bs1-only 2>&1 \
-        | grep -vE "^(INFO|WARNING)" | grep -E "ms per|back to back|Error" | head -6
-    done
-    ;;
-  s8c)  # batch-1 attention variants in a layer-like chain (tools/bench_decode_fused.py), then s8b
-    for shape in qwen3 llama; do timeout 100 python3 tools/bench_decode_fused.py $shape 2>&1 | grep -vE "^(INFO|WARNING)"; done
-    "$0" s8b
-    ;;
-  s8d)  # session 8's final code: GPU tests with the fused decode forced on, bs1 latency (default and fused off), throughput
-    TOKENMILL_FUSED_DECODE=1 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short \
-      tests/kernels/test_triton_decode_qkv.py tests/kernels/test_triton_attention.py tests/gpu/test_gpu_e2e.py \
-      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest (TOKENMILL_FUSED_DECODE=1) exit $?"
-    grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -8
-    for run in qwen3-0.6b:auto llama-3-8b:auto llama-3-8b:0; do model=${run%:*} f=${run#*:}
-      echo "=== $model bs1, TOKENMILL_FUSED_DECODE=$f"
-      TOKENMILL_FUSED_DECODE=$f timeout 90 python3 -m tokenmill.benchmarks.latency --model $model --batch-size 1 \
-        --input-len 128 --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 \
-        --output-json "$OUT/lat_${model}_$f.json" 2>&1 | grep -E "decode|Error"
-    done
-    echo "=== qwen3 throughput"; timeout 100 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b \
-      --num-prompts 256 --input-len 562 --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 \
-      --max-num-seqs 256 --output-json "$OUT/tp_qwen3.json" 2>&1 | grep -E "Throughput|Error"
-    ;;
-  s8e)  # qk_norm_rope_store reads metadata before the PDL wait: its GPU tests, bs1 graph times, Llama fused A/B
+  s8e)  # decode attention and qk_norm_rope_store read metadata before the PDL wait: GPU tests, bs1 graph times
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_qk_norm_rope_store.py \
       tests/kernels/test_triton_attention.py > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"
     grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -6
-    for run in qwen3-0.6b:auto llama-3-8b:0 llama-3-8b:1; do model=${run%:*} f=${run#*:}
-      echo "=== profile_steps $model --bs1-only, TOKENMILL_FUSED_DECODE=$f"
-      TOKENMILL_FUSED_DECODE=$f timeout 90 python3 tools/profile_steps.py $model --bs1-only > "$OUT/steps_${model}_$f.txt" 2>&1
-      grep -vE "^(INFO|WARNING)" "$OUT/steps_${model}_$f.txt" | grep -E "ms per|back to back|Error" | head -6
+    for model in qwen3-0.6b llama-3-8b; do
+      echo "=== profile_steps $model --bs1-only"
+      timeout 90 python3 tools/profile_steps.py $model --bs1-only > "$OUT/steps_$model.txt" 2>&1
+      grep -vE "^(INFO|WARNING)" "$OUT/steps_$model.txt" | grep -E "ms per|back to back|Error" | head -6
+    done
+    ;;
+  s8f)  # session 8's final code: GPU tests (kernels touched, greedy equality with HF) and the bs1 latency benches
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_qk_norm_rope_store.py tests/kernels/test_triton_fp8_kv.py tests/gpu/test_gpu_e2e.py \
+      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -8
+    for model in qwen3-0.6b llama-3-8b; do
+      echo "=== $model bs1"
+      timeout 90 python3 -m tokenmill.benchmarks.latency --model $model --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$model.json" 2>&1 | grep -E "decode|Error"
     done
     ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality

@@ -32,8 +32,7 @@ class Attention(nn.Module):
 
         On CUDA with a backend that reads K/V only from the cache, one kernel normalises q/k per head (Qwen3),
         rotates them and writes K/V into the paged cache (tokenmill.kernels.triton_qk_norm_rope_store), replacing
-        four to five launches per layer; in a pure-decode step the backend may fold that into its attention launch
-        too (`forward_decode_qkv`). fp8 caches keep the unfused path (the fused store does not scale)."""
+        four to five launches per layer. fp8 caches keep the unfused path (the fused store does not scale)."""
         ctx = get_forward_context()
         md = ctx.attn_metadata
         if md is None or not qkv.is_cuda or not getattr(self.impl, "supports_prestored_kv", False):
@@ -41,16 +40,6 @@ class Attention(nn.Module):
         kv_cache = ctx.kv_caches[self.layer_idx]
         if kv_cache.dtype != qkv.dtype:
             return None
-        fused = getattr(self.impl, "forward_decode_qkv", None)
-        if fused is not None and md.max_query_len == 1 and not md.captured_mixed:
-            from tokenmill.kernels.triton_decode_attention_qkv import QkvRope
-            rope = QkvRope(positions, md.slot_mapping, rotary_emb.cos_cache, rotary_emb.sin_cache,
-                           rotary_emb.rotary_dim, rotary_emb.is_neox_style,
-                           None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                           q_norm.eps if q_norm is not None else 1e-6)
-            out = fused(qkv, rope, kv_cache, md)
-            if out is not None:
-                return out
         from tokenmill.kernels.triton_qk_norm_rope_store import qk_norm_rope_store
         t = md.num_actual_tokens
         q = qk_norm_rope_store(

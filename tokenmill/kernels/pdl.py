@@ -7,7 +7,10 @@ depend on the predecessor (the products issue their first weight loads: weights 
 then block in `gdc_wait()` until the predecessor has completed and its writes are visible.
 
 The contract every PDL kernel keeps (see `wait_then_release` for the code):
-  * before `gdc_wait()` it only reads memory that no kernel of the step writes (weights), and writes nothing;
+  * before `gdc_wait()` it only reads memory that no kernel of the step writes (weights; the step's metadata, such
+    as positions, slots and sequence lengths, which host copies fill before the forward; the RoPE tables), and
+    writes nothing. Loads there run under the previous kernel's tail: at batch 1 a kernel's time is mostly its
+    chain of dependent memory round trips after the wait, so every load moved before it shortens the step;
   * right after the wait it calls `gdc_launch_dependents()`, so its successor can start early but never runs
     ahead of this kernel's own wait: at most two kernels of the chain overlap.
 A kernel launched without PDL (cuBLAS, torch ops, NCCL) keeps plain stream order, and a PDL kernel after one of them

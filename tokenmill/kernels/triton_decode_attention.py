@@ -194,7 +194,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         require_scales(k_scale, v_scale)
     else:  # never read: any pointer will do
         k_scale = v_scale = seq_lens
-    mid_o, mid_lse, sm = split_buffers(out, num_rows, hq, num_splits, head_p2)
+    if direct:
+        mid_o = mid_lse = out          # unused
+        sm = (0, 0, 0)
+    else:
+        mid_o = torch.empty((num_rows, hq, num_splits, head_p2), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((num_rows, hq, num_splits), dtype=torch.float32, device=q.device)
+        sm = mid_o.stride()[:3]
     common = dict(num_warps=num_warps or cfg[1], **launch_kwargs(q.device))
     _decode_stage1_kernel[(num_rows, hkv, num_splits)](
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens, mid_o, mid_lse, out,
@@ -207,28 +213,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         DIRECT=direct, IEEE=ieee, FP8=fp8, num_stages=num_stages or cfg[2], **common,
     )
     if not direct:
-        merge_splits(mid_o, mid_lse, out, query_start_loc, seq_lens, num_splits, block_n, common["num_warps"])
-
-
-def split_buffers(out: torch.Tensor, num_rows: int, hq: int, num_splits: int,
-                  head_p2: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
-    """Stage 1's partial outputs [B, Hq, S, HEAD_P2] and log-sum-exps [B, Hq, S] (fp32) and their (row, head, split)
-    strides; with one split nothing is allocated (stage 1 writes `out`)."""
-    if num_splits == 1:
-        return out, out, (0, 0, 0)
-    mid_o = torch.empty((num_rows, hq, num_splits, head_p2), dtype=torch.float32, device=out.device)
-    mid_lse = torch.empty((num_rows, hq, num_splits), dtype=torch.float32, device=out.device)
-    return mid_o, mid_lse, mid_o.stride()[:3]
-
-
-def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
-                 seq_lens: torch.Tensor, num_splits: int, block_n: int, num_warps: int) -> None:
-    """Stage 2: one program per (row, q head) merges the splits stage 1 (run with the same block_n) wrote."""
-    num_rows, hq, _, head_p2 = mid_o.shape
-    sm = mid_o.stride()[:3]
-    _decode_stage2_kernel[(num_rows, hq)](
-        mid_o, mid_lse, out, query_start_loc, seq_lens, num_splits,
-        out.stride(0), out.stride(1), sm[0], sm[1], sm[2],
-        BLOCK_N=block_n, HEAD=out.shape[2], HEAD_P2=head_p2, SPLITS_P2=_splits_p2(num_splits),
-        num_warps=num_warps, **launch_kwargs(out.device),
-    )
+        _decode_stage2_kernel[(num_rows, hq)](
+            mid_o, mid_lse, out, query_start_loc, seq_lens, num_splits,
+            out.stride(0), out.stride(1), sm[0], sm[1], sm[2],
+            BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2, SPLITS_P2=_splits_p2(num_splits),
+            **common,
+        )

@@ -52,54 +52,6 @@ def _norm_rope(src, w_ptr, heads, h_mask, off1, off2, i_mask, rest, r_mask, c, s
 
 
 @triton.jit
-def rope_partner(d, ROT: tl.constexpr, IS_NEOX: tl.constexpr):
-    """For each dim d: (the dim it rotates with, its cos/sin index, whether it is the first of its pair). Dims past
-    ROT pair with themselves at index 0."""
-    rot = d < ROT
-    if IS_NEOX:
-        first = d < ROT // 2
-        partner = tl.where(first, d + ROT // 2, d - ROT // 2)
-        ci = tl.where(first, d, d - ROT // 2)
-    else:
-        first = d % 2 == 0
-        partner = tl.where(first, d + 1, d - 1)
-        ci = d // 2
-    return tl.where(rot, partner, d), tl.where(rot, ci, 0), first
-
-
-@triton.jit
-def rope_cos_sin(cos_row, sin_row, d, d_mask, dt, ROT: tl.constexpr, IS_NEOX: tl.constexpr):
-    """One position's cos and sin per dim [HEAD_P2] for norm_rope_tile, rounded to the activation dtype dt like
-    torch; 1 and 0 past ROT (those dims pass through)."""
-    _, ci, _ = rope_partner(d, ROT, IS_NEOX)
-    cm = (d < ROT) & d_mask
-    c = tl.where(cm, tl.load(cos_row + ci, mask=cm, other=1.0).to(dt).to(tl.float32), 1.0)
-    s = tl.where(cm, tl.load(sin_row + ci, mask=cm, other=0.0).to(dt).to(tl.float32), 0.0)
-    return c, s
-
-
-@triton.jit
-def norm_rope_tile(row_ptr, heads, h_mask, w, wp, c, s, d, d_mask, eps,
-                   HEAD: tl.constexpr, ROT: tl.constexpr, IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr):
-    """The heads [R] of one token (head h at row_ptr + h * HEAD) as one [R, HEAD_P2] tile: per-head RMSNorm
-    (optional; w / wp are the fp32 weights at d and at rope_partner's partner of d, [R or 1, HEAD_P2]) then RoPE with
-    rope_cos_sin's c, s, rounded exactly like `_norm_rope`. Each dim's rotation partner is read as a second (cached)
-    load, so the tile needs no register shuffles."""
-    dt = row_ptr.dtype.element_ty
-    partner, _, first = rope_partner(d, ROT, IS_NEOX)
-    sign = tl.where(first, -1.0, 1.0)
-    m = h_mask[:, None] & d_mask[None, :]
-    base = row_ptr + heads[:, None] * HEAD
-    x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=m, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD + eps)[:, None]
-        x = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        xp = (wp * (xp * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    return ((x * c[None, :]).to(dt).to(tl.float32) + sign[None, :] * (xp * s[None, :]).to(dt).to(tl.float32)).to(dt)
-
-
-@triton.jit
 def _store3(dst, heads, h_mask, off1, off2, i_mask, rest, r_mask, o1, o2, xr, stride_h, HAS_REST: tl.constexpr):
     base = dst + heads[:, None] * stride_h
     m1 = h_mask[:, None] & i_mask[None, :]

@@ -13,9 +13,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.attention.kv_quant import check_triton_fp8_support, is_fp8
-from tokenmill import envs
 from tokenmill.kernels.triton_decode_attention import decode_attention, decode_config, decode_num_splits
-from tokenmill.kernels.triton_decode_attention_qkv import QkvRope, decode_attention_qkv
 from tokenmill.kernels.triton_kv_store import store_kv
 from tokenmill.kernels.triton_prefill_attention import prefill_attention
 
@@ -52,33 +50,10 @@ class TritonAttentionBackend(AttentionBackend):
                               num_tokens=t, skip_single=has_decode, max_query_len=md.max_query_len,
                               k_scale=k_scale, v_scale=v_scale)
         if has_decode:
+            splits = self.decode_num_splits
+            if splits is None:
+                splits = decode_num_splits(md.seq_lens.shape[0], hkv, md.max_seq_len, q.device,
+                                           block_n=decode_config(d, hq // hkv, q.dtype, fp8, md.seq_lens.shape[0])[0])
             decode_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
-                             num_splits=self._splits(md, q.dtype, fp8), k_scale=k_scale, v_scale=v_scale)
-        return out.view(t, hq * d)
-
-    def _splits(self, md: AttentionMetadata, dtype: torch.dtype, fp8: bool) -> int:
-        if self.decode_num_splits is not None:
-            return self.decode_num_splits
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
-        rows = md.seq_lens.shape[0]
-        return decode_num_splits(rows, hkv, md.max_seq_len, md.seq_lens.device,
-                                 block_n=decode_config(d, hq // hkv, dtype, fp8, rows)[0])
-
-    def forward_decode_qkv(self, qkv: torch.Tensor, rope: QkvRope, kv_cache: torch.Tensor,
-                           md: AttentionMetadata) -> torch.Tensor | None:
-        """Attention of a pure-decode step straight from the qkv projection: one launch normalises and rotates q/k,
-        stores the new K/V and attends (decode_attention_qkv; a second merges the context splits). None, and the
-        caller takes the separate kernels, when the step is not pure decode (a row with another query length, a
-        captured mixed batch), the cache is not qkv's dtype, or TOKENMILL_FUSED_DECODE says no for this layer."""
-        t = md.num_actual_tokens
-        mode = (envs.TOKENMILL_FUSED_DECODE or "auto").strip().lower()
-        if mode not in ("auto", "1", "0"):
-            raise ValueError(f"TOKENMILL_FUSED_DECODE must be auto, 1 or 0, got {mode!r}")
-        if (mode == "0" or (mode == "auto" and rope.q_norm_weight is not None) or md.captured_mixed
-                or md.max_query_len != 1 or t == 0 or md.seq_lens.shape[0] != t or kv_cache.dtype != qkv.dtype):
-            return None
-        hq, d = self.num_heads, self.head_size
-        out = torch.empty((t, hq, d), dtype=qkv.dtype, device=qkv.device)
-        decode_attention_qkv(qkv, rope, kv_cache[0], kv_cache[1], out, md.query_start_loc, md.seq_lens,
-                             md.block_table, self.scale, num_splits=self._splits(md, qkv.dtype, False))
+                             num_splits=splits, k_scale=k_scale, v_scale=v_scale)
         return out.view(t, hq * d)
