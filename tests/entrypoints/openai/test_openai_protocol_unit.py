@@ -373,6 +373,18 @@ def test_unknown_fields_are_ignored_with_warning(client, tm_log):
     assert "frobnicate" in tm_log.text and "ignored" in tm_log.text
 
 
+def test_response_format_fields_are_not_reported_ignored(tm_log):
+    """json_schema (and structural_tag's fields) live in ResponseFormat's extras and are read by the structured
+    outputs code: no "ignored" warning for them, while a stray top-level field still gets one."""
+    from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format=rf)
+    assert req.structured_params() is not None
+    assert "ignored" not in tm_log.text
+    ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format=rf, frobnicate=1)
+    assert "frobnicate" in tm_log.text and "json_schema" not in tm_log.text
+
+
 def test_context_length_messages(make_client, smollm2_tokenizer):
     c, _ = make_client(FakeEngine(smollm2_tokenizer, max_model_len=20))
     long_ids = [5] * 15

@@ -28,6 +28,8 @@ def _accepts_none(annotation: Any) -> bool:
 class OpenAIBaseModel(BaseModel):
     """Base of every API model: unknown request fields are allowed, logged once per request and ignored."""
     model_config = ConfigDict(extra="allow")
+    # True for a model whose unknown fields are read by its consumer (no "ignored" warning for them).
+    extra_is_consumed: ClassVar[bool] = False
 
     @model_validator(mode="wrap")
     @classmethod
@@ -39,7 +41,7 @@ class OpenAIBaseModel(BaseModel):
             data = {k: v for k, v in data.items()
                     if not (v is None and k in fields and not _accepts_none(fields[k].annotation))}
         result = handler(data)
-        if isinstance(data, dict) and result.model_extra:
+        if isinstance(data, dict) and result.model_extra and not cls.extra_is_consumed:
             logger.warning("The following fields were present in the request but ignored: %s",
                            sorted(result.model_extra))
         return result
@@ -107,6 +109,8 @@ class StreamOptions(OpenAIBaseModel):
 
 
 class ResponseFormat(OpenAIBaseModel):
+    """Kept whole: structured.from_response_format reads and validates json_schema and structural_tag's fields."""
+    extra_is_consumed: ClassVar[bool] = True
     type: str = "text"
 
 
