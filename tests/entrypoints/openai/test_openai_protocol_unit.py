@@ -367,6 +367,20 @@ def test_malformed_bodies(client):
 
 
 
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "a"}], "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "a"}], "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": True,
+      "continue_final_message": True}, "continue_final_message"),
+])
+def test_cross_field_errors_name_their_param(client, body, param):
+    """Checks that span fields (model validators, later conversions) still report the offending field."""
+    assert_error(client.post("/v1/chat/completions", json={"max_tokens": 1, **body}), 400, param)
+
+
 def test_unknown_fields_are_ignored_with_warning(client, tm_log):
     r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "frobnicate": 3})
     assert r.status_code == 200

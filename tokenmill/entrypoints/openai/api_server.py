@@ -98,8 +98,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append("The request body must be a JSON object.")
             continue
         where = ".".join(loc)
-        if param is None and loc:
-            param = loc[0]
+        if param is None:
+            # A model-level check has no location; a FieldError names the field itself.
+            param = loc[0] if loc else getattr(err.get("ctx", {}).get("error"), "param", None)
         msg = str(err.get("msg", "invalid value"))
         if err.get("type") == "value_error":  # our own validators' messages, without pydantic's "Value error, "
             msg = msg.removeprefix("Value error, ")

@@ -25,6 +25,15 @@ def _accepts_none(annotation: Any) -> bool:
         isinstance(annotation, types.UnionType) and type(None) in annotation.__args__)
 
 
+class FieldError(ValueError):
+    """A bad request value found by a check that spans fields (a model validator, a later conversion): the
+    message plus the request field to report as the error's `param`."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class OpenAIBaseModel(BaseModel):
     """Base of every API model: unknown request fields are allowed, logged once per request and ignored."""
     model_config = ConfigDict(extra="allow")
@@ -207,7 +216,10 @@ class _SamplingRequest(OpenAIBaseModel):
             so = dict(self.structured_outputs)
             so.pop("backend", None)
             found.append(("structured_outputs", StructuredOutputsParams(**so)))
-        rf = from_response_format(self.response_format) if self.response_format is not None else None
+        try:
+            rf = from_response_format(self.response_format) if self.response_format is not None else None
+        except ValueError as e:
+            raise FieldError(str(e), "response_format") from None
         if rf is not None:
             found.append(("response_format", rf))
         guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
@@ -217,15 +229,15 @@ class _SamplingRequest(OpenAIBaseModel):
             found.append(("guided_*", StructuredOutputsParams(**guided,
                                                                whitespace_pattern=self.guided_whitespace_pattern)))
         if len(found) > 1:
-            raise ValueError("Give only one of " + ", ".join(name for name, _ in found) + ".")
+            raise FieldError("Give only one of " + ", ".join(name for name, _ in found) + ".", found[1][0])
         return found[0][1] if found else None
 
     @model_validator(mode="after")
     def _check_stream_fields(self) -> "_SamplingRequest":
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options can only be set when stream is true.")
+            raise FieldError("stream_options can only be set when stream is true.", "stream_options")
         if self.stream and self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not available when stream is true.")
+            raise FieldError("prompt_logprobs is not available when stream is true.", "prompt_logprobs")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -235,7 +247,7 @@ class _SamplingRequest(OpenAIBaseModel):
             try:
                 logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
             except ValueError:
-                raise ValueError("logit_bias keys must be token ids (integers given as strings).") from None
+                raise FieldError("logit_bias keys must be token ids (integers given as strings).", "logit_bias") from None
         return dict(n=self.n, best_of=self.best_of, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
                     stop_token_ids=self.stop_token_ids, bad_words=self.bad_words,
@@ -347,14 +359,15 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if not self.messages:
-            raise ValueError("messages must contain at least one message.")
+            raise FieldError("messages must contain at least one message.", "messages")
         if self.top_logprobs is not None:
             if self.top_logprobs < 0 and self.top_logprobs != -1:
-                raise ValueError("top_logprobs must be -1 (whole vocabulary) or >= 0.")
+                raise FieldError("top_logprobs must be -1 (whole vocabulary) or >= 0.", "top_logprobs")
             if self.top_logprobs > 0 and not self.logprobs:
-                raise ValueError("When using top_logprobs, logprobs must be set to true.")
+                raise FieldError("When using top_logprobs, logprobs must be set to true.", "top_logprobs")
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("Cannot set both continue_final_message and add_generation_prompt to true.")
+            raise FieldError("Cannot set both continue_final_message and add_generation_prompt to true.",
+                             "continue_final_message")
         if "tool_choice" not in self.model_fields_set and self.tools:
             # OpenAI's (and vLLM's) default once tools are given: a server that cannot parse calls then says so
             # (a 400 naming the flags) instead of returning the model's raw call text as content. An explicit
@@ -462,7 +475,8 @@ class TokenizeChatRequest(OpenAIBaseModel):
     @model_validator(mode="after")
     def _check(self) -> "TokenizeChatRequest":
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("Cannot set both continue_final_message and add_generation_prompt to true.")
+            raise FieldError("Cannot set both continue_final_message and add_generation_prompt to true.",
+                             "continue_final_message")
         return self
 
 

@@ -234,7 +234,10 @@ class OpenAIServing:
                         logprobs: int | None, prompt_logprobs: int | None, stream: bool) -> SamplingParams:
         """vLLM semantics: request fields left unset take the generation config's defaults, then SamplingParams'
         defaults; max_tokens is the smallest of the request's, the room left in the context and the config's."""
-        kwargs = request.sampling_kwargs()
+        try:
+            kwargs = request.sampling_kwargs()
+        except ValueError as e:
+            raise ServingError(str(e), 400, getattr(e, "param", None)) from None
         defaults = self.default_sampling_params
         for name in _DEFAULTED_FIELDS:
             value = getattr(request, name)
@@ -248,7 +251,7 @@ class OpenAIServing:
             kwargs["structured_outputs"] = self.structured_params(request)
             return SamplingParams.from_optional(**kwargs)
         except (TypeError, ValueError) as e:
-            raise ServingError(str(e), 400) from None
+            raise ServingError(str(e), 400, getattr(e, "param", None)) from None
 
     def structured_params(self, request: Any, override: Any = None) -> Any:
         """The request's constraint with the server's --structured-outputs-config options folded in; checked
