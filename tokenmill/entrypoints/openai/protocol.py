@@ -247,7 +247,8 @@ class _SamplingRequest(OpenAIBaseModel):
             try:
                 logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in self.logit_bias.items()}
             except ValueError:
-                raise FieldError("logit_bias keys must be token ids (integers given as strings).", "logit_bias") from None
+                raise FieldError("logit_bias keys must be token ids (integers given as strings).",
+                                 "logit_bias") from None
         return dict(n=self.n, best_of=self.best_of, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
                     stop_token_ids=self.stop_token_ids, bad_words=self.bad_words,

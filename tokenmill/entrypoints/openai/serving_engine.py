@@ -234,23 +234,20 @@ class OpenAIServing:
                         logprobs: int | None, prompt_logprobs: int | None, stream: bool) -> SamplingParams:
         """vLLM semantics: request fields left unset take the generation config's defaults, then SamplingParams'
         defaults; max_tokens is the smallest of the request's, the room left in the context and the config's."""
+        defaults = self.default_sampling_params
+        candidates = [self.max_model_len - prompt_len, requested_max_tokens, defaults.get("max_tokens")]
         try:
             kwargs = request.sampling_kwargs()
-        except ValueError as e:
-            raise ServingError(str(e), 400, getattr(e, "param", None)) from None
-        defaults = self.default_sampling_params
-        for name in _DEFAULTED_FIELDS:
-            value = getattr(request, name)
-            kwargs[name] = defaults.get(name) if value is None else value
-        candidates = [self.max_model_len - prompt_len, requested_max_tokens, defaults.get("max_tokens")]
-        kwargs["max_tokens"] = min(c for c in candidates if c is not None)
-        kwargs["logprobs"] = logprobs
-        kwargs["prompt_logprobs"] = prompt_logprobs
-        kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        try:
+            for name in _DEFAULTED_FIELDS:
+                value = getattr(request, name)
+                kwargs[name] = defaults.get(name) if value is None else value
+            kwargs["max_tokens"] = min(c for c in candidates if c is not None)
+            kwargs["logprobs"] = logprobs
+            kwargs["prompt_logprobs"] = prompt_logprobs
+            kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
             kwargs["structured_outputs"] = self.structured_params(request)
             return SamplingParams.from_optional(**kwargs)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError) as e:   # a FieldError names its request field; SamplingParams' messages do
             raise ServingError(str(e), 400, getattr(e, "param", None)) from None
 
     def structured_params(self, request: Any, override: Any = None) -> Any:
