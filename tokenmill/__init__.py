@@ -1,4 +1,5 @@
 """tokenmill: a high-throughput LLM inference and serving engine with vLLM's interfaces."""
+from tokenmill.inputs import PromptType, TextPrompt, TokensPrompt
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -13,8 +14,15 @@ def __getattr__(name: str):
     if name == "LLMEngine":
         from tokenmill.engine.llm_engine import LLMEngine
         return LLMEngine
+    if name in ("AsyncLLM", "AsyncLLMEngine"):  # vLLM's AsyncLLMEngine is its AsyncLLM
+        from tokenmill.engine.async_llm import AsyncLLM
+        return AsyncLLM
+    if name in ("EngineArgs", "AsyncEngineArgs"):
+        from tokenmill.config import engine_args
+        return getattr(engine_args, name)
     raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "RequestOutputKind", "__version__"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLM", "AsyncLLMEngine", "EngineArgs", "AsyncEngineArgs", "SamplingParams",
+           "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind", "PromptType", "TextPrompt",
+           "TokensPrompt", "__version__"]

@@ -52,8 +52,10 @@ class AsyncLLM(EngineClient):
         self._output_task: asyncio.Task | None = None
 
     @classmethod
-    def from_engine_args(cls, log_stats: bool = True, **kwargs: Any) -> "AsyncLLM":
-        return cls(create_engine_config(**kwargs), log_stats=log_stats)
+    def from_engine_args(cls, engine_args: Any = None, log_stats: bool = True, **kwargs: Any) -> "AsyncLLM":
+        """From an AsyncEngineArgs (vLLM's form) and/or engine arguments as keywords."""
+        from tokenmill.config.engine_args import engine_kwargs
+        return cls(create_engine_config(**engine_kwargs(engine_args, kwargs)), log_stats=log_stats)
 
     @property
     def engine_core_pid(self) -> int | None:

@@ -78,8 +78,10 @@ class LLMEngine:
         freeze_gc_heap("offline engine")  # in-process: the KV block objects would otherwise slow every full GC
 
     @classmethod
-    def from_engine_args(cls, log_stats: bool = False, **kwargs: Any) -> "LLMEngine":
-        return cls(create_engine_config(**kwargs), log_stats=log_stats)
+    def from_engine_args(cls, engine_args: Any = None, log_stats: bool = False, **kwargs: Any) -> "LLMEngine":
+        """From an EngineArgs (vLLM's form) and/or engine arguments as keywords."""
+        from tokenmill.config.engine_args import engine_kwargs
+        return cls(create_engine_config(**engine_kwargs(engine_args, kwargs)), log_stats=log_stats)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -6,9 +6,8 @@ from typing import Any
 
 from tokenmill.config import TokenmillConfig
 from tokenmill.engine.messages import EngineCoreRequest
+from tokenmill.inputs import PromptType, TextPrompt, TokensPrompt
 from tokenmill.sampling_params import SamplingParams
-
-PromptType = str | dict[str, Any] | list[int]
 
 
 class Processor:
@@ -26,7 +25,7 @@ class Processor:
         self.num_blocks: int | None = None  # the KV cache's size, known once the engine core is up
 
     # ----- prompts -----
-    _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+    _PROMPT_KEYS = tuple(dict.fromkeys((*TextPrompt.__annotations__, *TokensPrompt.__annotations__)))
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""
