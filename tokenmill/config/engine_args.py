@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from typing import Any
 
 from tokenmill.config import CONFIG_CLASSES, TokenmillConfig
@@ -15,6 +16,7 @@ from tokenmill.config import CONFIG_CLASSES, TokenmillConfig
 ALIASES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "dp": "data_parallel_size"}
 
 
+@functools.cache  # the config classes are fixed; callers only read the map
 def _field_owner() -> dict[str, type]:
     owner = {}
     for cls in CONFIG_CLASSES:
@@ -81,7 +83,7 @@ class EngineArgs:
         cls = _field_owner().get(name)
         if cls is None:
             raise AttributeError(f"{type(self).__name__} has no engine argument {name!r}")
-        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        f = cls.__dataclass_fields__[name]
         if f.default is not dataclasses.MISSING:
             return f.default
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
