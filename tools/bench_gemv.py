@@ -75,6 +75,12 @@ FMA_BASES = [(16, 128, 4, 1), (32, 128, 4, 1), (16, 256, 4, 1), (32, 256, 8, 1)]
 # previous kernel, so one tile holding a program's whole share of W overlaps that kernel completely (--deep).
 DEEP_BASES = [((16, 512, 4, 1), False), ((16, 1024, 8, 1), False), ((8, 1024, 4, 1), False),
               ((32, 512, 8, 1), False), ((32, 512, 4, 2), True), ((64, 512, 8, 2), True)]
+# Two W tiles in flight per program, both first ones read before the PDL wait (GemvConfig.prefetch; --prefetch).
+PREFETCH_BASES = [((8, 512, 4, 1), False), ((8, 1024, 4, 1), False), ((16, 512, 4, 1), False),
+                  ((16, 512, 8, 1), False), ((4, 1024, 4, 1), False), ((8, 1024, 8, 1), False),
+                  ((16, 256, 4, 1), False), ((4, 2048, 8, 1), False), ((32, 256, 4, 1), True),
+                  ((64, 256, 4, 1), True), ((64, 128, 4, 1), True), ((64, 512, 8, 1), True)]
+PREFETCH = "--prefetch" in sys.argv
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 if SMOKE:
     SHAPES = [("s.plain", 256, 96, None), ("s.norm", 128, 80, "norm"), ("s.silu", 96, 64, "silu")]
@@ -158,10 +164,13 @@ def candidates(m, n, k, quick: bool):
     bases = [(b, True) for b in ((DOT_BASES[3:6] + DOT_BASES[8:9] or DOT_BASES) if quick else DOT_BASES)]
     if m <= 2 and not quick:
         bases += [(b, False) for b in FMA_BASES]
+    bases = [(b, dot, False) for b, dot in bases]
     if DEEP:
-        bases += [(b, dot) for b, dot in DEEP_BASES if b[1] <= k]
+        bases += [(b, dot, False) for b, dot in DEEP_BASES if b[1] <= k]
+    if PREFETCH:
+        bases += [(b, dot, True) for b, dot in PREFETCH_BASES if b[1] <= k]
     out = []
-    for (bn, bk, warps, stages), dot in bases:
+    for (bn, bk, warps, stages), dot, pre in bases:
         steps = max(1, k // bk)
         tiles = -(-n // bn)
         splits = {1}
@@ -170,7 +179,7 @@ def candidates(m, n, k, quick: bool):
             splits.add(min(ok, key=lambda s: abs(tiles * s - target)))
         for s in sorted(splits):
             out.append(GemvConfig(block_n=bn, block_k=bk, split_k=s, num_warps=warps, num_stages=stages,
-                                  use_dot=dot))
+                                  use_dot=dot, prefetch=pre))
     return out
 
 
@@ -201,7 +210,7 @@ def precompile(jobs) -> None:
     for k, pro, m, cfg in jobs:
         block_m, _, split, k_per_split = launch_plan(m, 256, k, cfg)
         key = (k % cfg.block_k == 0, k % 16 == 0, pro, block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
-               cfg.num_stages, cfg.use_dot, split > 1)
+               cfg.num_stages, cfg.use_dot, split > 1, cfg.prefetch)
         if key not in seen:
             seen.add(key)
             uniq.append((k, pro, m, cfg))
@@ -269,6 +278,7 @@ def main() -> None:
     ap.add_argument("--ms", default=None, help="comma-separated row counts M (default 1,2,4,8)")
     ap.add_argument("--no-rope", action="store_true", help="skip the fused q/k-norm + RoPE benchmark")
     ap.add_argument("--deep", action="store_true", help="also sweep K tiles of 512 and 1024 (for PDL)")
+    ap.add_argument("--prefetch", action="store_true", help="also sweep configs with two W tiles in flight")
     args = ap.parse_args()
     global SHAPES, MS
     if not SMOKE:
@@ -338,10 +348,10 @@ def main() -> None:
         if not results:
             continue
         results.sort(key=lambda r: r[0])
-        (tb, cb), nxt = results[0], results[1:2]
+        (tb, cb), nxt = results[0], results[1:4]
         err = p.check(cb, p.ref)[0]
         print(f"{p.label:<16}{p.m:>3}{tt:>10.2f}{tg:>9.2f}{tb:>9.2f}{p.bytes / tb / 1e3:>7.0f}{err:>9.1e}  "
-              f"{_fmt(cb)}" + (f"  ({_fmt(nxt[0][1])} {nxt[0][0]:.2f})" if nxt else ""))
+              f"{_fmt(cb)}" + "".join(f"  ({_fmt(c)} {t:.2f})" for t, c in nxt))
         if tb < tg * 0.97 and err < 2e-2:
             tuned[(1 << (p.m - 1).bit_length(), p.n, p.k)] = cb
     print("\n# paste into tokenmill/kernels/triton_gemv.py (TUNED) where the sweep beat the default by > 3% "
@@ -349,13 +359,14 @@ def main() -> None:
     print("TUNED = {")
     for key, c in tuned.items():
         print(f"    {key}: GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, {c.num_warps}, {c.num_stages}, "
-              f"use_dot={c.use_dot}),")
+              f"use_dot={c.use_dot}{', prefetch=True' if c.prefetch else ''}),")
     print("}")
     print(f"# total {time.time() - t0:.0f}s")
 
 
 def _fmt(c: GemvConfig) -> str:
-    return f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
+    return (f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
+            + (" pre" if c.prefetch else ""))
 
 
 if __name__ == "__main__":

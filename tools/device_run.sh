@@ -348,6 +348,13 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
         --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$model.json" 2>&1 | grep -E "decode|Error"
     done
     ;;
+  s9a)  # gemv with two W tiles in flight (GemvConfig.prefetch): GPU gemv tests, then the batch-1 sweep with it
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_gemv.py \
+      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -6
+    timeout 420 python3 tools/bench_gemv.py --shapes bs1 --ms 1 --deep --prefetch --no-rope --budget 300 \
+      > "$OUT/sweep_bs1.txt" 2>&1; echo "sweep exit $?"
+    grep -vE "^#   " "$OUT/sweep_bs1.txt" | tail -40
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4

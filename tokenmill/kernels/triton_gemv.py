@@ -55,7 +55,8 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_ym, stride_rm, stride_rom,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -82,13 +83,24 @@ def _gemv_kernel(
     # The first weight tile is loaded before waiting on the previous kernel (PDL): no kernel writes weights, and
     # this load is what overlaps the previous kernel's tail. Every other load and every store comes after the wait.
     w = _load_w_tile(w_ptrs, k_start + offs_k, K, EVEN_K)
+    if PREFETCH:
+        # The second tile is in flight before the wait too, and every K step issues the next tile's load before
+        # its own product: two tiles per program in flight instead of one serial round trip per step. Past the
+        # program's last tile the offset is 0, a re-read of the current tile (L2), so the loads stay unmasked.
+        step1 = tl.where(k_start + BLOCK_K < k_end, BLOCK_K, 0)
+        w_nxt = _load_w_tile(w_ptrs + step1, k_start + step1 + offs_k, K, EVEN_K)
     wait_then_release(PDL)
     acc, ss = _gemv_step(acc, ss, w, k_start + offs_k, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K,
                          xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
         kk = k0 + offs_k
-        w = _load_w_tile(w_ptrs, kk, K, EVEN_K)
+        if PREFETCH:
+            w = w_nxt
+            step = tl.where(k0 + BLOCK_K < k_end, BLOCK_K, 0)
+            w_nxt = _load_w_tile(w_ptrs + step, kk + step, K, EVEN_K)
+        else:
+            w = _load_w_tile(w_ptrs, kk, K, EVEN_K)
         acc, ss = _gemv_step(acc, ss, w, kk, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K,
                              xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32)
     if USE_DOT:
@@ -190,6 +202,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     use_dot: bool = True
+    prefetch: bool = False      # two W tiles in flight per program, both first ones before the PDL wait
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -416,6 +429,6 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
         x2.stride(0), weight.stride(0), y2.stride(0), r2.stride(0), ro2.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
-        USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED,
+        USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x2.device),
     )
