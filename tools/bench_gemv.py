@@ -62,6 +62,10 @@ SHAPE_SETS = {
         ("l3tp2.gate_up", 4096, 14336, None), ("l3tp2.gate_up+norm", 4096, 14336, "norm"),
         ("l3tp2.down", 7168, 4096, None), ("l3tp2.down+silu", 7168, 4096, "silu"),
         ("l3tp2.lm_head", 4096, 64128, None)],
+    # Llama-3-8B's batch-1 products with and without their prologues (a prologue can also stay a separate kernel).
+    "l3bs1": [("l3.qkv", 4096, 6144, None), ("l3.qkv+norm", 4096, 6144, "norm"), ("l3.o", 4096, 4096, None),
+              ("l3.gate_up", 4096, 28672, None), ("l3.gate_up+norm", 4096, 28672, "norm"),
+              ("l3.down", 14336, 4096, None), ("l3.down+silu", 14336, 4096, "silu")],
     # Every product a batch-1 decode step of Qwen3-0.6B / Llama-3-8B runs (with the prologues it can fuse).
     "bs1": [("q3.qkv+norm", 1024, 4096, "norm"), ("q3.o", 2048, 1024, None), ("q3.gate_up+norm", 1024, 6144, "norm"),
             ("q3.down+silu", 3072, 1024, "silu"), ("q3.lm_head", 1024, 151936, None),
@@ -81,6 +85,11 @@ PREFETCH_BASES = [((8, 512, 4, 1), False), ((8, 1024, 4, 1), False), ((16, 512, 
                   ((16, 256, 4, 1), False), ((4, 2048, 8, 1), False), ((32, 256, 4, 1), True),
                   ((64, 256, 4, 1), True), ((64, 128, 4, 1), True), ((64, 512, 8, 1), True)]
 PREFETCH = "--prefetch" in sys.argv
+# FMA configs that reduce over K every step (GemvConfig.acc2d): fewer registers, so more programs per SM (--acc2d).
+ACC2D_BASES = [((8, 512, 4, 1), True), ((16, 256, 4, 1), True), ((8, 1024, 4, 1), True), ((16, 512, 4, 1), True),
+               ((32, 256, 4, 1), True), ((16, 512, 8, 1), True), ((32, 512, 8, 1), True), ((4, 1024, 4, 1), True),
+               ((8, 256, 4, 1), True), ((8, 512, 4, 1), False), ((16, 256, 4, 1), False), ((8, 1024, 4, 1), False)]
+ACC2D = "--acc2d" in sys.argv
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 if SMOKE:
     SHAPES = [("s.plain", 256, 96, None), ("s.norm", 128, 80, "norm"), ("s.silu", 96, 64, "silu")]
@@ -164,13 +173,15 @@ def candidates(m, n, k, quick: bool):
     bases = [(b, True) for b in ((DOT_BASES[3:6] + DOT_BASES[8:9] or DOT_BASES) if quick else DOT_BASES)]
     if m <= 2 and not quick:
         bases += [(b, False) for b in FMA_BASES]
-    bases = [(b, dot, False) for b, dot in bases]
+    bases = [(b, dot, False, False) for b, dot in bases]
     if DEEP:
-        bases += [(b, dot, False) for b, dot in DEEP_BASES if b[1] <= k]
+        bases += [(b, dot, False, False) for b, dot in DEEP_BASES if b[1] <= k]
     if PREFETCH:
-        bases += [(b, dot, True) for b, dot in PREFETCH_BASES if b[1] <= k]
+        bases += [(b, dot, True, False) for b, dot in PREFETCH_BASES if b[1] <= k]
+    if ACC2D:
+        bases += [(b, False, pre, True) for b, pre in ACC2D_BASES if b[1] <= k]
     out = []
-    for (bn, bk, warps, stages), dot, pre in bases:
+    for (bn, bk, warps, stages), dot, pre, acc2d in bases:
         steps = max(1, k // bk)
         tiles = -(-n // bn)
         splits = {1}
@@ -179,7 +190,7 @@ def candidates(m, n, k, quick: bool):
             splits.add(min(ok, key=lambda s: abs(tiles * s - target)))
         for s in sorted(splits):
             out.append(GemvConfig(block_n=bn, block_k=bk, split_k=s, num_warps=warps, num_stages=stages,
-                                  use_dot=dot, prefetch=pre))
+                                  use_dot=dot, prefetch=pre, acc2d=acc2d))
     return out
 
 
@@ -210,7 +221,7 @@ def precompile(jobs) -> None:
     for k, pro, m, cfg in jobs:
         block_m, _, split, k_per_split = launch_plan(m, 256, k, cfg)
         key = (k % cfg.block_k == 0, k % 16 == 0, pro, block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
-               cfg.num_stages, cfg.use_dot, split > 1, cfg.prefetch)
+               cfg.num_stages, cfg.use_dot, split > 1, cfg.prefetch, cfg.acc2d)
         if key not in seen:
             seen.add(key)
             uniq.append((k, pro, m, cfg))
@@ -279,6 +290,7 @@ def main() -> None:
     ap.add_argument("--no-rope", action="store_true", help="skip the fused q/k-norm + RoPE benchmark")
     ap.add_argument("--deep", action="store_true", help="also sweep K tiles of 512 and 1024 (for PDL)")
     ap.add_argument("--prefetch", action="store_true", help="also sweep configs with two W tiles in flight")
+    ap.add_argument("--acc2d", action="store_true", help="also sweep FMA configs that reduce over K every step")
     args = ap.parse_args()
     global SHAPES, MS
     if not SMOKE:
@@ -359,14 +371,14 @@ def main() -> None:
     print("TUNED = {")
     for key, c in tuned.items():
         print(f"    {key}: GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, {c.num_warps}, {c.num_stages}, "
-              f"use_dot={c.use_dot}{', prefetch=True' if c.prefetch else ''}),")
+              f"use_dot={c.use_dot}{', prefetch=True' if c.prefetch else ''}{', acc2d=True' if c.acc2d else ''}),")
     print("}")
     print(f"# total {time.time() - t0:.0f}s")
 
 
 def _fmt(c: GemvConfig) -> str:
     return (f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
-            + (" pre" if c.prefetch else ""))
+            + (" pre" if c.prefetch else "") + (" a2" if c.acc2d else ""))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ CPU_CONFIGS = [
     # two W tiles in flight: several K steps, one step only (the prefetch re-reads its tile), and K splits
     GemvConfig(block_n=16, block_k=16, split_k=1, num_stages=1, use_dot=False, prefetch=True),
     GemvConfig(block_n=16, block_k=32, split_k=3, num_stages=1, use_dot=True, prefetch=True),
+    # FMA reducing over K every step, with and without the prefetch
+    GemvConfig(block_n=8, block_k=32, split_k=2, num_stages=1, use_dot=False, prefetch=True, acc2d=True),
+    GemvConfig(block_n=16, block_k=16, split_k=1, num_stages=1, use_dot=False, acc2d=True),
 ]
 
 
@@ -85,14 +88,14 @@ def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=Fals
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}"
                                                              f"{'dot' if c.use_dot else 'fma'}"
-                                                             f"{'pre' if c.prefetch else ''}")
+                                                             f"{'pre' if c.prefetch else ''}{'a2' if c.acc2d else ''}")
 def test_plain_and_bias(config, dtype):
     for i, (m, n, k) in enumerate(((1, 37, 100), (3, 50, 72), (8, 33, 129))):
         _check(m, n, k, dtype, seed=i, config=config, bias=i % 2 == 1)
 
 
 @pytest.mark.parametrize("config", CPU_CONFIGS[:2] + CPU_CONFIGS[3:],
-                         ids=["dot1", "dot_split", "fma_split", "fma_pre", "dot_split_pre"])
+                         ids=["dot1", "dot_split", "fma_split", "fma_pre", "dot_split_pre", "fma_pre_a2", "fma_a2"])
 def test_silu_mul_prologue(config):
     for i, m in enumerate((1, 2, 5)):
         _check(m, 29, 80 + i, torch.bfloat16, seed=10 + i, config=config, act="silu_mul", bias=i == 1)
@@ -100,7 +103,7 @@ def test_silu_mul_prologue(config):
 
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("config", CPU_CONFIGS[:2] + CPU_CONFIGS[3:],
-                         ids=["dot1", "dot_split", "fma_split", "fma_pre", "dot_split_pre"])
+                         ids=["dot1", "dot_split", "fma_split", "fma_pre", "dot_split_pre", "fma_pre_a2", "fma_a2"])
 def test_rmsnorm_prologue(config, residual):
     for i, m in enumerate((1, 4, 7)):
         _check(m, 45, 96 + 7 * i, torch.float16, seed=20 + i, config=config, norm=True, residual=residual,
@@ -206,13 +209,14 @@ def test_gemv_gpu_pdl_chain_in_graph(monkeypatch):
     gen = torch.Generator(device=DEV).manual_seed(77)
     dt = torch.bfloat16
     # (N, K, config, prologue): 1024 -> 4096 (+norm), 2048 -> 1024, 1024 -> 6144 (+norm), 3072 -> 1024 (silu_mul),
-    # then the prefetching configs (fma with K splits, dot) on 1024 -> 2048 and 2048 -> 1024 (silu_mul)
+    # then the prefetching configs (fma with K splits, dot) on 1024 -> 2048 and 1024 -> 1024 (silu_mul)
     steps = [(4096, 1024, GemvConfig(16, 512, 1, 4, 1, use_dot=False), "norm"),
              (1024, 2048, GemvConfig(8, 1024, 1, 4, 1, use_dot=False, prefetch=True), None),
              (6144, 1024, GemvConfig(8, 1024, 1, 4, 1, use_dot=False), "norm"),
              (1024, 3072, GemvConfig(64, 128, 4, 4, 3), "silu_mul"),
              (2048, 1024, GemvConfig(8, 256, 2, 4, 1, use_dot=False, prefetch=True), None),
-             (1024, 2048, GemvConfig(32, 256, 1, 4, 1, prefetch=True), "silu_mul")] * 3
+             (1024, 1024, GemvConfig(32, 256, 1, 4, 1, prefetch=True), "silu_mul"),
+             (4096, 1024, GemvConfig(8, 256, 1, 4, 1, use_dot=False, prefetch=True, acc2d=True), "norm")] * 3
     ws = [_rand(n, k, dtype=dt, gen=gen, scale=k ** -0.5) for n, k, _, _ in steps]
     nws = [_rand(k, dtype=dt, gen=gen) for _, k, _, _ in steps]
     x0 = _rand(1, 1024, dtype=dt, gen=gen)

@@ -56,7 +56,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    ACC2D: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -75,7 +75,7 @@ def _gemv_kernel(
     r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
     ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
     ro_m = tl.where(pid_n == 0, M, 0)          # only the first N tile writes residual_out
-    if USE_DOT:
+    if USE_DOT or ACC2D:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_K, BLOCK_N], dtype=tl.float32)
@@ -91,7 +91,7 @@ def _gemv_kernel(
         w_nxt = _load_w_tile(w_ptrs + step1, k_start + step1 + offs_k, K, EVEN_K)
     wait_then_release(PDL)
     acc, ss = _gemv_step(acc, ss, w, k_start + offs_k, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K,
-                         xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32)
+                         xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32, ACC2D)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
         kk = k0 + offs_k
@@ -102,8 +102,8 @@ def _gemv_kernel(
         else:
             w = _load_w_tile(w_ptrs, kk, K, EVEN_K)
         acc, ss = _gemv_step(acc, ss, w, kk, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K,
-                             xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32)
-    if USE_DOT:
+                             xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32, ACC2D)
+    if USE_DOT or ACC2D:
         part = acc
     else:
         part = tl.sum(acc, axis=1)
@@ -147,7 +147,7 @@ def _load_w_tile(w_ptrs, kk, K, EVEN_K: tl.constexpr):
 @triton.jit
 def _gemv_step(acc, ss, w, kk, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K, xdt,
                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, USE_DOT: tl.constexpr,
-               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ACC2D: tl.constexpr):
     """One BLOCK_K step: the prologue on x's columns kk, then acc += x_tile @ w_tile."""
     if EVEN_K:
         xm = tl.broadcast_to(m_mask[:, None], [BLOCK_M, BLOCK_K])
@@ -175,7 +175,11 @@ def _gemv_step(acc, ss, w, kk, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, of
         else:
             acc += tl.dot(xin, w)
     else:
-        acc += xin.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
+        prod = xin.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
+        if ACC2D:
+            acc += tl.sum(prod, axis=1)
+        else:
+            acc += prod
     return acc, ss
 
 
@@ -203,6 +207,7 @@ class GemvConfig:
     num_stages: int = 3
     use_dot: bool = True
     prefetch: bool = False      # two W tiles in flight per program, both first ones before the PDL wait
+    acc2d: bool = False         # FMA path: reduce over K every step (fewer registers, more programs per SM)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -430,5 +435,6 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED, PREFETCH=cfg.prefetch,
+        ACC2D=cfg.acc2d and not cfg.use_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x2.device),
     )
