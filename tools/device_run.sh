@@ -365,6 +365,16 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       > "$OUT/sweep_bs1.txt" 2>&1; echo "sweep exit $?"
     grep -vE "^#   " "$OUT/sweep_bs1.txt" | sed -n '/== sweep/,$p'
     ;;
+  s9c)  # + persistent grids: GPU gemv tests, Llama-3-8B and batch-1 sweeps
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_gemv.py \
+      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -6
+    timeout 280 python3 tools/bench_gemv.py --shapes l3bs1 --ms 1 --prefetch --acc2d --persistent --no-rope --budget 200 \
+      > "$OUT/sweep_l3.txt" 2>&1; echo "sweep exit $?"
+    grep -vE "^#   " "$OUT/sweep_l3.txt" | sed -n '/== sweep/,$p'
+    timeout 200 python3 tools/bench_gemv.py --shapes bs1 --ms 1 --deep --prefetch --acc2d --persistent --no-rope --budget 120 \
+      > "$OUT/sweep_bs1.txt" 2>&1; echo "sweep exit $?"
+    grep -vE "^#   " "$OUT/sweep_bs1.txt" | sed -n '/== sweep/,$p'
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4

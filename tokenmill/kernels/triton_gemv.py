@@ -208,6 +208,7 @@ class GemvConfig:
     use_dot: bool = True
     prefetch: bool = False      # two W tiles in flight per program, both first ones before the PDL wait
     acc2d: bool = False         # FMA path: reduce over K every step (fewer registers, more programs per SM)
+    persistent: int = 0         # > 0: a grid of this many programs per SM walks the N tiles (triton_gemv_persistent)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -222,6 +223,9 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"GemvConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.persistent < 0 or (self.persistent and self.split_k != 1):
+            raise ValueError(f"GemvConfig.persistent must be >= 0 and needs split_k=1, got persistent="
+                             f"{self.persistent} split_k={self.split_k}")
 
 
 # Where gemv beat cuBLAS (F.linear plus, for a prologue, the separate norm / SiLU kernel) by more than 3%, from
@@ -297,6 +301,13 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(dev: torch.device) -> int:
+    """Multiprocessors of `dev`; an H200's 132 elsewhere (CPU interpreter), so configs resolve the same."""
+    if dev.type != "cuda":
+        return 132
+    return _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -391,9 +402,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                 raise ValueError(f"gemv: residual_out must not overlap {name}")
     if m and n:
         if config is None:
-            sms = 132 if dev.type != "cuda" else _num_sms(dev.index if dev.index is not None else
-                                                          torch.cuda.current_device())
-            config = default_config(m, n, k, sms)
+            config = default_config(m, n, k, _sm_count(dev))
         _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, config, act == "silu_mul",
                 residual is not None)
     if residual is None:
@@ -422,6 +431,21 @@ def launch_plan(m: int, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int,
 def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvConfig, silu_mul: bool,
             has_res: bool) -> None:
     block_m, n_tiles, split, k_per_split = launch_plan(m, n, k, cfg)
+    if cfg.persistent:
+        from tokenmill.kernels.triton_gemv_persistent import _gemv_persistent_kernel, persistent_fits
+        if persistent_fits(n, k, cfg.block_n, cfg.block_k):
+            dev = x2.device
+            _gemv_persistent_kernel[(min(n_tiles, _sm_count(dev) * cfg.persistent),)](
+                x2, weight, bias if bias is not None else weight, y2,
+                norm_weight if norm_weight is not None else weight, r2, ro2,
+                m, n, k, n_tiles, eps,
+                x2.stride(0), weight.stride(0), y2.stride(0), r2.stride(0), ro2.stride(0),
+                BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
+                USE_DOT=cfg.use_dot, DOT_F32=_INTERPRETED, ACC2D=cfg.acc2d and not cfg.use_dot,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(dev),
+            )
+            return
     if split > 1:
         ws = torch.empty(n_tiles * split * block_m * (cfg.block_n + 1), dtype=torch.float32, device=x2.device)
         cnt = _counters(x2.device)
