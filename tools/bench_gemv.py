@@ -94,7 +94,8 @@ ACC2D = "--acc2d" in sys.argv
 PERSISTENT_BASES = [((8, 512, 4, 1), False, True), ((8, 1024, 4, 1), False, True), ((16, 256, 4, 1), False, True),
                     ((4, 1024, 4, 1), False, True), ((16, 512, 4, 1), False, True), ((8, 256, 4, 1), False, True),
                     ((4, 2048, 8, 1), False, True), ((8, 512, 4, 1), False, False), ((64, 128, 4, 1), True, False),
-                    ((32, 256, 4, 1), True, False)]
+                    ((32, 256, 4, 1), True, False), ((4, 512, 4, 1), False, True), ((16, 128, 4, 1), False, True)]
+PERSISTENT_GRIDS = [(1, 4), (2, 4), (3, 4), (2, 2), (3, 2), (4, 2)]   # (programs per SM, W tiles in flight)
 PERSISTENT = "--persistent" in sys.argv
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 if SMOKE:
@@ -191,7 +192,7 @@ def candidates(m, n, k, quick: bool):
         for (bn, bk, warps, stages), dot, a2 in PERSISTENT_BASES:
             if bk <= k and n % bn == 0 and k % bk == 0:
                 out += [GemvConfig(block_n=bn, block_k=bk, split_k=1, num_warps=warps, num_stages=stages,
-                                   use_dot=dot, acc2d=a2, persistent=p) for p in (1, 2, 3, 4)]
+                                   use_dot=dot, acc2d=a2, persistent=p, depth=d) for p, d in PERSISTENT_GRIDS]
     for (bn, bk, warps, stages), dot, pre, acc2d in bases:
         steps = max(1, k // bk)
         tiles = -(-n // bn)
@@ -232,7 +233,7 @@ def precompile(jobs) -> None:
     for k, pro, m, cfg in jobs:
         block_m, _, split, k_per_split = launch_plan(m, 256, k, cfg)
         key = (k % cfg.block_k == 0, k % 16 == 0, pro, block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
-               cfg.num_stages, cfg.use_dot, split > 1, cfg.prefetch, cfg.acc2d, cfg.persistent > 0)
+               cfg.num_stages, cfg.use_dot, split > 1, cfg.prefetch, cfg.acc2d, cfg.persistent > 0, cfg.depth)
         if key not in seen:
             seen.add(key)
             uniq.append((k, pro, m, cfg))
@@ -372,7 +373,7 @@ def main() -> None:
         if not results:
             continue
         results.sort(key=lambda r: r[0])
-        (tb, cb), nxt = results[0], results[1:4]
+        (tb, cb), nxt = results[0], results[1:6]
         err = p.check(cb, p.ref)[0]
         print(f"{p.label:<16}{p.m:>3}{tt:>10.2f}{tg:>9.2f}{tb:>9.2f}{p.bytes / tb / 1e3:>7.0f}{err:>9.1e}  "
               f"{_fmt(cb)}" + "".join(f"  ({_fmt(c)} {t:.2f})" for t, c in nxt))
@@ -384,7 +385,7 @@ def main() -> None:
     for key, c in tuned.items():
         print(f"    {key}: GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, {c.num_warps}, {c.num_stages}, "
               f"use_dot={c.use_dot}{', prefetch=True' if c.prefetch else ''}{', acc2d=True' if c.acc2d else ''}"
-              f"{f', persistent={c.persistent}' if c.persistent else ''}),")
+              f"{f', persistent={c.persistent}, depth={c.depth}' if c.persistent else ''}),")
     print("}")
     print(f"# total {time.time() - t0:.0f}s")
 
@@ -392,7 +393,7 @@ def main() -> None:
 def _fmt(c: GemvConfig) -> str:
     return (f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
             + (" pre" if c.prefetch else "") + (" a2" if c.acc2d else "")
-            + (f" P{c.persistent}" if c.persistent else ""))
+            + (f" P{c.persistent}d{c.depth}" if c.persistent else ""))
 
 
 if __name__ == "__main__":

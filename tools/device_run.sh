@@ -365,7 +365,7 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       > "$OUT/sweep_bs1.txt" 2>&1; echo "sweep exit $?"
     grep -vE "^#   " "$OUT/sweep_bs1.txt" | sed -n '/== sweep/,$p'
     ;;
-  s9c)  # + persistent grids: GPU gemv tests, Llama-3-8B and batch-1 sweeps
+  s9c)  # + persistent grids (2 or 4 W tiles in flight): GPU gemv tests, Llama-3-8B and batch-1 sweeps
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_gemv.py \
       > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -6
     timeout 280 python3 tools/bench_gemv.py --shapes l3bs1 --ms 1 --prefetch --acc2d --persistent --no-rope --budget 200 \

@@ -217,7 +217,8 @@ def test_gemv_gpu_pdl_chain_in_graph(monkeypatch):
              (2048, 1024, GemvConfig(8, 256, 2, 4, 1, use_dot=False, prefetch=True), None),
              (1024, 1024, GemvConfig(32, 256, 1, 4, 1, prefetch=True), "silu_mul"),
              (4096, 1024, GemvConfig(8, 256, 1, 4, 1, use_dot=False, prefetch=True, acc2d=True), "norm"),
-             (1024, 4096, GemvConfig(8, 512, 1, 4, 1, use_dot=False, acc2d=True, persistent=2), None)] * 3
+             (1024, 4096, GemvConfig(8, 512, 1, 4, 1, use_dot=False, acc2d=True, persistent=2), None),
+             (4096, 1024, GemvConfig(8, 256, 1, 4, 1, use_dot=False, acc2d=True, persistent=1, depth=4), None)] * 3
     ws = [_rand(n, k, dtype=dt, gen=gen, scale=k ** -0.5) for n, k, _, _ in steps]
     nws = [_rand(k, dtype=dt, gen=gen) for _, k, _, _ in steps]
     x0 = _rand(1, 1024, dtype=dt, gen=gen)
@@ -241,7 +242,8 @@ def test_gemv_gpu_pdl_chain_in_graph(monkeypatch):
     GemvConfig(8, 32, 1, 4, 1, use_dot=False, acc2d=True, persistent=1),
     GemvConfig(8, 16, 1, 4, 1, use_dot=False, persistent=2),
     GemvConfig(16, 32, 1, 4, 1, use_dot=True, persistent=1),
-], ids=["fma_a2", "fma", "dot"])
+    GemvConfig(8, 16, 1, 4, 1, use_dot=False, acc2d=True, persistent=1, depth=4),
+], ids=["fma_a2", "fma", "dot", "fma_a2_depth4"])
 def test_persistent_grid_walks_tiles(config, monkeypatch):
     """The persistent kernel with fewer programs than N tiles (2 'SMs'): each program walks several tiles, its W
     loads running one step ahead across tile boundaries; every prologue, bias and the fallback for shapes that do

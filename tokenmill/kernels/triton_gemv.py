@@ -209,6 +209,7 @@ class GemvConfig:
     prefetch: bool = False      # two W tiles in flight per program, both first ones before the PDL wait
     acc2d: bool = False         # FMA path: reduce over K every step (fewer registers, more programs per SM)
     persistent: int = 0         # > 0: a grid of this many programs per SM walks the N tiles (triton_gemv_persistent)
+    depth: int = 2              # persistent: W tiles in flight per program (2 or 4)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -226,6 +227,8 @@ class GemvConfig:
         if self.persistent < 0 or (self.persistent and self.split_k != 1):
             raise ValueError(f"GemvConfig.persistent must be >= 0 and needs split_k=1, got persistent="
                              f"{self.persistent} split_k={self.split_k}")
+        if self.depth not in (2, 4):
+            raise ValueError(f"GemvConfig.depth must be 2 or 4, got {self.depth}")
 
 
 # Where gemv beat cuBLAS (F.linear plus, for a prologue, the separate norm / SiLU kernel) by more than 3%, from
@@ -442,7 +445,7 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
                 x2.stride(0), weight.stride(0), y2.stride(0), r2.stride(0), ro2.stride(0),
                 BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
-                USE_DOT=cfg.use_dot, DOT_F32=_INTERPRETED, ACC2D=cfg.acc2d and not cfg.use_dot,
+                USE_DOT=cfg.use_dot, DOT_F32=_INTERPRETED, ACC2D=cfg.acc2d and not cfg.use_dot, DEPTH=cfg.depth,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(dev),
             )
             return

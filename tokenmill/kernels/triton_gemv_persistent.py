@@ -4,7 +4,8 @@ Why: with one program per N tile, a product whose tile count is not a multiple o
 once ends in a partial wave: the last programs stream their whole share of W while most SMs idle, a tail of up to
 one program's duration (~4 us for Llama-3-8B's qkv at 8-row tiles). Here the grid is sized to what the GPU holds
 (`GemvConfig.persistent` programs per SM), each program walks the N tiles pid, pid + G, ... as one flattened
-sequence of K steps, and the W loads run one step ahead across tile boundaries, so every SM streams until its
+sequence of K steps, and the W loads run DEPTH - 1 steps ahead across tile boundaries (DEPTH = 2 or 4 tiles in
+flight per program: `GemvConfig.depth`), so every SM streams until its
 last tile and the imbalance is at most one tile. With programmatic dependent launch the first two W tiles are
 loaded before the wait on the previous kernel, as in the plain kernel.
 
@@ -35,7 +36,8 @@ def _gemv_persistent_kernel(
     stride_xm, stride_wn, stride_ym, stride_rm, stride_rom,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, ACC2D: tl.constexpr, PDL: tl.constexpr = False,
+    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, ACC2D: tl.constexpr, DEPTH: tl.constexpr = 2,
+    PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -51,9 +53,13 @@ def _gemv_persistent_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm
     ro_rows = res_out_ptr + offs_m.to(tl.int64)[:, None] * stride_rom
-    # Steps 0 and 1 before the wait (weights only). Past the last step the offset repeats it: a re-read, unmasked.
+    # Steps 0 .. DEPTH-1 before the wait (weights only). Past the last step the offset repeats it: a re-read, so
+    # the loads stay unmasked.
     w = tl.load(w_tile + _w_offset(0, pid, G, k_steps, stride_wn, BLOCK_N, BLOCK_K))
     w_nxt = tl.load(w_tile + _w_offset(tl.minimum(1, total - 1), pid, G, k_steps, stride_wn, BLOCK_N, BLOCK_K))
+    if DEPTH == 4:
+        w_2 = tl.load(w_tile + _w_offset(tl.minimum(2, total - 1), pid, G, k_steps, stride_wn, BLOCK_N, BLOCK_K))
+        w_3 = tl.load(w_tile + _w_offset(tl.minimum(3, total - 1), pid, G, k_steps, stride_wn, BLOCK_N, BLOCK_K))
     wait_then_release(PDL)
     if USE_DOT or ACC2D:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -67,9 +73,16 @@ def _gemv_persistent_kernel(
         ro_m = tl.where(t == 0, M, 0)                   # the first N tile's owner writes residual_out
         acc, ss = _gemv_step(acc, ss, w, kk, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K, xdt,
                              BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, True, DOT_F32, ACC2D)
-        w = w_nxt
-        w_nxt = tl.load(w_tile + _w_offset(tl.minimum(i + 2, total - 1), pid, G, k_steps, stride_wn,
-                                           BLOCK_N, BLOCK_K))
+        if DEPTH == 4:
+            w = w_nxt
+            w_nxt = w_2
+            w_2 = w_3
+            w_3 = tl.load(w_tile + _w_offset(tl.minimum(i + 4, total - 1), pid, G, k_steps, stride_wn,
+                                             BLOCK_N, BLOCK_K))
+        else:
+            w = w_nxt
+            w_nxt = tl.load(w_tile + _w_offset(tl.minimum(i + 2, total - 1), pid, G, k_steps, stride_wn,
+                                               BLOCK_N, BLOCK_K))
         if ks == k_steps - 1:
             if USE_DOT or ACC2D:
                 part = acc
