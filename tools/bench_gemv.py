@@ -90,13 +90,6 @@ ACC2D_BASES = [((8, 512, 4, 1), True), ((16, 256, 4, 1), True), ((8, 1024, 4, 1)
                ((32, 256, 4, 1), True), ((16, 512, 8, 1), True), ((32, 512, 8, 1), True), ((4, 1024, 4, 1), True),
                ((8, 256, 4, 1), True), ((8, 512, 4, 1), False), ((16, 256, 4, 1), False), ((8, 1024, 4, 1), False)]
 ACC2D = "--acc2d" in sys.argv
-# Persistent grids (GemvConfig.persistent programs per SM walk the N tiles; --persistent): (base, dot, acc2d).
-PERSISTENT_BASES = [((8, 512, 4, 1), False, True), ((8, 1024, 4, 1), False, True), ((16, 256, 4, 1), False, True),
-                    ((4, 1024, 4, 1), False, True), ((16, 512, 4, 1), False, True), ((8, 256, 4, 1), False, True),
-                    ((4, 2048, 8, 1), False, True), ((8, 512, 4, 1), False, False), ((64, 128, 4, 1), True, False),
-                    ((32, 256, 4, 1), True, False), ((4, 512, 4, 1), False, True), ((16, 128, 4, 1), False, True)]
-PERSISTENT_GRIDS = [(1, 4), (2, 4), (3, 4), (2, 2), (3, 2), (4, 2)]   # (programs per SM, W tiles in flight)
-PERSISTENT = "--persistent" in sys.argv
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 if SMOKE:
     SHAPES = [("s.plain", 256, 96, None), ("s.norm", 128, 80, "norm"), ("s.silu", 96, 64, "silu")]
@@ -188,11 +181,6 @@ def candidates(m, n, k, quick: bool):
     if ACC2D:
         bases += [(b, False, pre, True) for b, pre in ACC2D_BASES if b[1] <= k]
     out = []
-    if PERSISTENT:
-        for (bn, bk, warps, stages), dot, a2 in PERSISTENT_BASES:
-            if bk <= k and n % bn == 0 and k % bk == 0:
-                out += [GemvConfig(block_n=bn, block_k=bk, split_k=1, num_warps=warps, num_stages=stages,
-                                   use_dot=dot, acc2d=a2, persistent=p, depth=d) for p, d in PERSISTENT_GRIDS]
     for (bn, bk, warps, stages), dot, pre, acc2d in bases:
         steps = max(1, k // bk)
         tiles = -(-n // bn)
@@ -233,7 +221,7 @@ def precompile(jobs) -> None:
     for k, pro, m, cfg in jobs:
         block_m, _, split, k_per_split = launch_plan(m, 256, k, cfg)
         key = (k % cfg.block_k == 0, k % 16 == 0, pro, block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
-               cfg.num_stages, cfg.use_dot, split > 1, cfg.prefetch, cfg.acc2d, cfg.persistent > 0, cfg.depth)
+               cfg.num_stages, cfg.use_dot, split > 1, cfg.prefetch, cfg.acc2d)
         if key not in seen:
             seen.add(key)
             uniq.append((k, pro, m, cfg))
@@ -303,7 +291,6 @@ def main() -> None:
     ap.add_argument("--deep", action="store_true", help="also sweep K tiles of 512 and 1024 (for PDL)")
     ap.add_argument("--prefetch", action="store_true", help="also sweep configs with two W tiles in flight")
     ap.add_argument("--acc2d", action="store_true", help="also sweep FMA configs that reduce over K every step")
-    ap.add_argument("--persistent", action="store_true", help="also sweep persistent grids (1-4 programs per SM)")
     args = ap.parse_args()
     global SHAPES, MS
     if not SMOKE:
@@ -384,16 +371,14 @@ def main() -> None:
     print("TUNED = {")
     for key, c in tuned.items():
         print(f"    {key}: GemvConfig({c.block_n}, {c.block_k}, {c.split_k}, {c.num_warps}, {c.num_stages}, "
-              f"use_dot={c.use_dot}{', prefetch=True' if c.prefetch else ''}{', acc2d=True' if c.acc2d else ''}"
-              f"{f', persistent={c.persistent}, depth={c.depth}' if c.persistent else ''}),")
+              f"use_dot={c.use_dot}{', prefetch=True' if c.prefetch else ''}{', acc2d=True' if c.acc2d else ''}),")
     print("}")
     print(f"# total {time.time() - t0:.0f}s")
 
 
 def _fmt(c: GemvConfig) -> str:
     return (f"{'dot' if c.use_dot else 'fma'} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
-            + (" pre" if c.prefetch else "") + (" a2" if c.acc2d else "")
-            + (f" P{c.persistent}d{c.depth}" if c.persistent else ""))
+            + (" pre" if c.prefetch else "") + (" a2" if c.acc2d else ""))
 
 
 if __name__ == "__main__":

@@ -365,15 +365,18 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       > "$OUT/sweep_bs1.txt" 2>&1; echo "sweep exit $?"
     grep -vE "^#   " "$OUT/sweep_bs1.txt" | sed -n '/== sweep/,$p'
     ;;
-  s9c)  # + persistent grids (2 or 4 W tiles in flight): GPU gemv tests, Llama-3-8B and batch-1 sweeps
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_gemv.py \
-      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -6
-    timeout 280 python3 tools/bench_gemv.py --shapes l3bs1 --ms 1 --prefetch --acc2d --persistent --no-rope --budget 200 \
-      > "$OUT/sweep_l3.txt" 2>&1; echo "sweep exit $?"
-    grep -vE "^#   " "$OUT/sweep_l3.txt" | sed -n '/== sweep/,$p'
-    timeout 200 python3 tools/bench_gemv.py --shapes bs1 --ms 1 --deep --prefetch --acc2d --persistent --no-rope --budget 120 \
-      > "$OUT/sweep_bs1.txt" 2>&1; echo "sweep exit $?"
-    grep -vE "^#   " "$OUT/sweep_bs1.txt" | sed -n '/== sweep/,$p'
+  s9d)  # session 9's gemv table (prefetch / acc2d configs, down_proj and Llama lm_head on gemv): GPU tests, bs1 times
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels/test_triton_gemv.py \
+      tests/gpu/test_gpu_e2e.py > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"
+    grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -8
+    for model in qwen3-0.6b llama-3-8b; do
+      echo "=== profile_steps $model --bs1-only"
+      timeout 100 python3 tools/profile_steps.py $model --bs1-only > "$OUT/steps_$model.txt" 2>&1
+      grep -vE "^(INFO|WARNING)" "$OUT/steps_$model.txt" | grep -E "ms per|back to back|Error" | head -6
+      echo "=== $model bs1 bench latency"
+      timeout 90 python3 -m tokenmill.benchmarks.latency --model $model --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$model.json" 2>&1 | grep -E "decode|Error"
+    done
     ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \

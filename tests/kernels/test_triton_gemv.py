@@ -178,6 +178,14 @@ def test_gemv_gpu_prologues(dtype):
 
 
 @pytest.mark.gpu
+def test_gemv_gpu_measured_table():
+    """Every entry of the measured table, at its own shape, row count and prologue, against float64."""
+    for i, ((m, n, k, pro), (cfg, _, _)) in enumerate(sorted(triton_gemv.MEASURED_FASTER.items(), key=str)):
+        _check(m, n, k, torch.bfloat16, seed=300 + i, config=cfg, act="silu_mul" if pro == "silu_mul" else None,
+               norm=pro == "rmsnorm", residual=pro == "rmsnorm")
+
+
+@pytest.mark.gpu
 def test_gemv_gpu_cuda_graph_replays():
     """Split-K counters reset themselves: many replays of a captured graph give the same, right answer."""
     dtype = torch.bfloat16
@@ -217,8 +225,7 @@ def test_gemv_gpu_pdl_chain_in_graph(monkeypatch):
              (2048, 1024, GemvConfig(8, 256, 2, 4, 1, use_dot=False, prefetch=True), None),
              (1024, 1024, GemvConfig(32, 256, 1, 4, 1, prefetch=True), "silu_mul"),
              (4096, 1024, GemvConfig(8, 256, 1, 4, 1, use_dot=False, prefetch=True, acc2d=True), "norm"),
-             (1024, 4096, GemvConfig(8, 512, 1, 4, 1, use_dot=False, acc2d=True, persistent=2), None),
-             (4096, 1024, GemvConfig(8, 256, 1, 4, 1, use_dot=False, acc2d=True, persistent=1, depth=4), None)] * 3
+             (1024, 4096, GemvConfig(8, 512, 1, 4, 1, use_dot=False, acc2d=True), None)] * 3
     ws = [_rand(n, k, dtype=dt, gen=gen, scale=k ** -0.5) for n, k, _, _ in steps]
     nws = [_rand(k, dtype=dt, gen=gen) for _, k, _, _ in steps]
     x0 = _rand(1, 1024, dtype=dt, gen=gen)
@@ -237,30 +244,3 @@ def test_gemv_gpu_pdl_chain_in_graph(monkeypatch):
     check_pdl_chain(chain, monkeypatch)
     assert not any(c.any() for c in triton_gemv._COUNTERS.values())
 
-
-@pytest.mark.parametrize("config", [
-    GemvConfig(8, 32, 1, 4, 1, use_dot=False, acc2d=True, persistent=1),
-    GemvConfig(8, 16, 1, 4, 1, use_dot=False, persistent=2),
-    GemvConfig(16, 32, 1, 4, 1, use_dot=True, persistent=1),
-    GemvConfig(8, 16, 1, 4, 1, use_dot=False, acc2d=True, persistent=1, depth=4),
-], ids=["fma_a2", "fma", "dot", "fma_a2_depth4"])
-def test_persistent_grid_walks_tiles(config, monkeypatch):
-    """The persistent kernel with fewer programs than N tiles (2 'SMs'): each program walks several tiles, its W
-    loads running one step ahead across tile boundaries; every prologue, bias and the fallback for shapes that do
-    not divide into whole tiles."""
-    from tokenmill.kernels import triton_gemv_persistent as tp
-    monkeypatch.setattr(triton_gemv, "_sm_count", lambda dev: 2)
-    fits = []
-    real_fits = tp.persistent_fits
-    monkeypatch.setattr(tp, "persistent_fits", lambda *a: fits.append(real_fits(*a)) or fits[-1])
-    for i, (m, n, k) in enumerate(((1, 64, 96), (3, 48, 64), (2, 44, 48))):   # (2, 44, 48): no whole tiles
-        _check(m, n, k, torch.bfloat16, seed=60 + i, config=config, bias=i == 1)
-    _check(2, 64, 64, torch.bfloat16, seed=70, config=config, act="silu_mul")
-    _check(1, 96, 64, torch.float16, seed=71, config=config, norm=True, residual=True)
-    _check(3, 48, 32, torch.float16, seed=72, config=config, norm=True)
-    assert fits == [True, True, False, True, True, True], "whole-tile shapes take the persistent kernel"
-
-
-def test_persistent_config_needs_one_split():
-    with pytest.raises(ValueError, match="persistent"):
-        GemvConfig(8, 32, 2, 4, 1, use_dot=False, persistent=1)

@@ -8,7 +8,8 @@ finishes the epilogue and resets the counter to 0, so the next call (or CUDA-gra
 
 Two inner products, picked per config: `use_dot` stacks the M rows into a 16-row tl.dot (tensor cores, fp32
 accumulator; the padding rows cost no memory traffic), otherwise an FMA loop keeps a [M, BLOCK_K, BLOCK_N] fp32
-accumulator in registers and reduces over K once at the end.
+accumulator in registers and reduces over K once at the end, or with `acc2d` reduces every K step into [M, BLOCK_N]
+(about half the registers, so more programs per SM).
 
 Optional prologues on x, each saving a launch per layer:
   act="silu_mul"  x is [M, 2K] = [gate | up]; the input is silu(gate) * up, rounded like torch (down_proj).
@@ -20,7 +21,9 @@ Optional prologues on x, each saving a launch per layer:
 
 With programmatic dependent launch (tokenmill/kernels/pdl.py) each program loads its first W tile before waiting
 on the previous kernel, so that load overlaps the previous kernel's tail; the batch-1 configs of the table use one
-deep K tile that holds the program's whole share of W where that measured fastest.
+deep K tile that holds the program's whole share of W where that measured fastest. With `prefetch` the second tile
+is loaded before the wait too and every K step issues the next tile's load before its own product (two tiles in
+flight), so a program whose share is two tiles has all of it in flight before the wait.
 
 CUDA-graph safe: no host syncs, the launch configuration depends only on shapes, the workspace is allocated per call
 (from the graph pool when capturing), and the counters are one per-device zeroed buffer created on the first eager
@@ -208,8 +211,6 @@ class GemvConfig:
     use_dot: bool = True
     prefetch: bool = False      # two W tiles in flight per program, both first ones before the PDL wait
     acc2d: bool = False         # FMA path: reduce over K every step (fewer registers, more programs per SM)
-    persistent: int = 0         # > 0: a grid of this many programs per SM walks the N tiles (triton_gemv_persistent)
-    depth: int = 2              # persistent: W tiles in flight per program (2 or 4)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -224,11 +225,6 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"GemvConfig.num_stages must be >= 1, got {self.num_stages}")
-        if self.persistent < 0 or (self.persistent and self.split_k != 1):
-            raise ValueError(f"GemvConfig.persistent must be >= 0 and needs split_k=1, got persistent="
-                             f"{self.persistent} split_k={self.split_k}")
-        if self.depth not in (2, 4):
-            raise ValueError(f"GemvConfig.depth must be 2 or 4, got {self.depth}")
 
 
 # Where gemv beat cuBLAS (F.linear plus, for a prologue, the separate norm / SiLU kernel) by more than 3%, from
@@ -240,7 +236,6 @@ MEASURED_FASTER: dict[tuple[int, int, int, str | None], tuple[GemvConfig, float,
     (4, 1024, 2048, None): (GemvConfig(32, 128, 8, 4, 3, use_dot=True), 10.36, 5.71),
     (8, 1024, 2048, None): (GemvConfig(32, 256, 4, 4, 3, use_dot=True), 6.12, 5.78),
     (2, 1024, 3072, 'silu_mul'): (GemvConfig(16, 256, 8, 4, 1, use_dot=False), 9.12, 6.67),
-    (1, 151936, 1024, None): (GemvConfig(128, 128, 1, 4, 3, use_dot=True), 75.37, 72.04),
     (2, 151936, 1024, None): (GemvConfig(128, 128, 1, 4, 3, use_dot=True), 75.85, 72.43),
     (4, 151936, 1024, None): (GemvConfig(128, 128, 1, 4, 3, use_dot=True), 77.03, 73.21),
     (8, 151936, 1024, None): (GemvConfig(64, 256, 1, 4, 3, use_dot=True), 78.0, 75.1),
@@ -255,14 +250,20 @@ MEASURED_FASTER: dict[tuple[int, int, int, str | None], tuple[GemvConfig, float,
     (1, 3072, 4096, None): (GemvConfig(64, 128, 6, 4, 3, use_dot=True), 11.72, 10.38),
     (1, 4096, 7168, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 20.00, 17.76),
     (1, 64128, 4096, None): (GemvConfig(64, 128, 1, 4, 5, use_dot=True), 124.24, 118.89),
-    # Batch-1 products re-measured with programmatic dependent launch on (session 6, `bench_gemv.py --shapes bs1
-    # --ms 1 --deep`): one deep K tile per program is read before the wait on the previous kernel.
-    (1, 4096, 1024, 'rmsnorm'): (GemvConfig(16, 512, 1, 4, 1, use_dot=False), 6.43, 4.49),
-    (1, 1024, 2048, None): (GemvConfig(8, 1024, 1, 4, 1, use_dot=False), 13.13, 3.08),
-    (1, 6144, 1024, 'rmsnorm'): (GemvConfig(8, 1024, 1, 4, 1, use_dot=False), 7.68, 5.93),
-    (1, 1024, 3072, 'silu_mul'): (GemvConfig(8, 1024, 1, 4, 1, use_dot=False), 8.04, 4.65),
-    (1, 6144, 4096, 'rmsnorm'): (GemvConfig(8, 1024, 1, 4, 1, use_dot=False), 18.66, 16.52),
-    (1, 4096, 4096, None): (GemvConfig(64, 256, 4, 4, 3, use_dot=True), 13.14, 11.31),
+    # Batch-1 products, PDL on, re-measured in session 9 with the two-tile prefetch and the acc2d FMA variant in
+    # the sweep (`bench_gemv.py --shapes bs1,l3bs1 --ms 1 --deep --prefetch --acc2d`, 2026-12-01, three runs; the
+    # gemv figure is the worst of them).
+    (1, 4096, 1024, 'rmsnorm'): (GemvConfig(8, 1024, 1, 4, 1, use_dot=False, acc2d=True), 6.39, 4.13),
+    (1, 1024, 2048, None): (GemvConfig(4, 2048, 1, 8, 1, use_dot=False, prefetch=True), 12.77, 2.51),
+    (1, 6144, 1024, 'rmsnorm'): (GemvConfig(8, 512, 1, 4, 1, use_dot=False, acc2d=True), 7.95, 5.32),
+    (1, 1024, 3072, 'silu_mul'): (GemvConfig(4, 2048, 1, 8, 1, use_dot=False, prefetch=True), 7.89, 4.24),
+    (1, 151936, 1024, None): (GemvConfig(16, 256, 1, 4, 1, use_dot=False, prefetch=True, acc2d=True), 77.44, 72.35),
+    (1, 6144, 4096, 'rmsnorm'): (GemvConfig(8, 1024, 1, 4, 1, use_dot=False), 18.30, 16.60),
+    (1, 4096, 4096, None): (GemvConfig(8, 512, 1, 4, 1, use_dot=False, prefetch=True), 13.24, 10.84),
+    # Llama-3-8B's down_proj after the separate SiLU-and-mul kernel (the fused form measured 33.0-33.4 us) and its
+    # lm_head.
+    (1, 4096, 14336, None): (GemvConfig(64, 256, 4, 4, 3, use_dot=True), 32.08, 30.53),
+    (1, 128256, 4096, None): (GemvConfig(64, 128, 1, 4, 3, use_dot=True), 246.54, 238.54),
 }
 # (M bucket, N, K) -> GemvConfig overrides of the heuristic; the plain product's config where a fused one exists too.
 def _tuned() -> dict[tuple[int, int, int], GemvConfig]:
@@ -434,21 +435,6 @@ def launch_plan(m: int, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int,
 def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvConfig, silu_mul: bool,
             has_res: bool) -> None:
     block_m, n_tiles, split, k_per_split = launch_plan(m, n, k, cfg)
-    if cfg.persistent:
-        from tokenmill.kernels.triton_gemv_persistent import _gemv_persistent_kernel, persistent_fits
-        if persistent_fits(n, k, cfg.block_n, cfg.block_k):
-            dev = x2.device
-            _gemv_persistent_kernel[(min(n_tiles, _sm_count(dev) * cfg.persistent),)](
-                x2, weight, bias if bias is not None else weight, y2,
-                norm_weight if norm_weight is not None else weight, r2, ro2,
-                m, n, k, n_tiles, eps,
-                x2.stride(0), weight.stride(0), y2.stride(0), r2.stride(0), ro2.stride(0),
-                BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
-                USE_DOT=cfg.use_dot, DOT_F32=_INTERPRETED, ACC2D=cfg.acc2d and not cfg.use_dot, DEPTH=cfg.depth,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(dev),
-            )
-            return
     if split > 1:
         ws = torch.empty(n_tiles * split * block_m * (cfg.block_n + 1), dtype=torch.float32, device=x2.device)
         cnt = _counters(x2.device)
