@@ -378,6 +378,12 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
         --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$model.json" 2>&1 | grep -E "decode|Error"
     done
     ;;
+  s9e)  # where the host's time goes in Qwen3-0.6B batch-1 decode: py-spy samples (idle included) of bench latency
+    timeout 200 /tmp/site/bin/py-spy record -r 2000 --idle --format raw -o "$OUT/pyspy_qwen3.txt" -- \
+      python3 -m tokenmill.benchmarks.latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 \
+      --num-iters 8 --num-iters-warmup 1 --max-model-len 2048 2>&1 | grep -E "decode|Error|py-spy"
+    ls -la "$OUT"
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4
