@@ -115,16 +115,19 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_only(make_client, smollm2_
 
 
 # ----- request bodies and error messages -----
-def test_json_body_sent_with_a_form_or_text_content_type(client):
-    """curl -d without -H sends application/x-www-form-urlencoded; the body is still JSON."""
+def test_json_body_needs_the_json_content_type(client):
+    """As vLLM: a body sent as a form (curl -d without -H), as text or with no type is a 400 naming the header,
+    before any parsing; application/json with a charset is fine, and the server keeps serving."""
     body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
-    for ctype in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8"):
-        r = client.post("/v1/completions", content=body, headers={"content-type": ctype})
-        assert r.status_code == 200, r.text
-        assert r.json()["object"] == "text_completion"
-    err = assert_error(client.post("/v1/completions", content=b"prompt=Hello",
-                                   headers={"content-type": "application/x-www-form-urlencoded"}), 400)
-    assert "Invalid JSON body" in err["message"]
+    for path in ("/v1/completions", "/tokenize"):
+        for ctype in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8", None):
+            headers = {"content-type": ctype} if ctype else {}
+            err = assert_error(client.post(path, content=body, headers=headers), 400)
+            assert err["message"].startswith("Unsupported Media Type: Only 'application/json' is allowed")
+            assert "Content-Type: application/json" in err["message"]
+    r = client.post("/v1/completions", content=body, headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    assert client.post("/ping").status_code == 200  # a POST without a body is not affected
 
 
 def test_validation_messages_read_cleanly(client):
