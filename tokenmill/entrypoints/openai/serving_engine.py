@@ -275,7 +275,10 @@ class OpenAIServing:
             validate_structured_outputs(params, cfg)
         except ValueError as e:
             field = None if override is not None else request.constraint_field()
-            raise FieldError(str(e), field) if field else e from None
+            if not field:
+                raise
+            message = str(e) if field == "structured_outputs" else f"{field}: {e}"
+            raise FieldError(message, field) from None
         return params
 
     # ----- responses -----
