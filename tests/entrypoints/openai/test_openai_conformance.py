@@ -218,3 +218,14 @@ def test_best_of_asks_the_engine_for_the_candidates(make_client):
     assert r.json()["usage"]["completion_tokens"] == 4
     r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "n": 2, "best_of": 3, "logprobs": 2})
     assert engine.calls[-1][1].logprobs == 2 and all(ch["logprobs"] for ch in r.json()["choices"])
+
+
+def test_tokenize_errors_name_the_field_of_the_form_sent(client):
+    """/tokenize takes a completion form (prompt) or a chat form (messages); a bad body used to be reported against
+    both union members, with pydantic's internal validator names as the `param`."""
+    for body, param, message in (({"prompt": 5}, "prompt", "prompt: Input should be a valid string"),
+                                 ({}, "prompt", "prompt: Field required"),
+                                 ({"messages": "hi"}, "messages", "messages: Input should be a valid list")):
+        assert assert_error(client.post("/tokenize", json=body), 400, param)["message"] == message
+    assert client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["count"] > 0
+    assert client.get("/openapi.json").json()["paths"]["/tokenize"]

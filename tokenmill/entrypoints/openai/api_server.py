@@ -21,8 +21,8 @@ import tokenmill
 from tokenmill import envs
 from tokenmill.config.frontend import FrontendConfig
 from tokenmill.engine.protocol import EngineClient, EngineDeadError
-from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                   TokenizeRequest)
+from tokenmill.entrypoints.openai.protocol import (UNION_TAGS, ChatCompletionRequest, CompletionRequest,
+                                                   DetokenizeRequest, TokenizeRequest)
 from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenmill.entrypoints.openai.serving_chat import ChatRenderer, OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -94,6 +94,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for err in exc.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if loc and loc[0] in UNION_TAGS:
+            loc = loc[1:]
         if err.get("type") == "json_invalid":
             parts.append(f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
             continue

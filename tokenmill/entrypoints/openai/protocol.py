@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, model_validator
 
 from tokenmill.logger import init_logger
 
@@ -502,7 +502,17 @@ class TokenizeChatRequest(OpenAIBaseModel):
         return self
 
 
-TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+def _tokenize_kind(data: Any) -> str:
+    if isinstance(data, dict):
+        return "chat" if "messages" in data else "completion"
+    return "chat" if isinstance(data, TokenizeChatRequest) else "completion"
+
+
+# A body with `messages` is a chat request, any other a completion one: validation errors then name the fields of
+# the form the client meant, not both union members. The tags appear in error locations; the error handler drops them.
+UNION_TAGS = frozenset({"completion", "chat"})
+TokenizeRequest = Annotated[Union[Annotated[TokenizeCompletionRequest, Tag("completion")],
+                                  Annotated[TokenizeChatRequest, Tag("chat")]], Discriminator(_tokenize_kind)]
 
 
 class TokenizeResponse(OpenAIBaseModel):
