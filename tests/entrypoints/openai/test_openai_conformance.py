@@ -130,6 +130,15 @@ def test_json_body_needs_the_json_content_type(client):
     assert client.post("/ping").status_code == 200  # a POST without a body is not affected
 
 
+def test_content_type_check_runs_after_auth_and_inside_cors(make_client):
+    c, _ = make_client(api_key=["k"], allowed_origins=["https://ok.example"])
+    form = {"content-type": "application/x-www-form-urlencoded", "Origin": "https://ok.example"}
+    assert_error(c.post("/v1/completions", content=b"{}", headers=form), 401)  # a bad key is reported first
+    r = c.post("/v1/completions", content=b"{}", headers={**form, "Authorization": "Bearer k"})
+    assert_error(r, 400)
+    assert r.headers["access-control-allow-origin"] == "https://ok.example"  # a browser can read the error
+
+
 def test_validation_messages_read_cleanly(client):
     err = assert_error(client.post("/v1/chat/completions", json={"messages": []}), 400)
     assert err["message"] == "messages must contain at least one message."

@@ -283,6 +283,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
                     "vocab_size": len(tok)}
 
     # ----- middleware: the last added runs first -----
+    # Innermost, as vLLM's per-route check: a bad API key is a 401 first, and the 400 carries the CORS headers.
+    app.add_middleware(JSONContentTypeMiddleware, paths=JSON_BODY_ROUTES)
     app.add_middleware(CORSMiddleware, **frontend.cors_kwargs())
     api_keys = list(frontend.api_key or [])
     if not api_keys:
@@ -294,7 +296,6 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     if frontend.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     app.add_middleware(HeaderCountMiddleware, max_headers=frontend.h11_max_header_count)
-    app.add_middleware(JSONContentTypeMiddleware, paths=JSON_BODY_ROUTES)
     for path in frontend.middleware:
         add_user_middleware(app, path)
     return app
