@@ -21,9 +21,9 @@ import tokenmill
 from tokenmill import envs
 from tokenmill.config.frontend import FrontendConfig
 from tokenmill.engine.protocol import EngineClient, EngineDeadError
-from tokenmill.entrypoints.openai.protocol import (UNION_TAGS, ChatCompletionRequest, CompletionRequest,
-                                                   DetokenizeRequest, TokenizeRequest)
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
+from tokenmill.entrypoints.openai.protocol_tokenization import UNION_TAGS, DetokenizeRequest, TokenizeRequest
 from tokenmill.entrypoints.openai.serving_chat import ChatRenderer, OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.middleware import (APIKeyMiddleware, HeaderCountMiddleware,
