@@ -24,3 +24,44 @@ def test_normalisation():
     assert SamplingParams(stop="x").stop == ["x"]
     p = SamplingParams(temperature=0, top_p=0.5, top_k=5)
     assert (p.top_p, p.top_k) == (1.0, 0)  # greedy ignores the filters
+
+
+def test_guided_decoding_is_vllms_older_spelling_of_structured_outputs():
+    """`from vllm.sampling_params import GuidedDecodingParams` scripts: the value lands in structured_outputs (as
+    the plain StructuredOutputsParams the engine expects), guided_decoding is cleared, and the params survive the
+    msgpack trip to the engine core unchanged."""
+    import msgspec
+
+    from tokenmill.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for given in (GuidedDecodingParams(json=schema, backend="xgrammar"), {"json": schema, "backend": "auto"},
+                  GuidedDecodingParams.from_optional(json=schema)):
+        p = SamplingParams(guided_decoding=given, temperature=0)
+        assert type(p.structured_outputs) is StructuredOutputsParams and p.structured_outputs.json == schema
+        assert p.guided_decoding is None
+        back = msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams)
+        assert back.structured_outputs == p.structured_outputs and back.guided_decoding is None
+    assert GuidedDecodingParams.from_optional() is None
+    choice = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["x", "y"])).structured_outputs
+    assert choice.kind == "choice" and choice.choice == ["x", "y"]
+    with pytest.raises(ValueError, match="guided_decoding and SamplingParams.structured_outputs"):
+        SamplingParams(guided_decoding=GuidedDecodingParams(regex="a"),
+                       structured_outputs=StructuredOutputsParams(regex="b"))
+    with pytest.raises(ValueError, match="backend 'outlines'"):
+        GuidedDecodingParams(regex="a", backend="outlines")
+    with pytest.raises(ValueError, match="exactly one"):
+        GuidedDecodingParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="guided_decoding"):
+        SamplingParams(guided_decoding={"regexp": "a"})
+    with pytest.raises(ValueError, match="guided_decoding"):
+        SamplingParams(guided_decoding="a+")
+
+
+def test_best_of_is_at_least_n_and_survives_the_engine_trip():
+    import msgspec
+    assert SamplingParams(n=2, best_of=5).best_of == 5
+    for bad in (1, 0, 1.5, True):
+        with pytest.raises(ValueError, match="best_of"):
+            SamplingParams(n=2, best_of=bad)
+    p = msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams(n=2, best_of=2)), type=SamplingParams)
+    assert (p.n, p.best_of) == (2, 2)

@@ -14,7 +14,10 @@ from typing import Any
 
 import msgspec
 
-from tokenmill.structured.params import StructuredOutputsParams
+from tokenmill.structured.params import GuidedDecodingParams, StructuredOutputsParams, as_structured_outputs
+
+__all__ = ["BeamSearchParams", "GuidedDecodingParams", "RequestOutputKind", "SamplingParams", "SamplingType",
+           "StructuredOutputsParams"]
 
 _GREEDY_EPS = 1e-5
 
@@ -65,6 +68,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older spelling of structured_outputs (a GuidedDecodingParams): moved there on construction.
+    guided_decoding: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None
 
     # Filled by the engine, not by users.
@@ -137,9 +142,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1", self.n)
-        if self.best_of is not None and self.best_of != self.n:
-            raise bad("best_of", f"unset or equal to n ({self.n}); beam-style best_of is not supported",
-                      self.best_of)
+        if self.best_of is not None and (isinstance(self.best_of, bool) or not isinstance(self.best_of, int)
+                                         or self.best_of < self.n):
+            raise bad("best_of", f"an integer >= n ({self.n}): the number of candidates the n results are picked "
+                      "from", self.best_of)
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
@@ -184,11 +190,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
                 raise bad("allowed_token_ids", "non-negative integers", self.allowed_token_ids)
         if self.logit_bias and any(k < 0 for k in self.logit_bias):
             raise bad("logit_bias", "keyed by non-negative token ids", self.logit_bias)
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise bad("structured_outputs", "a StructuredOutputsParams (or a dict of its fields)",
-                      self.structured_outputs)
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("SamplingParams.guided_decoding and SamplingParams.structured_outputs are two "
+                                 "spellings of one setting; give only one (structured_outputs is the current one).")
+            # Cleared once moved, as vLLM does: the struct is re-validated when it reaches the engine core.
+            self.structured_outputs = as_structured_outputs(self.guided_decoding, "guided_decoding")
+            self.guided_decoding = None
+        elif self.structured_outputs is not None:
+            self.structured_outputs = as_structured_outputs(self.structured_outputs, "structured_outputs")
         if not isinstance(self.output_kind, RequestOutputKind):
             self.output_kind = RequestOutputKind(self.output_kind)
 

@@ -34,3 +34,19 @@ def test_unknown_prompt_keys_are_rejected_not_ignored(processor):
         processor.process("r", {"prompt_token_ids": [5], "multi_modal_data": {"image": None}}, SamplingParams())
     with pytest.raises(ValueError, match=r"\['promt'\]"):
         processor.process("r", {"promt": "typo", "prompt_token_ids": [5]}, SamplingParams())
+
+
+def test_children_of_n_survive_the_trip_to_the_engine_core(processor):
+    """n=2 with best_of=2: each child is one sample, so best_of must go with n; a child that kept best_of=2 beside
+    n=1 failed SamplingParams' check when the core decoded it, and that killed the core process."""
+    import msgspec
+
+    from tokenmill.engine.messages import EngineCoreRequest
+    _, reqs = processor.process("r", {"prompt_token_ids": [5, 6]}, SamplingParams(n=2, best_of=2, max_tokens=3))
+    decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+    for req in reqs:
+        back = decoder.decode(msgspec.msgpack.encode(req))
+        assert (back.sampling_params.n, back.sampling_params.best_of) == (1, None)
+    # best_of > n is the entry points' job (LLM, the server): the engine says so instead of ignoring it
+    with pytest.raises(ValueError, match="best_of"):
+        processor.process("r", {"prompt_token_ids": [5]}, SamplingParams(n=1, best_of=3))

@@ -79,3 +79,23 @@ def test_token_prompts_and_bad_params(pair):
         llm.beam_search([{"prompt_token_ids": [5] * 250}], BeamSearchParams(beam_width=2, max_tokens=10))
     with pytest.raises(ValueError, match="max_logprobs"):  # 2 * 11 logprobs per step > the default 20
         llm.beam_search(PROMPTS, BeamSearchParams(beam_width=11, max_tokens=2))
+
+
+def test_best_of_keeps_the_most_likely_samples(pair):
+    """SamplingParams(n=2, best_of=4): the two of the four seeded samples (those n=4 with the same seed draws)
+    with the highest cumulative logprob, re-indexed 0..1, without the logprobs the ranking needed."""
+    _, llm = pair
+    kw = dict(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    pool = llm.generate(PROMPTS, SamplingParams(n=4, logprobs=0, **kw), use_tqdm=False)
+    best = llm.generate(PROMPTS, SamplingParams(n=2, best_of=4, **kw), use_tqdm=False)
+    for p, b in zip(pool, best):
+        ranked = sorted(p.outputs, key=lambda o: o.cumulative_logprob, reverse=True)[:2]
+        assert [o.token_ids for o in b.outputs] == [o.token_ids for o in ranked]
+        assert [o.index for o in b.outputs] == [0, 1]
+        assert all(o.logprobs is None and o.cumulative_logprob is None for o in b.outputs)
+    with_lp = llm.generate(PROMPTS[0], SamplingParams(n=1, best_of=4, logprobs=1, **kw), use_tqdm=False)[0]
+    top = max(pool[0].outputs, key=lambda o: o.cumulative_logprob)
+    assert with_lp.outputs[0].cumulative_logprob == pytest.approx(top.cumulative_logprob, abs=1e-5)
+    assert len(with_lp.outputs[0].logprobs) == 6
+    same = llm.generate(PROMPTS[0], SamplingParams(n=2, best_of=2, **kw), use_tqdm=False)[0]
+    assert [o.token_ids for o in same.outputs] == [o.token_ids for o in pool[0].outputs[:2]]

@@ -119,3 +119,19 @@ def test_structured_outputs_config_applies_offline(llm):
         LLM(structured_outputs_config={"disable_any_whitespac": True})
     with pytest.raises(ValueError, match="reasoning_parser: not supported yet"):
         LLM(structured_outputs_config={"reasoning_parser": "qwen3"})
+
+
+def test_guided_decoding_spelling_matches_structured_outputs(llm):
+    """vLLM's older `SamplingParams(guided_decoding=GuidedDecodingParams(...))` constrains exactly as
+    structured_outputs does: the same greedy tokens for every constraint kind."""
+    from tokenmill.sampling_params import GuidedDecodingParams
+    specs = [dict(choice=["Paris", "Rome", "Oslo"]), dict(regex=r"[A-Z]{2}-[0-9]{3}"), dict(json=SCHEMAS[0]),
+             dict(grammar='root ::= "yes" | "no"')]
+    prompts = ["Which city is the capital of Italy?", "A ticket code:", "Describe a person as JSON.", "Yes or no?"]
+    new = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(**s)) for s in specs]
+    old = [SamplingParams(temperature=0, max_tokens=60, guided_decoding=GuidedDecodingParams(backend="xgrammar", **s))
+           for s in specs]
+    a = llm.generate(prompts, new, use_tqdm=False)
+    b = llm.generate(prompts, old, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in b] == [o.outputs[0].token_ids for o in a]
+    assert b[0].outputs[0].text == "Rome" and re.fullmatch(r"[A-Z]{2}-[0-9]{3}", b[1].outputs[0].text)

@@ -122,6 +122,11 @@ class Processor:
             raise ValueError(f"The prompt needs {-(-len(ids) // self.block_size)} KV blocks but the cache has only "
                              f"{self.num_blocks}; give the KV cache more memory.")
         self._check_params(params)
+        if params.best_of is not None and params.best_of > params.n:
+            # The entry points (LLM, the OpenAI server) pick the best n themselves; the engine only samples.
+            raise ValueError(f"SamplingParams.best_of ({params.best_of}) > n ({params.n}) is applied by LLM and the "
+                             "OpenAI server; when calling the engine directly, ask for n=best_of samples and rank "
+                             "them by cumulative_logprob.")
         params = params.clone()
         params.update_from_tokenizer(self.eos_token_id, self._bad_words_ids(params))
         if not params.ignore_eos:
@@ -132,7 +137,7 @@ class Processor:
         children = []
         for i in range(params.n):
             child = params.clone()
-            child.n = 1
+            child.n, child.best_of = 1, None  # a child is one sample: best_of == n must not outlive n
             child._all_stop_token_ids = set(params.all_stop_token_ids)
             if params.seed is not None:
                 child.seed = params.seed + i  # distinct but reproducible samples

@@ -115,10 +115,13 @@ class LLM:
 
     def _run(self, prompts: list, params: list[SamplingParams], priority: list[int] | None,
              use_tqdm: bool) -> list[RequestOutput]:
+        from tokenmill.entrypoints import best_of
         engine = self.llm_engine
         ids = []
+        picks: dict[str, best_of.BestOf] = {}
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                sp, pick = best_of.expand(sp)
                 sp = sp.clone()
                 sp.output_kind = RequestOutputKind.FINAL_ONLY
                 so = sp.structured_outputs
@@ -128,6 +131,8 @@ class LLM:
                 rid = str(next(self._counter))
                 engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0)
                 ids.append(rid)
+                if pick is not None:
+                    picks[rid] = pick
         except Exception:
             engine.abort_request(ids)  # leave nothing half-added behind
             raise
@@ -138,7 +143,8 @@ class LLM:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
-                        results[out.request_id] = out
+                        pick = picks.get(out.request_id)
+                        results[out.request_id] = pick.select(out) if pick is not None else out
                         if bar is not None:
                             in_toks += len(out.prompt_token_ids or [])
                             out_toks += sum(len(o.token_ids) for o in out.outputs)

@@ -4,6 +4,6 @@ params.py and config.py import nothing heavy; the xgrammar backend is imported l
 (`from tokenmill.structured.backend_xgrammar import GrammarCompiler`).
 """
 from tokenmill.structured.config import StructuredOutputsConfig
-from tokenmill.structured.params import StructuredOutputsParams, from_response_format
+from tokenmill.structured.params import GuidedDecodingParams, StructuredOutputsParams, from_response_format
 
-__all__ = ["StructuredOutputsConfig", "StructuredOutputsParams", "from_response_format"]
+__all__ = ["GuidedDecodingParams", "StructuredOutputsConfig", "StructuredOutputsParams", "from_response_format"]

@@ -112,6 +112,59 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return from_response_format(response_format)
 
 
+
+# Backends a request may name: tokenmill compiles every constraint with xgrammar ("auto" picks it).
+_ACCEPTED_BACKENDS = (None, "auto", "xgrammar")
+
+
+class GuidedDecodingParams(StructuredOutputsParams, kw_only=True, omit_defaults=True):
+    """vLLM's older name for `StructuredOutputsParams` (`from vllm.sampling_params import GuidedDecodingParams`),
+    with its extra `backend` field. `SamplingParams(guided_decoding=...)` turns it into `structured_outputs`
+    (`to_structured_outputs`), so the engine only ever sees the new type. A backend other than xgrammar/"auto" is a
+    ValueError: tokenmill has no other, and silently swapping engines would change what the output may look like.
+    """
+    backend: str | None = None
+    backend_was_auto: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in _ACCEPTED_BACKENDS:
+            raise ValueError(f"GuidedDecodingParams.backend {self.backend!r} is not available: tokenmill compiles "
+                             "structured outputs with xgrammar (give 'xgrammar', 'auto' or leave it unset).")
+        super().__post_init__()
+
+    @staticmethod
+    def from_optional(json: Any = None, regex: str | None = None, choice: list[str] | None = None,
+                      grammar: str | None = None, json_object: bool | None = None, backend: str | None = None,
+                      whitespace_pattern: str | None = None,
+                      structural_tag: str | None = None) -> "GuidedDecodingParams | None":
+        """None when no constraint is given (vLLM's helper for optional request fields)."""
+        if all(v is None for v in (json, regex, choice, grammar, json_object, structural_tag)):
+            return None
+        return GuidedDecodingParams(json=json, regex=regex, choice=choice, grammar=grammar, json_object=json_object,
+                                    backend=backend, whitespace_pattern=whitespace_pattern,
+                                    structural_tag=structural_tag)
+
+    def to_structured_outputs(self) -> StructuredOutputsParams:
+        fields = {f: getattr(self, f) for f in StructuredOutputsParams.__struct_fields__}
+        return StructuredOutputsParams(**fields)
+
+
+def as_structured_outputs(value: Any, field: str) -> StructuredOutputsParams:
+    """A StructuredOutputsParams from what a caller passed as `field`: the struct itself, its older
+    GuidedDecodingParams form, or a dict of either's fields (`backend` included). Anything else is a ValueError."""
+    if isinstance(value, GuidedDecodingParams):
+        return value.to_structured_outputs()
+    if isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        try:
+            return GuidedDecodingParams(**value).to_structured_outputs()
+        except TypeError as e:  # an unknown key
+            raise ValueError(f"SamplingParams.{field}: {e}") from None
+    raise ValueError(f"SamplingParams.{field} must be a StructuredOutputsParams (or a dict of its fields), "
+                     f"got {value!r:.200}")
+
+
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
 

@@ -115,16 +115,28 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_only(make_client, smollm2_
 
 
 # ----- request bodies and error messages -----
-def test_json_body_sent_with_a_form_or_text_content_type(client):
-    """curl -d without -H sends application/x-www-form-urlencoded; the body is still JSON."""
+def test_json_body_needs_the_json_content_type(client):
+    """As vLLM: a body sent as a form (curl -d without -H), as text or with no type is a 400 naming the header,
+    before any parsing; application/json with a charset is fine, and the server keeps serving."""
     body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
-    for ctype in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8"):
-        r = client.post("/v1/completions", content=body, headers={"content-type": ctype})
-        assert r.status_code == 200, r.text
-        assert r.json()["object"] == "text_completion"
-    err = assert_error(client.post("/v1/completions", content=b"prompt=Hello",
-                                   headers={"content-type": "application/x-www-form-urlencoded"}), 400)
-    assert "Invalid JSON body" in err["message"]
+    for path in ("/v1/completions", "/tokenize"):
+        for ctype in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8", None):
+            headers = {"content-type": ctype} if ctype else {}
+            err = assert_error(client.post(path, content=body, headers=headers), 400)
+            assert err["message"].startswith("Unsupported Media Type: Only 'application/json' is allowed")
+            assert "Content-Type: application/json" in err["message"]
+    r = client.post("/v1/completions", content=body, headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    assert client.post("/ping").status_code == 200  # a POST without a body is not affected
+
+
+def test_content_type_check_runs_after_auth_and_inside_cors(make_client):
+    c, _ = make_client(api_key=["k"], allowed_origins=["https://ok.example"])
+    form = {"content-type": "application/x-www-form-urlencoded", "Origin": "https://ok.example"}
+    assert_error(c.post("/v1/completions", content=b"{}", headers=form), 401)  # a bad key is reported first
+    r = c.post("/v1/completions", content=b"{}", headers={**form, "Authorization": "Bearer k"})
+    assert_error(r, 400)
+    assert r.headers["access-control-allow-origin"] == "https://ok.example"  # a browser can read the error
 
 
 def test_validation_messages_read_cleanly(client):
@@ -151,3 +163,78 @@ def test_stored_responses_are_a_clear_404(client):
     with pytest.raises(openai.NotFoundError, match="stores no responses"):
         client_.responses.retrieve("resp_123")
     assert_error(client.post("/v1/responses/resp_123/cancel"), 404, "response_id")
+
+
+# ----- vLLM's older structured-output fields -----
+def test_guided_fields_reach_the_engine_and_errors_name_the_field(make_client):
+    c, engine = make_client()
+    base = {"prompt": "Hello", "max_tokens": 2}
+    for field, value, kind in (("guided_json", {"type": "object"}, "json"), ("guided_regex", "[0-9]+", "regex"),
+                               ("guided_choice", ["yes", "no"], "choice"),
+                               ("guided_grammar", 'root ::= "a" | "b"', "grammar")):
+        r = c.post("/v1/completions", json={**base, field: value, "guided_decoding_backend": "xgrammar"})
+        assert r.status_code == 200, r.text
+        assert engine.calls[-1][1].structured_outputs.kind == kind
+    # two constraints at once, in either spelling, is a 400 naming the second field
+    for bad, param in (({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+                       ({"structured_outputs": {"regex": "b"}, "guided_regex": "a"}, "guided_regex"),
+                       ({"guided_regex": "(("}, "guided_regex"),
+                       ({"structured_outputs": {"regexp": "a"}}, "structured_outputs"),
+                       ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend")):
+        err = assert_error(c.post("/v1/completions", json={**base, **bad}), 400, param)
+        assert param.split("_")[0] in err["message"]
+    assert c.get("/health").status_code == 200
+
+
+# ----- values JSON allows but OpenAI does not -----
+def test_non_finite_logit_bias_is_a_400(client):
+    """Python's JSON reader takes NaN / Infinity; a NaN bias used to be clamped to +100 and silently applied."""
+    for value in (b"NaN", b"Infinity", b"-Infinity"):
+        body = b'{"prompt": "Hello", "max_tokens": 2, "logit_bias": {"5": ' + value + b"}}"
+        err = assert_error(client.post("/v1/completions", content=body,
+                                       headers={"content-type": "application/json"}), 400, "logit_bias")
+        assert "finite" in err["message"]
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "logit_bias": {"5": 500}})
+    assert r.status_code == 200  # out of range but finite: clamped to [-100, 100], as vLLM does
+
+
+def test_prompt_longer_than_the_context_names_the_input_and_the_limit(client, smollm2_tokenizer):
+    long = "hello " * 300  # the fake engine's max_model_len is 256
+    n = len(smollm2_tokenizer.encode(long))
+    for body, path, param in (({"prompt": long, "max_tokens": 2}, "/v1/completions", "prompt"),
+                              ({"prompt": [[1, 2], [5] * 300]}, "/v1/completions", "prompt"),
+                              ({"messages": [{"role": "user", "content": long}], "max_tokens": 2},
+                               "/v1/chat/completions", "messages")):
+        err = assert_error(client.post(path, json=body), 400, param)
+        assert "maximum context length is 256 tokens" in err["message"]
+    err = assert_error(client.post("/v1/completions", json={"prompt": long, "max_tokens": 2}), 400, "prompt")
+    assert f"{n} input tokens" in err["message"]
+    # a prompt that fits, with too many tokens asked for, blames max_tokens
+    err = assert_error(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 300}), 400, "max_tokens")
+    assert "256" in err["message"]
+
+
+def test_best_of_asks_the_engine_for_the_candidates(make_client):
+    """best_of > n: the engine samples best_of sequences with their chosen-token logprobs (the ranking needs them);
+    the client gets n choices and no logprobs it did not ask for."""
+    c, engine = make_client()
+    r = c.post("/v1/completions", json={"prompt": "Hello world", "max_tokens": 2, "n": 2, "best_of": 3})
+    assert r.status_code == 200, r.text
+    params = engine.calls[-1][1]
+    assert (params.n, params.best_of, params.logprobs) == (3, None, 0)
+    choices = r.json()["choices"]
+    assert [ch["index"] for ch in choices] == [0, 1] and all(ch["logprobs"] is None for ch in choices)
+    assert r.json()["usage"]["completion_tokens"] == 4
+    r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "n": 2, "best_of": 3, "logprobs": 2})
+    assert engine.calls[-1][1].logprobs == 2 and all(ch["logprobs"] for ch in r.json()["choices"])
+
+
+def test_tokenize_errors_name_the_field_of_the_form_sent(client):
+    """/tokenize takes a completion form (prompt) or a chat form (messages); a bad body used to be reported against
+    both union members, with pydantic's internal validator names as the `param`."""
+    for body, param, message in (({"prompt": 5}, "prompt", "prompt: Input should be a valid string"),
+                                 ({}, "prompt", "prompt: Field required"),
+                                 ({"messages": "hi"}, "messages", "messages: Input should be a valid list")):
+        assert assert_error(client.post("/tokenize", json=body), 400, param)["message"] == message
+    assert client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["count"] > 0
+    assert client.get("/openapi.json").json()["paths"]["/tokenize"]

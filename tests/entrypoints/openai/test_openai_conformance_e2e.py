@@ -99,3 +99,42 @@ def test_echo_max_tokens_zero_scores_the_prompt(oai):
     assert n == score.usage.prompt_tokens and s.logprobs.tokens == g.logprobs.tokens[:n]
     assert s.logprobs.token_logprobs[0] is None
     assert s.logprobs.token_logprobs[1:] == pytest.approx(g.logprobs.token_logprobs[1:n], abs=1e-4)
+
+
+def test_best_of_returns_the_most_likely_candidates(oai, server):
+    """best_of=4, n=2 returns the two of the four seeded candidates with the highest total logprob (vLLM V0's
+    ranking); the candidates are the ones an n=4 request with the same seed samples. best_of == n with n > 1 used
+    to kill the engine core (its n=1 children kept best_of=2); every request here must leave the server healthy."""
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11)
+    pool = oai.completions.create(n=4, logprobs=1, **kw)
+    ranked = sorted(pool.choices, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    best = oai.completions.create(n=2, best_of=4, **kw)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == 12  # the returned choices' tokens
+    same = oai.completions.create(n=2, best_of=2, **kw)
+    assert [c.text for c in same.choices] == [c.text for c in pool.choices[:2]]
+    streamed = list(oai.completions.create(n=2, best_of=2, stream=True, **kw))
+    assert {c.choices[0].index for c in streamed} == {0, 1}
+    chat = oai.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, n=2, extra_body={"best_of": 2})
+    assert len(chat.choices) == 2
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed") as e:
+        oai.completions.create(n=1, best_of=2, stream=True, **kw)
+    assert e.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        oai.completions.create(n=3, best_of=2, **kw)
+    with server.client() as http:
+        assert http.get("/health").status_code == 200
+
+
+def test_system_fingerprint_on_every_response_and_chunk(oai):
+    """A stable `tokenmill-<version>-<hash>` string, as OpenAI and current vLLM send (clients log it)."""
+    r = oai.completions.create(model="tiny", prompt="a", max_tokens=2)
+    fp = r.system_fingerprint
+    assert isinstance(fp, str) and fp.startswith("tokenmill-")
+    assert oai.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2).system_fingerprint == fp
+    for stream in (oai.completions.create(model="tiny", prompt="a", max_tokens=2, stream=True,
+                                          stream_options={"include_usage": True}),
+                   oai.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, stream=True,
+                                               stream_options={"include_usage": True})):
+        assert {c.system_fingerprint for c in stream} == {fp}

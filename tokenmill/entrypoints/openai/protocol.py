@@ -6,6 +6,7 @@ being silently ignored (see `unsupported_fields`).
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, ClassVar, Literal, Optional, Union
 
@@ -215,7 +216,10 @@ class _SamplingRequest(OpenAIBaseModel):
         if self.structured_outputs is not None:
             so = dict(self.structured_outputs)
             so.pop("backend", None)
-            found.append(("structured_outputs", StructuredOutputsParams(**so)))
+            try:
+                found.append(("structured_outputs", StructuredOutputsParams(**so)))
+            except (TypeError, ValueError) as e:  # TypeError: an unknown key
+                raise FieldError(f"structured_outputs: {e}", "structured_outputs") from None
         try:
             rf = from_response_format(self.response_format) if self.response_format is not None else None
         except ValueError as e:
@@ -225,12 +229,27 @@ class _SamplingRequest(OpenAIBaseModel):
         guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
                                     ("choice", self.guided_choice), ("grammar", self.guided_grammar))
                   if v is not None}
+        names = [f"guided_{k}" for k in guided]
+        if len(guided) > 1:
+            raise FieldError(f"Give only one of {', '.join(names)}: a request has one output constraint.", names[1])
         if guided:
-            found.append(("guided_*", StructuredOutputsParams(**guided,
-                                                               whitespace_pattern=self.guided_whitespace_pattern)))
+            try:
+                so = StructuredOutputsParams(**guided, whitespace_pattern=self.guided_whitespace_pattern)
+            except ValueError as e:
+                raise FieldError(f"{names[0]}: {e}", names[0]) from None
+            found.append((names[0], so))
         if len(found) > 1:
-            raise FieldError("Give only one of " + ", ".join(name for name, _ in found) + ".", found[1][0])
+            raise FieldError("Give only one of " + ", ".join(name for name, _ in found)
+                             + ": a request has one output constraint.", found[1][0])
         return found[0][1] if found else None
+
+    def constraint_field(self) -> str | None:
+        """The request field that holds the output constraint (for error messages), or None."""
+        def sets(name: str) -> bool:
+            value = getattr(self, name)
+            return value is not None and not (name == "response_format" and getattr(value, "type", None) == "text")
+        return next((name for name in ("structured_outputs", "response_format", "guided_json", "guided_regex",
+                                       "guided_choice", "guided_grammar") if sets(name)), None)
 
     @model_validator(mode="after")
     def _check_stream_fields(self) -> "_SamplingRequest":
@@ -249,6 +268,8 @@ class _SamplingRequest(OpenAIBaseModel):
             except ValueError:
                 raise FieldError("logit_bias keys must be token ids (integers given as strings).",
                                  "logit_bias") from None
+            if not all(math.isfinite(float(v)) for v in self.logit_bias.values()):  # JSON's NaN would clamp to 100
+                raise FieldError("logit_bias values must be finite numbers (-100 to 100).", "logit_bias")
         return dict(n=self.n, best_of=self.best_of, presence_penalty=self.presence_penalty,
                     frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
                     stop_token_ids=self.stop_token_ids, bad_words=self.bad_words,
@@ -449,52 +470,3 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     usage: Optional[UsageInfo] = Field(default=None)
     system_fingerprint: Optional[str] = None
     prompt_token_ids: Optional[list[int]] = None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# /tokenize and /detokenize
-# ----------------------------------------------------------------------------------------------------------------
-class TokenizeCompletionRequest(OpenAIBaseModel):
-    model: Optional[str] = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: Optional[bool] = False
-
-
-class TokenizeChatRequest(OpenAIBaseModel):
-    model: Optional[str] = None
-    messages: list[dict[str, Any]]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    return_token_strs: Optional[bool] = False
-    chat_template: Optional[str] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    documents: Optional[list[dict[str, str]]] = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "TokenizeChatRequest":
-        if self.add_generation_prompt and self.continue_final_message:
-            raise FieldError("Cannot set both continue_final_message and add_generation_prompt to true.",
-                             "continue_final_message")
-        return self
-
-
-TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
-
-
-class TokenizeResponse(OpenAIBaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: Optional[list[str]] = None
-
-
-class DetokenizeRequest(OpenAIBaseModel):
-    model: Optional[str] = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(OpenAIBaseModel):
-    prompt: str

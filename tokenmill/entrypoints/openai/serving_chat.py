@@ -221,7 +221,7 @@ class OpenAIServingChat(OpenAIServing):
         choices.sort(key=lambda c: c.index)
         self.log_output(response_id, [c.message.content or "" for c in choices])
         return ChatCompletionResponse(id=response_id, created=created, model=self.models.model_name,
-                                      choices=choices,
+                                      choices=choices, system_fingerprint=self.fingerprint,
                                       usage=self.usage(len(prompt_ids), completion_tokens, res.num_cached_tokens),
                                       prompt_logprobs=self.prompt_logprobs_json(res),
                                       prompt_token_ids=prompt_ids if request.return_token_ids else None)
@@ -242,7 +242,7 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choice: ChatCompletionResponseStreamChoice, i: int) -> str:
             c = ChatCompletionStreamResponse(id=response_id, object="chat.completion.chunk", created=created,
-                                             model=model, choices=[choice])
+                                             model=model, choices=[choice], system_fingerprint=self.fingerprint)
             if continuous:
                 c.usage = self.usage(prompt_len, tokens_out[i], cached)
             return f"data: {c.model_dump_json(exclude_unset=True)}\n\n"
@@ -255,6 +255,7 @@ class OpenAIServingChat(OpenAIServing):
                 if request.return_token_ids and i == 0:
                     c = ChatCompletionStreamResponse(id=response_id, object="chat.completion.chunk",
                                                      created=created, model=model, choices=[first],
+                                                     system_fingerprint=self.fingerprint,
                                                      prompt_token_ids=prompt_ids)
                     if continuous:
                         c.usage = self.usage(prompt_len, 0, cached)
@@ -300,7 +301,7 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(choice, i)
             if include_usage:
                 c = ChatCompletionStreamResponse(id=response_id, object="chat.completion.chunk", created=created,
-                                                 model=model, choices=[],
+                                                 model=model, choices=[], system_fingerprint=self.fingerprint,
                                                  usage=self.usage(prompt_len, sum(tokens_out), cached))
                 yield f"data: {c.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
         except (EngineDeadError, ServingError, ValueError, TypeError) as e:

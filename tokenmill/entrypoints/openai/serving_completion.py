@@ -37,7 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = 1 if echo_only else request.max_tokens
         gens = []
         for i, (text, ids) in enumerate(prompts):
-            self.check_length(len(ids), max_tokens)
+            self.check_length(len(ids), max_tokens, input_param="prompt")
             params = self.sampling_params(request, len(ids), max_tokens, request.logprobs, prompt_logprobs,
                                           request.stream)
             engine_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
@@ -150,7 +150,8 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda c: c.index)
         self.log_output(response_id, [c.text for c in choices])
         return CompletionResponse(id=response_id, created=created, model=self.models.model_name, choices=choices,
-                                  usage=self.usage(prompt_tokens, completion_tokens, cached))
+                                  usage=self.usage(prompt_tokens, completion_tokens, cached),
+                                  system_fingerprint=self.fingerprint)
 
     # ----- streaming -----
     async def _stream(self, request: CompletionRequest, response_id: str, created: int, prompts: list[Prompt],
@@ -202,14 +203,16 @@ class OpenAIServingCompletion(OpenAIServing):
                             choice.prompt_token_ids = pids
                         choice.token_ids = list(new_ids)
                     chunk = CompletionStreamResponse(id=response_id, object="text_completion", created=created,
-                                                     model=model, choices=[choice])
+                                                     model=model, choices=[choice],
+                                                     system_fingerprint=self.fingerprint)
                     if continuous:
                         chunk.usage = self.usage(len(pids), tokens_out[i], cached[pi])
                     yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
             if include_usage:
                 usage = self.usage(sum(len(p[1]) for p in prompts), sum(tokens_out), sum(cached))
                 chunk = CompletionStreamResponse(id=response_id, object="text_completion", created=created,
-                                                 model=model, choices=[], usage=usage)
+                                                 model=model, choices=[], usage=usage,
+                                                 system_fingerprint=self.fingerprint)
                 yield f"data: {chunk.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
             self.log_output(response_id, texts)
         except (EngineDeadError, ServingError, ValueError, TypeError) as e:

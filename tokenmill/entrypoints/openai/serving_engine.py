@@ -12,7 +12,9 @@ from typing import Any, AsyncIterator, Optional
 
 from tokenmill.config.frontend import FrontendConfig
 from tokenmill.engine.protocol import EngineClient
-from tokenmill.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptTokenUsageInfo, UsageInfo
+from tokenmill.entrypoints import best_of
+from tokenmill.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, FieldError, PromptTokenUsageInfo,
+                                                   UsageInfo)
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.logger import init_logger
 from tokenmill.outputs import Logprob, RequestOutput
@@ -145,6 +147,7 @@ class OpenAIServing:
         self.max_logprobs: int = getattr(mc, "max_logprobs", 20)
         self.vocab_size: int | None = getattr(mc, "vocab_size", None)
         self.tokenizer = engine.tokenizer
+        self.fingerprint: str = models.fingerprint
         self.default_sampling_params = _as_dict(engine.get_default_sampling_params())
         from tokenmill.structured import StructuredOutputsConfig
         self.structured_config = StructuredOutputsConfig.from_dict(frontend.structured_outputs_config)
@@ -171,15 +174,17 @@ class OpenAIServing:
             raise ServingError(f"Requested {name}={n}, but at most {self.max_logprobs} are allowed "
                                "(the server's --max-logprobs).", 400, name)
 
-    def check_length(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> None:
+    def check_length(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens",
+                     input_param: str = "messages") -> None:
+        """A 400 naming the context length when the prompt leaves no room, or the prompt plus max_tokens does not
+        fit; `param` / `input_param` are the request fields to blame (the output budget, the input)."""
         m = self.max_model_len
-        if max_tokens is None:
-            if prompt_len >= m:
-                raise ServingError(
-                    f"This model's maximum context length is {m} tokens. However, your request has {prompt_len} "
-                    f"input tokens, which leaves no room for the completion ({max(m - prompt_len, 0)} tokens "
-                    "remain). Please reduce the length of the input messages.", 400, "messages")
-        elif prompt_len + max_tokens > m:
+        if prompt_len >= m:
+            raise ServingError(
+                f"This model's maximum context length is {m} tokens. However, your request has {prompt_len} "
+                f"input tokens, which leaves no room for the completion ({max(m - prompt_len, 0)} tokens "
+                "remain). Please reduce the length of the input messages.", 400, input_param)
+        if max_tokens is not None and prompt_len + max_tokens > m:
             raise ServingError(
                 f"This model's maximum context length is {m} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
@@ -246,9 +251,13 @@ class OpenAIServing:
             kwargs["prompt_logprobs"] = prompt_logprobs
             kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
             kwargs["structured_outputs"] = self.structured_params(request)
-            return SamplingParams.from_optional(**kwargs)
+            params = SamplingParams.from_optional(**kwargs)
         except (TypeError, ValueError) as e:   # a FieldError names its request field; SamplingParams' messages do
             raise ServingError(str(e), 400, getattr(e, "param", None)) from None
+        if stream and params.best_of is not None and params.best_of > params.n:
+            raise ServingError(f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the best results "
+                               "are known only once every candidate is complete.", 400, "best_of")
+        return params
 
     def structured_params(self, request: Any, override: Any = None) -> Any:
         """The request's constraint with the server's --structured-outputs-config options folded in; checked
@@ -262,7 +271,14 @@ class OpenAIServing:
         cfg = self.structured_config
         params.disable_any_whitespace |= cfg.disable_any_whitespace
         params.disable_additional_properties |= cfg.disable_additional_properties
-        validate_structured_outputs(params, cfg)
+        try:
+            validate_structured_outputs(params, cfg)
+        except ValueError as e:
+            field = None if override is not None else request.constraint_field()
+            if not field:
+                raise
+            message = str(e) if field == "structured_outputs" else f"{field}: {e}"
+            raise FieldError(message, field) from None
         return params
 
     # ----- responses -----
@@ -393,7 +409,11 @@ class OpenAIServing:
         if cache_salt is not None:
             engine_prompt["cache_salt"] = cache_salt
         self.log_request(engine_id, prompt, ids, params)
-        return self._tracked(engine_id, self.engine.generate(engine_prompt, params, engine_id, priority=priority))
+        params, pick = best_of.expand(params)
+        gen = self.engine.generate(engine_prompt, params, engine_id, priority=priority)
+        if pick is not None:
+            gen = best_of.select_final(gen, pick)
+        return self._tracked(engine_id, gen)
 
     async def _tracked(self, engine_id: str, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         self.tracker.ids.add(engine_id)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
-                                                   TokenizeRequest, TokenizeResponse)
+from tokenmill.entrypoints.openai.protocol_tokenization import (DetokenizeRequest, DetokenizeResponse,
+                                                                TokenizeChatRequest, TokenizeRequest,
+                                                                TokenizeResponse)
 from tokenmill.entrypoints.openai.serving_chat import ChatRenderer
 from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, ServingError
 
