@@ -378,11 +378,15 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
         --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$model.json" 2>&1 | grep -E "decode|Error"
     done
     ;;
-  s9e)  # where the host's time goes in Qwen3-0.6B batch-1 decode: py-spy samples (idle included) of bench latency
-    timeout 200 /tmp/site/bin/py-spy record -r 2000 --idle --format raw -o "$OUT/pyspy_qwen3.txt" -- \
-      python3 -m tokenmill.benchmarks.latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 \
-      --num-iters 8 --num-iters-warmup 1 --max-model-len 2048 2>&1 | grep -E "decode|Error|py-spy"
-    ls -la "$OUT"
+  s9f)  # session 9's final code: the single-GPU GPU tests, Qwen3-0.6B bs1 latency and the nano-vllm throughput workload
+    timeout 230 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/layers tests/gpu \
+      tests/worker > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"
+    grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -8
+    timeout 90 python3 -m tokenmill.benchmarks.latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 \
+      --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3-0.6b.json" 2>&1 | grep -E "decode|Error"
+    timeout 120 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+      --output-json "$OUT/tp_qwen3.json" 2>&1 | grep -E "Throughput|Error"
     ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
