@@ -94,16 +94,21 @@ class EngineCoreProc:
 
     def _handle(self, kind: bytes, payload: bytes, client: int) -> None:
         if kind == ADD:
-            req = self.req_decoder.decode(payload)
+            request_id = None
             try:
+                # Decoding re-runs the sampling parameters' checks: a request they reject must end that request,
+                # not this process (and with it every other request).
+                request_id = _request_id(payload)
+                req = self.req_decoder.decode(payload)
                 self.core.add_request(req)
             except Exception as e:  # the front end checks first; this is a last line of defence
-                logger.warning("Rejected request %s: %s", req.request_id, e)
-                out = EngineCoreOutputs(outputs=[EngineCoreOutput(req.request_id, [],
-                                                                  finish_reason=FinishReason.ABORT,
-                                                                  stop_reason=str(e))],
-                                        engine_index=self.engine_index)
-                self.outputs[client].send_multipart([OUTPUTS, self.encoder.encode(out)])
+                logger.warning("Rejected request %s: %s", request_id, e)
+                if request_id is not None:
+                    out = EngineCoreOutputs(outputs=[EngineCoreOutput(request_id, [],
+                                                                      finish_reason=FinishReason.ABORT,
+                                                                      stop_reason=str(e))],
+                                            engine_index=self.engine_index)
+                    self.outputs[client].send_multipart([OUTPUTS, self.encoder.encode(out)])
                 return
             if len(self.outputs) > 1:
                 self.client_of[req.request_id] = client
@@ -192,6 +197,14 @@ class EngineCoreProc:
         for sock in self.outputs:
             sock.close(linger=1000)
         self.ctx.term()
+
+
+def _request_id(payload: bytes) -> str | None:
+    """The request id of an encoded EngineCoreRequest (its first field), read without validating the rest."""
+    fields = msgspec.msgpack.decode(payload)
+    if isinstance(fields, list) and fields and isinstance(fields[0], str):
+        return fields[0]
+    return None
 
 
 def _hello(hs: zmq.Socket, engine_index: int, parent_pid: int) -> dict | None:
