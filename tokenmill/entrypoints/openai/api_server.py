@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import signal
 import sys
@@ -26,9 +27,8 @@ from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenmill.entrypoints.openai.protocol_tokenization import UNION_TAGS, DetokenizeRequest, TokenizeRequest
 from tokenmill.entrypoints.openai.serving_chat import ChatRenderer, OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from tokenmill.entrypoints.openai.middleware import (APIKeyMiddleware, HeaderCountMiddleware,
-                                                     JSONContentTypeMiddleware, RequestIdMiddleware,
-                                                     add_user_middleware, error_response)
+from tokenmill.entrypoints.openai.middleware import (APIKeyMiddleware, HeaderCountMiddleware, JSONBodyMiddleware,
+                                                     RequestIdMiddleware, add_user_middleware, error_response)
 from tokenmill.entrypoints.openai.serving_engine import RequestTracker, ServingError, SSEStream
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -39,9 +39,6 @@ from tokenmill.metrics.step_timing import watch_event_loop
 logger = init_logger(__name__)
 
 WATCHDOG_INTERVAL_S = 0.5
-# POST routes whose body is a JSON object (vLLM checks their Content-Type; so do we).
-JSON_BODY_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
-                              "/invocations"})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -137,6 +134,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
                                   lifespan=lifespan)
     if frontend.disable_fastapi_docs:
         kwargs.update(openapi_url=None, docs_url=None, redoc_url=None)
+    if "strict_content_type" in inspect.signature(FastAPI.__init__).parameters:
+        kwargs["strict_content_type"] = False  # a JSON body without a Content-Type header is still JSON
     app = FastAPI(**kwargs)
     if frontend.root_path:  # like vLLM: paths work with and without the prefix
         app.root_path = frontend.root_path
@@ -283,8 +282,6 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
                     "vocab_size": len(tok)}
 
     # ----- middleware: the last added runs first -----
-    # Innermost, as vLLM's per-route check: a bad API key is a 401 first, and the 400 carries the CORS headers.
-    app.add_middleware(JSONContentTypeMiddleware, paths=JSON_BODY_ROUTES)
     app.add_middleware(CORSMiddleware, **frontend.cors_kwargs())
     api_keys = list(frontend.api_key or [])
     if not api_keys:
@@ -296,6 +293,7 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     if frontend.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     app.add_middleware(HeaderCountMiddleware, max_headers=frontend.h11_max_header_count)
+    app.add_middleware(JSONBodyMiddleware)
     for path in frontend.middleware:
         add_user_middleware(app, path)
     return app

@@ -1,6 +1,6 @@
 """The API server's ASGI middleware (plain ASGI, so streaming and disconnect detection pass through untouched):
-API keys, request ids, the header-count limit, the JSON content type of request bodies, and user middleware given
-by import path (--middleware)."""
+API keys, request ids, the header-count limit, JSON bodies sent without a JSON content type, and user middleware
+given by import path (--middleware)."""
 from __future__ import annotations
 
 import hashlib
@@ -15,6 +15,11 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
 
 from tokenmill.entrypoints.openai.serving_engine import GENERATED_REQUEST_ID, error_body
+
+# Content types a JSON body arrives under from clients that forget the header: curl -d sends a form type, some
+# HTTP libraries text/plain. Everything the API accepts by POST is JSON, so these are read as JSON.
+_JSON_BY_MISTAKE = (b"application/x-www-form-urlencoded", b"text/plain")
+
 
 def error_response(message: str, status: int, param: str | None = None, err_type: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param, err_type), status_code=status)
@@ -101,22 +106,20 @@ def add_user_middleware(app: FastAPI, path: str) -> None:
         raise ValueError(f"--middleware {path!r} is neither a class nor an async function.")
 
 
-class JSONContentTypeMiddleware:
-    """POSTs to the JSON endpoints must say `Content-Type: application/json`, as vLLM requires: any other type (or
-    none, e.g. curl -d without -H, which sends a form type) is a 400 naming the header, instead of a guess at what
-    the body holds."""
+class JSONBodyMiddleware:
+    """POST bodies sent as application/x-www-form-urlencoded (curl -d without -H) or text/plain are parsed as
+    JSON: a valid body then just works, and an invalid one gets the JSON parse error instead of a type error."""
 
-    def __init__(self, app: Any, paths: frozenset[str]) -> None:
+    def __init__(self, app: Any) -> None:
         self.app = app
-        self.paths = paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST" and _route_path(scope) in self.paths:
-            given = Headers(scope=scope).get("content-type", "")
-            if given.split(";")[0].strip().lower() != "application/json":
-                shown = f"Content-Type {given!r}" if given else "no Content-Type header"
-                response = error_response(
-                    f"Unsupported Media Type: Only 'application/json' is allowed (the request has {shown}; send "
-                    "the JSON body with the header 'Content-Type: application/json').", 400)
-                return await response(scope, receive, send)
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = scope.get("headers") or []
+            for k, (name, value) in enumerate(headers):
+                if name == b"content-type" and value.split(b";")[0].strip().lower() in _JSON_BY_MISTAKE:
+                    headers = list(headers)
+                    headers[k] = (b"content-type", b"application/json")
+                    scope = dict(scope, headers=headers)
+                    break
         await self.app(scope, receive, send)
