@@ -5,7 +5,8 @@ Left out, because tokenmill has no such feature: spec-decode (vllm:spec_decode_*
 multi-modal cache (vllm:mm_cache_*), KV connectors (vllm:external_prefix_cache_*, vllm:kv_offload_*), and the
 opt-in KV residency / MFU / NaN-logits metrics behind flags tokenmill rejects. `vllm:time_per_output_token_seconds`
 (removed in vLLM 0.13, replaced by vllm:inter_token_latency_seconds) is still fed, with the same values, for
-dashboards written against older vLLM.
+dashboards written against older vLLM. vllm:iteration_tokens_total observes the tokens the scheduler put in each
+engine step (vLLM approximates that from the step's outputs: whole prompts at their first token).
 """
 from __future__ import annotations
 
@@ -84,8 +85,8 @@ class VllmMetrics:
                                    L)
         self.preemptions = Counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.", L)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests that started generating.", L)
-        self.prompt_tokens_by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
-                                               L + ["source"])
+        self.prompt_tokens_by_source = Counter("vllm:prompt_tokens_by_source",
+                                               "Prompt tokens by where their KV came from.", L + ["source"])
         self.prompt_tokens_cached = Counter("vllm:prompt_tokens_cached",
                                             "Prompt tokens served from the prefix cache.", L)
         self.prompt_tokens_recomputed = Counter("vllm:prompt_tokens_recomputed",
