@@ -61,8 +61,12 @@ async def final_tokens(eng, prompt: str, rid: str) -> list[int]:
 def test_both_replicas_serve_concurrent_requests_with_dp1_greedy_tokens(dp2, reference):
     eng, loop = dp2
     model = eng.config.model_config.served_model_name[0]
+    per_request = ("vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                   "vllm:request_decode_time_seconds_count", "vllm:request_params_n_count")
     before = [metric("vllm:generation_tokens_total", e, model) for e in (0, 1)]
     done_before = [metric("vllm:request_success_total", e, model, finished_reason="length") for e in (0, 1)]
+    hist_before = {(h, e): metric(h, e, model) for h in per_request for e in (0, 1)}
+    itl_before = sum(metric("vllm:inter_token_latency_seconds_count", e, model) for e in (0, 1))
 
     async def run_all():
         return await asyncio.gather(*[final_tokens(eng, p, f"c{i}") for i, p in enumerate(PROMPTS)])
@@ -72,6 +76,10 @@ def test_both_replicas_serve_concurrent_requests_with_dp1_greedy_tokens(dp2, ref
     done = [metric("vllm:request_success_total", e, model, finished_reason="length") - done_before[e] for e in (0, 1)]
     assert gen[0] > 0 and gen[1] > 0, gen  # each replica's metrics show its share
     assert sum(gen) == len(PROMPTS) * GREEDY["max_tokens"] and sum(done) == len(PROMPTS)
+    for h in per_request:  # the per-request histograms follow each replica's own finished requests
+        assert [metric(h, e, model) - hist_before[h, e] for e in (0, 1)] == done, h
+    itl = sum(metric("vllm:inter_token_latency_seconds_count", e, model) for e in (0, 1)) - itl_before
+    assert itl == len(PROMPTS) * (GREEDY["max_tokens"] - 1)
     assert eng.stat_logger.engine_stats(0) is not None and eng.stat_logger.engine_stats(1) is not None
     assert loop.run_until_complete(eng.reset_prefix_cache()) is True
 

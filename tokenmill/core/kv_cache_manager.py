@@ -47,6 +47,15 @@ class KVCacheManager:
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def num_recomputed_tokens(self, request: Request, num_hit: int) -> int:
+        """Prompt tokens that are cached but computed again: a prompt that fills whole blocks, all cached, still
+        computes its last block (a forward needs at least one new token). Looks up without side effects."""
+        i = num_hit // self.block_size
+        if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None
+                or (i + 1) * self.block_size != request.num_tokens or i >= len(request.block_hashes)):
+            return 0
+        return self.block_size if self.pool.get_cached_block(request.block_hashes[i]) is not None else 0
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None) -> list[int] | None:
         """Reserve slots for `num_new_tokens` more tokens after the request's computed ones (and its prefix hits).

@@ -58,7 +58,11 @@ class Request:
         # to schedule next, replaced by real tokens when their step's output arrives.
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 = not scheduled yet
+        self.num_recomputed_tokens = 0  # cached prompt tokens computed anyway at first scheduling
         self.num_preemptions = 0
+        # The core's time.monotonic() when the scheduler received it and first scheduled it (metrics).
+        self.queued_ts = 0.0
+        self.scheduled_ts = 0.0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         limit = sampling_params.max_tokens

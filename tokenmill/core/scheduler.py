@@ -1,6 +1,8 @@
 """The scheduler: one token budget per step, running requests first, then waiting ones."""
 from __future__ import annotations
 
+import time
+
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.block_hash import BlockHasher
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
@@ -9,7 +11,7 @@ from tokenmill.core.request_queue import make_queue
 from tokenmill.core.sched_output import (CachedRequestData, GrammarOutput, ModelRunnerOutput, NewRequestData,
                                          SchedulerOutput)
 from tokenmill.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
-                                       LogprobsLists, SchedulerStats)
+                                       LogprobsLists, RequestStartStats, SchedulerStats)
 
 
 def _long_rope_prompt_len(config: TokenmillConfig) -> int | None:
@@ -57,6 +59,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
         self._num_preemptions = 0
+        self._num_batched_tokens = 0  # scheduled since the last stats snapshot
+        self._num_deferred = 0        # waiting requests the last schedule() held back for their grammar
         self._step_seq = 0
         # request id -> the last step scheduled when it was freed: that step's (and earlier steps') outputs for
         # the id belong to the freed request, not to a new one that reuses the id. Pruned as steps complete.
@@ -80,6 +84,7 @@ class Scheduler:
             raise ValueError(f"Request id {req.request_id!r} is already running.")
         self.check_request(len(req.prompt_token_ids))
         request = Request.from_engine_core_request(req, self.max_model_len, self.block_hasher)
+        request.queued_ts = time.monotonic()
         if req.sampling_params.structured_outputs is not None:
             self.structured.submit(request)  # compiles in a worker thread; scheduled once ready
         self.requests[request.request_id] = request
@@ -166,8 +171,10 @@ class Scheduler:
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first scheduled (not a preempted request resuming)
                 req.num_cached_tokens = num_hit
+                req.num_recomputed_tokens = self.kv.num_recomputed_tokens(req, num_hit)
+                req.scheduled_ts = time.monotonic()
             self.running.append(req)
             if pp:
                 self._runner_num_tokens[req.request_id] = req.num_tokens
@@ -180,6 +187,7 @@ class Scheduler:
 
         for r in reversed(deferred):
             self.waiting.prepend(r)
+        self._num_deferred = len(deferred)
         grammar_req_ids = []
         for rid, n in num_scheduled.items():
             r = self.requests[rid]
@@ -191,6 +199,7 @@ class Scheduler:
         finished = self._finished_since_last_step
         self._finished_since_last_step = set()
         self._step_seq += 1
+        self._num_batched_tokens += self.max_num_batched_tokens - budget
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached, step_seq=self._step_seq,
                                num_scheduled_tokens=num_scheduled,
                                total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
@@ -277,10 +286,13 @@ class Scheduler:
             if out.logprobs is not None and req.sampling_params.logprobs is not None:
                 new_lp = LogprobsLists([out.logprobs.token_ids[row]], [out.logprobs.logprobs[row]],
                                        [out.logprobs.ranks[row]])
+            start = None
+            if req.num_output_tokens == len(token_ids):  # its first tokens: say how it started, once
+                start = RequestStartStats(req.queued_ts, req.scheduled_ts, req.num_recomputed_tokens)
             outputs.append(EngineCoreOutput(
                 rid, token_ids, new_logprobs=new_lp, new_prompt_logprobs=prompt_lp,
                 finish_reason=req.get_finish_reason() if stopped else None, stop_reason=req.stop_reason,
-                num_cached_tokens=max(req.num_cached_tokens, 0)))
+                num_cached_tokens=max(req.num_cached_tokens, 0), start_stats=start))
             if stopped:
                 self.running.remove(req)
                 self._free(req)
@@ -312,9 +324,13 @@ class Scheduler:
         return len(self.requests)
 
     def make_stats(self) -> SchedulerStats:
+        """A snapshot; `num_batched_tokens` counts the tokens scheduled since the previous snapshot."""
+        batched, self._num_batched_tokens = self._num_batched_tokens, 0
         return SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
                               kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_queries,
-                              prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self._num_preemptions)
+                              prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self._num_preemptions,
+                              num_batched_tokens=batched,
+                              num_deferred_reqs=min(self._num_deferred, len(self.waiting)))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -45,7 +45,7 @@ class AsyncLLM(EngineClient):
         self.client.wait_ready()
         self.processor.num_blocks = self.client.num_blocks
         # With several API servers the first one logs the engines' summary lines.
-        self.stat_logger = StatLogger(config.model_config.served_model_name[0],
+        self.stat_logger = StatLogger(config, self.client.num_blocks,
                                       log_interval_s if log_stats and client_index == 0 else None,
                                       num_engines=self.client.num_engines, record_engine_counters=client_index == 0)
         self._queues: dict[str, RequestOutputCollector] = {}
@@ -97,16 +97,13 @@ class AsyncLLM(EngineClient):
         for i, r in enumerate(reqs):
             self.output_processor.add_request(r, text, parent_id=request_id, index=i, n=len(reqs), queue=queue)
         finished = False
-        engine = 0
         try:
-            engine = await self.client.add_requests(reqs)
+            await self.client.add_requests(reqs)
             while True:
                 out = await queue.get()
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
-                if finished:
-                    self.stat_logger.record_finished(out.metrics, engine)
                 yield out
                 if finished:
                     return
@@ -129,7 +126,7 @@ class AsyncLLM(EngineClient):
         try:
             while True:
                 outs = await self.client.get_output()
-                result = self.output_processor.process_outputs(outs.outputs)
+                result = self.output_processor.process_outputs(outs.outputs, outs.timestamp)
                 if result.reqs_to_abort:
                     await self.client.abort(result.reqs_to_abort)
                 self.stat_logger.record_step(outs.scheduler_stats, result.iteration_stats, outs.engine_index)

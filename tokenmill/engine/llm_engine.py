@@ -55,7 +55,8 @@ class FrontEnd:
         self.generation_config = load_generation_config(config)
         eos = get_eos_token_ids(config.model_config.hf_config, self.generation_config, self.tokenizer)
         self.processor = Processor(config, self.tokenizer, eos)
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats,
+                                                max_model_len=config.model_config.max_model_len)
 
 
 class LLMEngine:
@@ -104,7 +105,7 @@ class LLMEngine:
         outputs = self.engine_core.step()
         self.last_stats = outputs.scheduler_stats
         with TIMER.phase("output_processor"):
-            result = self.output_processor.process_outputs(outputs.outputs)
+            result = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
         if result.reqs_to_abort:
             self.engine_core.abort_requests(result.reqs_to_abort)
         return result.request_outputs

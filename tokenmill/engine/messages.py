@@ -45,6 +45,17 @@ class LogprobsLists(msgspec.Struct, array_like=True):
         return len(self.ranks)
 
 
+class RequestStartStats(msgspec.Struct, array_like=True):
+    """The core's record of how a request started, sent once with its first generated token (for metrics).
+
+    Times are the engine core's time.monotonic(), comparable only with each other and with
+    `EngineCoreOutputs.timestamp` of the same core (a headless node's clock is not the API server's).
+    """
+    queued_ts: float           # the core received the request
+    scheduled_ts: float        # first scheduled (a later preemption does not move it)
+    num_recomputed_tokens: int = 0  # cached prompt tokens computed again (a forward needs one new token)
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step produced for one request."""
     request_id: str
@@ -54,6 +65,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    start_stats: RequestStartStats | None = None  # last: omitted from the wire on every later output
 
     @property
     def finished(self) -> bool:
@@ -68,6 +80,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache this step
     prefix_cache_hits: int = 0     # of which were found
     num_preemptions: int = 0
+    num_batched_tokens: int = 0    # tokens scheduled since the previous snapshot (vllm:iteration_tokens_total)
+    num_deferred_reqs: int = 0     # of the waiting requests, those held back by a transient constraint (a grammar
+                                   # still compiling) rather than by capacity
 
 
 def combine_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats | None:
@@ -81,7 +96,9 @@ def combine_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats | Non
                           kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
                           prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
                           prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
-                          num_preemptions=sum(s.num_preemptions for s in stats))
+                          num_preemptions=sum(s.num_preemptions for s in stats),
+                          num_batched_tokens=sum(s.num_batched_tokens for s in stats),
+                          num_deferred_reqs=sum(s.num_deferred_reqs for s in stats))
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -8,26 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.logprobs import LogprobsProcessor, TokenTextCache
 from tokenmill.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from tokenmill.metrics.stats import IterationStats, SeqStats
 from tokenmill.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
 
 _ABORT = str(FinishReason.ABORT)
-
-
-@dataclass
-class IterationStats:
-    """What one `process_outputs` call saw (collected only with log_stats=True), for logging and metrics."""
-    num_generation_tokens: int = 0
-    num_prompt_tokens: int = 0  # prompt lengths of requests whose first token arrived in this call
-    time_to_first_tokens_s: list[float] = field(default_factory=list)
-    e2e_latencies_s: list[float] = field(default_factory=list)  # of requests that finished in this call
-    finish_reasons: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -41,10 +32,10 @@ class _Seq:
     """One engine request: one of a parent's n sequences."""
 
     __slots__ = ("request_id", "index", "parent", "detok", "logprobs", "finish_reason", "stop_reason",
-                 "tokens_sent", "logprobs_sent")
+                 "tokens_sent", "logprobs_sent", "stats")
 
     def __init__(self, request_id: str, index: int, parent: "_Parent", detok: IncrementalDetokenizer,
-                 logprobs: LogprobsProcessor):
+                 logprobs: LogprobsProcessor, stats: SeqStats | None):
         self.request_id = request_id
         self.index = index
         self.parent = parent
@@ -54,6 +45,7 @@ class _Seq:
         self.stop_reason: int | str | None = None
         self.tokens_sent = 0  # token ids / logprob positions already handed out in DELTA mode
         self.logprobs_sent = 0
+        self.stats = stats  # only with log_stats
 
     def completion(self, delta: bool) -> CompletionOutput:
         finished = self.finish_reason is not None
@@ -137,9 +129,10 @@ class OutputProcessor:
     - `get_num_unfinished_requests()` counts engine requests (sequences), as vLLM does.
     """
 
-    def __init__(self, tokenizer: Any | None, log_stats: bool = False):
+    def __init__(self, tokenizer: Any | None, log_stats: bool = False, max_model_len: int | None = None):
         self.tokenizer = tokenizer
         self.log_stats = log_stats
+        self.max_model_len = max_model_len  # the max_tokens a request without one runs with (for metrics)
         self._token_text = TokenTextCache(tokenizer) if tokenizer is not None else None
         self._parents: dict[str, _Parent] = {}
         self._seqs: dict[str, _Seq] = {}  # engine request id -> sequence, while unfinished
@@ -166,9 +159,15 @@ class OutputProcessor:
         elif queue is not None:
             parent.queue = queue
         params = request.sampling_params
+        stats = None
+        if self.log_stats:
+            max_tokens = params.max_tokens
+            if max_tokens is None and self.max_model_len is not None:
+                max_tokens = self.max_model_len - len(request.prompt_token_ids)
+            stats = SeqStats(max_tokens)
         seq = _Seq(request_id, index, parent,
                    IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params),
-                   LogprobsProcessor(params, self._token_text))
+                   LogprobsProcessor(params, self._token_text), stats)
         parent.seqs[index] = seq
         self._seqs[request_id] = seq
 
@@ -209,7 +208,8 @@ class OutputProcessor:
             if self._parents.get(parent.request_id) is parent:
                 del self._parents[parent.request_id]
             if stats is not None:
-                stats.e2e_latencies_s.append(now - parent.metrics.arrival_time)
+                stats.observe_parent_finished(parent.n, [s.stats.num_generation_tokens for s in parent.seqs
+                                                         if s is not None and s.stats is not None])
         out = parent.make_output(changed)
         if parent.finished:
             # Break the parent <-> sequence cycle: otherwise a finished request (its detokenizer, queue, ...) lives
@@ -225,9 +225,12 @@ class OutputProcessor:
             result.append(out)
 
     # ----- the per-step work -----
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorResult:
+    def process_outputs(self, outputs: list[EngineCoreOutput], engine_timestamp: float = 0.0
+                        ) -> OutputProcessorResult:
+        """`engine_timestamp`: the core's time.monotonic() for these outputs (0: unknown, then this process's;
+        the same clock on one host)."""
         now = time.time()
-        stats = IterationStats() if self.log_stats else None
+        stats = IterationStats(now, engine_timestamp or time.monotonic()) if self.log_stats else None
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         changed: dict[str, tuple[_Parent, list[_Seq]]] = {}
@@ -250,24 +253,23 @@ class OutputProcessor:
                 finish, stop_reason = FinishReason.STOP, stop_string
             if eco.num_cached_tokens > parent.num_cached_tokens:
                 parent.num_cached_tokens = eco.num_cached_tokens
+            if stats is not None:
+                stats.observe_output(seq.stats, eco, len(new_ids), len(parent.prompt_token_ids),
+                                     parent.metrics.arrival_time)
             if new_ids:
                 metrics = parent.metrics
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
-                    if stats is not None:
-                        stats.time_to_first_tokens_s.append(now - metrics.arrival_time)
-                        stats.num_prompt_tokens += len(parent.prompt_token_ids)
                 metrics.last_token_time = now
                 metrics.num_generation_tokens += len(new_ids)
-                if stats is not None:
-                    stats.num_generation_tokens += len(new_ids)
                 if parent.prompt_logprobs is None and seq.logprobs.prompt_logprobs is not None:
                     # A sequence's first token means its prefill (and so its prompt logprobs) is complete.
                     parent.prompt_logprobs = seq.logprobs.prompt_logprobs
             if finish is not None:
                 self._finish(seq, str(finish), stop_reason)
                 if stats is not None:
-                    stats.finish_reasons[str(finish)] = stats.finish_reasons.get(str(finish), 0) + 1
+                    stats.observe_finished(seq.stats, str(finish), len(parent.prompt_token_ids),
+                                           parent.metrics.arrival_time)
             elif not new_ids:
                 continue  # e.g. a prefill chunk that only carried prompt logprobs: nothing to show yet
             entry = changed.get(parent.request_id)

@@ -1,80 +1,71 @@
 """Engine statistics: Prometheus metrics (vLLM's metric names, so existing dashboards work) and a periodic log line."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from tokenmill.engine.messages import SchedulerStats, combine_scheduler_stats
+from tokenmill.engine.messages import FinishReason, SchedulerStats, combine_scheduler_stats
 from tokenmill.logger import init_logger
+from tokenmill.metrics.prometheus import (PROMPT_TOKEN_SOURCES, SLEEP_STATES, WAITING_REASONS, VllmMetrics,
+                                          observe_n, vllm_metrics)
+from tokenmill.metrics.stats import IterationStats
 
 logger = init_logger(__name__)
 
-_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-_TPOT_BUCKETS = [0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-_METRICS = None
-
-
-def _metrics():
-    """Created once per process: prometheus_client refuses to register a name twice. Gauges keep the most recent
-    value of a live process when several API server processes share the metrics (prometheus multiprocess mode)."""
-    global _METRICS
-    if _METRICS is None:
-        from prometheus_client import Counter, Gauge, Histogram
-        labels = ["model_name", "engine"]
-        mode = "livemostrecent"
-        _METRICS = dict(
-            running=Gauge("vllm:num_requests_running", "Requests in the running batch.", labels,
-                          multiprocess_mode=mode),
-            waiting=Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels,
-                          multiprocess_mode=mode),
-            kv_usage=Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", labels,
-                           multiprocess_mode=mode),
-            prefix_queries=Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                   labels),
-            prefix_hits=Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels),
-            preemptions=Counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.", labels),
-            prompt_tokens=Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels),
-            generation_tokens=Counter("vllm:generation_tokens", "Tokens generated.", labels),
-            success=Counter("vllm:request_success", "Finished requests by finish reason.",
-                            labels + ["finished_reason"]),
-            ttft=Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                           buckets=_LATENCY_BUCKETS),
-            tpot=Histogram("vllm:time_per_output_token_seconds", "Time per output token after the first.", labels,
-                           buckets=_TPOT_BUCKETS),
-            e2e=Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
-                          buckets=_LATENCY_BUCKETS),
-        )
-    return _METRICS
-
 
 class _EngineStats:
-    """The metrics of one engine core (one `engine` label value) and what its log line needs."""
+    """The metric children of one engine core (one `engine` label value) and what its log line needs."""
 
-    def __init__(self, model_name: str, engine: int) -> None:
-        self.labels = (model_name, str(engine))
-        self.m = {k: (v.labels(*self.labels) if k != "success" else v) for k, v in _metrics().items()}
+    def __init__(self, m: VllmMetrics, model_name: str, engine: int) -> None:
+        labels = self.labels = (model_name, str(engine))
+        for name in ("running", "waiting", "kv_usage", "prefix_queries", "prefix_hits", "preemptions",
+                     "prompt_tokens", "prompt_tokens_cached", "prompt_tokens_recomputed", "generation_tokens",
+                     "request_prompt_tokens", "request_generation_tokens", "iteration_tokens",
+                     "max_generation_tokens", "params_n", "params_max_tokens", "prefill_kv_computed", "ttft", "itl",
+                     "tpot_deprecated", "request_tpot", "e2e", "queue_time", "inference_time", "prefill_time",
+                     "decode_time"):
+            setattr(self, name, getattr(m, name).labels(*labels))
+        self.by_source = [m.prompt_tokens_by_source.labels(*labels, s) for s in PROMPT_TOKEN_SOURCES]
+        self.waiting_capacity, self.waiting_deferred = (m.waiting_by_reason.labels(*labels, r)
+                                                        for r in WAITING_REASONS)
+        self.success = {r: m.success.labels(*labels, str(r)) for r in FinishReason}
+        self.success_family = m.success
+        for state in SLEEP_STATES:  # created up front so each series exists from the start, as in vLLM
+            m.sleep_state.labels(*labels, state).set(1 if state == "awake" else 0)
         self.prompt_since = self.gen_since = 0
         self.prev_queries = self.prev_hits = self.prev_preempt = 0
         self.window_queries = self.window_hits = 0
         self.last: SchedulerStats | None = None
 
+    def count_success(self, reason: str) -> None:
+        child = self.success.get(reason)
+        if child is None:
+            child = self.success[reason] = self.success_family.labels(*self.labels, reason)
+        child.inc()
+
 
 class StatLogger:
-    """Feeds Prometheus from every engine step and, unless disabled, logs a summary line every `interval_s`.
+    """Feeds vLLM's Prometheus metrics from every engine step and, unless disabled, logs a summary line every
+    `interval_s`.
 
     Every metric carries the labels `model_name` and `engine` (the data-parallel rank), as vLLM's do, and the
-    scheduler stats are kept per engine; `last` sums them over the engines (KV usage: the mean). With several API
-    server processes only one of them (`record_engine_counters=True`) turns the engines' cumulative prefix-cache and
-    preemption counts into counter increments, so they are not counted once per process.
+    scheduler stats are kept per engine; `last` sums them over the engines (KV usage: the mean). The engines send
+    their scheduler stats to every API server process, so with several of those only one
+    (`record_engine_counters=True`) turns them into counter increments and per-step observations; the per-request
+    metrics come from the outputs each process received for its own requests.
     """
 
-    def __init__(self, model_name: str, log_interval_s: float | None = 10.0, num_engines: int = 1,
-                 record_engine_counters: bool = True) -> None:
-        self.model_name = model_name
+    def __init__(self, config, num_gpu_blocks: int | None = None, log_interval_s: float | None = 10.0,
+                 num_engines: int = 1, record_engine_counters: bool = True) -> None:
+        self.model_name = config.model_config.served_model_name[0]
         self.interval = log_interval_s
-        self.engines = [_EngineStats(model_name, e) for e in range(num_engines)]
+        m = vllm_metrics(config.model_config.max_model_len, config.cache_config)
+        self.engines = [_EngineStats(m, self.model_name, e) for e in range(num_engines)]
         self.record_engine_counters = record_engine_counters
+        info = {k: str(v) for k, v in dataclasses.asdict(config.cache_config).items()}
+        info["num_gpu_blocks"] = str(num_gpu_blocks)
+        for e in range(num_engines):
+            m.cache_config_info.labels(**info, engine=str(e)).set(1)
         self._last_log = time.monotonic()
 
     @property
@@ -84,50 +75,76 @@ class StatLogger:
     def engine_stats(self, engine: int) -> SchedulerStats | None:
         return self.engines[engine].last
 
-    def record_step(self, stats: SchedulerStats | None, iteration, engine: int = 0) -> None:
+    def record_step(self, stats: SchedulerStats | None, iteration: IterationStats | None, engine: int = 0) -> None:
         e = self.engines[engine]
-        m = e.m
         if stats is not None:
-            m["running"].set(stats.num_running_reqs)
-            m["waiting"].set(stats.num_waiting_reqs)
-            m["kv_usage"].set(stats.kv_cache_usage)
-            dq, dh = stats.prefix_cache_queries - e.prev_queries, stats.prefix_cache_hits - e.prev_hits
-            dp = stats.num_preemptions - e.prev_preempt
-            if dq > 0:
-                if self.record_engine_counters:
-                    m["prefix_queries"].inc(dq)
-                e.window_queries += dq
-            if dh > 0:
-                if self.record_engine_counters:
-                    m["prefix_hits"].inc(dh)
-                e.window_hits += dh
-            if dp > 0 and self.record_engine_counters:
-                m["preemptions"].inc(dp)
-            e.prev_queries, e.prev_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-            e.prev_preempt = stats.num_preemptions
-            e.last = stats
+            self._record_scheduler(e, stats)
         if iteration is not None:
-            if iteration.num_prompt_tokens:
-                m["prompt_tokens"].inc(iteration.num_prompt_tokens)
-            if iteration.num_generation_tokens:
-                m["generation_tokens"].inc(iteration.num_generation_tokens)
-            e.prompt_since += iteration.num_prompt_tokens
-            e.gen_since += iteration.num_generation_tokens
-            for t in iteration.time_to_first_tokens_s:
-                m["ttft"].observe(t)
-            for t in iteration.e2e_latencies_s:
-                m["e2e"].observe(t)
-            for reason, n in iteration.finish_reasons.items():
-                m["success"].labels(*e.labels, reason).inc(n)
+            self._record_iteration(e, iteration)
         self.maybe_log()
 
-    def record_finished(self, metrics, engine: int = 0) -> None:
-        """Per finished request: time per output token after the first."""
-        if metrics is None or not metrics.first_token_time or not metrics.last_token_time:
-            return
-        n = metrics.num_generation_tokens
-        if n > 1:
-            self.engines[engine].m["tpot"].observe((metrics.last_token_time - metrics.first_token_time) / (n - 1))
+    def _record_scheduler(self, e: _EngineStats, stats: SchedulerStats) -> None:
+        e.running.set(stats.num_running_reqs)
+        e.waiting.set(stats.num_waiting_reqs)
+        e.waiting_deferred.set(stats.num_deferred_reqs)
+        e.waiting_capacity.set(stats.num_waiting_reqs - stats.num_deferred_reqs)
+        e.kv_usage.set(stats.kv_cache_usage)
+        dq, dh = stats.prefix_cache_queries - e.prev_queries, stats.prefix_cache_hits - e.prev_hits
+        dp = stats.num_preemptions - e.prev_preempt
+        if dq > 0:
+            e.window_queries += dq
+        if dh > 0:
+            e.window_hits += dh
+        if self.record_engine_counters:
+            if dq > 0:
+                e.prefix_queries.inc(dq)
+            if dh > 0:
+                e.prefix_hits.inc(dh)
+            if dp > 0:
+                e.preemptions.inc(dp)
+            if stats.num_batched_tokens > 0:
+                e.iteration_tokens.observe(stats.num_batched_tokens)
+        e.prev_queries, e.prev_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        e.prev_preempt = stats.num_preemptions
+        e.last = stats
+
+    def _record_iteration(self, e: _EngineStats, it: IterationStats) -> None:
+        if it.num_prompt_tokens:
+            e.prompt_tokens.inc(it.num_prompt_tokens)
+            local_compute, local_hit, _external = e.by_source
+            local_compute.inc(it.prompt_tokens_computed)
+            local_hit.inc(it.prompt_tokens_cached + it.prompt_tokens_recomputed)
+            e.prompt_tokens_cached.inc(it.prompt_tokens_cached)
+            e.prompt_tokens_recomputed.inc(it.prompt_tokens_recomputed)
+        if it.num_generation_tokens:
+            e.generation_tokens.inc(it.num_generation_tokens)
+        e.prompt_since += it.num_prompt_tokens
+        e.gen_since += it.num_generation_tokens
+        for t in it.time_to_first_tokens_s:
+            e.ttft.observe(t)
+        for t, n in it.inter_token_latencies_s.items():
+            observe_n(e.itl, t, n)
+            observe_n(e.tpot_deprecated, t, n)
+        for n in it.n_params:
+            e.params_n.observe(n)
+        for n in it.max_num_generation_tokens:
+            e.max_generation_tokens.observe(n)
+        for f in it.finished:
+            e.count_success(f.finish_reason)
+            e.e2e.observe(f.e2e_latency)
+            e.request_prompt_tokens.observe(f.num_prompt_tokens)
+            e.request_generation_tokens.observe(f.num_generation_tokens)
+            e.prefill_kv_computed.observe(f.num_prompt_tokens - f.num_cached_tokens)
+            if f.max_tokens_param:
+                e.params_max_tokens.observe(f.max_tokens_param)
+            if f.queued_time is not None:
+                e.queue_time.observe(f.queued_time)
+            if f.prefill_time is not None:
+                e.prefill_time.observe(f.prefill_time)
+                e.decode_time.observe(f.decode_time)
+                e.inference_time.observe(f.inference_time)
+            if f.mean_time_per_output_token is not None:
+                e.request_tpot.observe(f.mean_time_per_output_token)
 
     def maybe_log(self, force: bool = False) -> None:
         if self.interval is None:

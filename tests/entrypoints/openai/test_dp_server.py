@@ -56,6 +56,16 @@ def test_head_and_headless_node_serve_together(tmp_path, tiny_model_factory):
             assert set(gen) == {"0", "1"} and gen["0"] > 0 and gen["1"] > 0, gen
             assert sum(gen.values()) == 8 * 12
             assert set(metrics_by_engine(http, "vllm:num_requests_running")) == {"0", "1"}
+            # Per-request metrics: each request counted once, by the API server process that served it.
+            for name, want in (("vllm:e2e_request_latency_seconds_count", 8), ("vllm:request_params_n_count", 8),
+                               ("vllm:inter_token_latency_seconds_count", 8 * 11)):
+                got = metrics_by_engine(http, name)
+                assert set(got) == {"0", "1"} and sum(got.values()) == want, (name, got)
+            # Per-step metrics come from the engines' stats, which reach both API servers: one records them. The
+            # steps scheduled every uncached prompt token, then one per generated token but the last.
+            steps = metrics_by_engine(http, "vllm:iteration_tokens_total_sum")
+            computed = metrics_by_engine(http, "vllm:request_prefill_kv_computed_tokens_sum")
+            assert sum(steps.values()) == sum(computed.values()) + 8 * 11, (steps, computed)
         out, _ = intruder.communicate(timeout=120)
         assert intruder.returncode == 1 and b"turned this node away: ranks [1] already run elsewhere" in out
         assert head.stop(signal.SIGTERM) == 0, head.log()

@@ -296,6 +296,74 @@ def test_non_stream_disconnect_frees_blocks(server, http):
     assert metric(http, "vllm:generation_tokens_total") - before < 480
 
 
+def samples(http: httpx.Client) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(http.get("/metrics").text) for s in fam.samples}
+
+
+def total(snap: dict, name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in snap.items() if n == name and want <= ls)
+
+
+def test_vllm_metric_set(http):
+    """vLLM's V1 metrics after 3 requests (4 sequences: one request has n=2): per-sequence counts and sums match
+    what was sent, per-request ones count requests, phase times are consistent, every series has vLLM's labels."""
+    wait_idle(http)
+    before = samples(http)
+    bodies = [{"model": MODEL, "prompt": f"metrics probe {i} " * (i + 3), "max_tokens": 5, "ignore_eos": True,
+               "temperature": 0, "n": 2 if i == 2 else 1} for i in range(3)]
+    prompt_tokens = 0
+    for b in bodies:
+        r = http.post("/v1/completions", json=b).json()
+        prompt_tokens += r["usage"]["prompt_tokens"] * b["n"]
+        assert r["usage"]["completion_tokens"] == 5 * b["n"]
+    wait_idle(http)
+    after = samples(http)
+
+    def d(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+    seqs, gen = 4, 20
+    assert d("vllm:request_success_total", finished_reason="length") == seqs
+    for h in ("e2e_request_latency", "time_to_first_token", "request_queue_time", "request_prefill_time",
+              "request_decode_time", "request_inference_time", "request_time_per_output_token"):
+        assert d(f"vllm:{h}_seconds_count") == seqs, h
+    for h in ("request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens",
+              "request_prefill_kv_computed_tokens"):
+        assert d(f"vllm:{h}_count") == seqs, h
+    assert d("vllm:request_params_n_count") == 3 and d("vllm:request_params_n_sum") == seqs
+    assert d("vllm:request_max_num_generation_tokens_count") == 3
+    assert d("vllm:request_max_num_generation_tokens_sum") == 15
+    assert d("vllm:request_params_max_tokens_sum") == d("vllm:request_generation_tokens_sum") == gen
+    assert d("vllm:generation_tokens_total") == gen
+    # One token per step: gen - 1 inter-token gaps per sequence (the deprecated alias sees the same).
+    assert d("vllm:inter_token_latency_seconds_count") == d("vllm:time_per_output_token_seconds_count") == gen - seqs
+    assert d("vllm:prompt_tokens_total") == d("vllm:request_prompt_tokens_sum") == prompt_tokens
+    cached, recomputed = d("vllm:prompt_tokens_cached_total"), d("vllm:prompt_tokens_recomputed_total")
+    computed = d("vllm:prompt_tokens_by_source_total", source="local_compute")
+    assert computed + cached == prompt_tokens == d("vllm:request_prefill_kv_computed_tokens_sum") + cached
+    assert d("vllm:prompt_tokens_by_source_total", source="local_cache_hit") == cached + recomputed
+    assert d("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
+    # Tokens scheduled over the steps: every uncached prompt token, then one per generated token but the last.
+    assert d("vllm:iteration_tokens_total_sum") == computed + gen - seqs
+    assert d("vllm:iteration_tokens_total_count") >= 5
+    queue, prefill = d("vllm:request_queue_time_seconds_sum"), d("vllm:request_prefill_time_seconds_sum")
+    decode, inference = d("vllm:request_decode_time_seconds_sum"), d("vllm:request_inference_time_seconds_sum")
+    assert queue >= 0 and prefill > 0 and decode > 0 and abs(prefill + decode - inference) < 1e-6
+    assert queue + inference <= d("vllm:e2e_request_latency_seconds_sum") + 1e-3
+    assert d("vllm:time_to_first_token_seconds_sum") >= prefill
+    labels = {"model_name": MODEL, "engine": "0"}
+    assert total(after, "vllm:num_requests_waiting_by_reason", reason="capacity", **labels) == 0
+    assert total(after, "vllm:num_requests_waiting_by_reason", reason="deferred", **labels) == 0
+    assert total(after, "vllm:engine_sleep_state", sleep_state="awake", **labels) == 1
+    (info,) = [dict(ls) for (n, ls) in after if n == "vllm:cache_config_info"]
+    assert info["engine"] == "0" and info["block_size"] == "16" and int(info["num_gpu_blocks"]) > 0
+    for (n, ls) in after:  # every vllm: series but the config info carries model_name and engine
+        if n.startswith("vllm:") and n != "vllm:cache_config_info":
+            assert labels.items() <= dict(ls).items(), (n, ls)
+
+
 def test_request_logging(server, http):
     http.post("/v1/completions", json={"model": MODEL, "prompt": "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "max_tokens": 1})
     time.sleep(0.3)
