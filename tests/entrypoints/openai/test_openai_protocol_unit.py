@@ -271,6 +271,21 @@ def test_chat_template_options(make_client, smollm2_tokenizer):
     assert r.status_code == 200 and engine2.calls[-1][0]["prompt"] == "PLAIN"
 
 
+def test_reasoning_effort_reaches_the_chat_template(make_client):
+    """As vLLM: reasoning_effort is the template variable of that name; chat_template_kwargs wins over it; a value
+    OpenAI does not define is a 400 naming the field."""
+    c, engine = make_client(chat_template="{{ reasoning_effort | default('unset') }}{% for m in messages %}"
+                                          "[{{ m.role }}]{{ m.content }}{% endfor %}")
+    for body, head in (({}, "unset"), ({"reasoning_effort": "low"}, "low"),
+                       ({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "medium"}},
+                        "medium")):
+        r = c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1, **body})
+        assert r.status_code == 200, r.text
+        assert engine.calls[-1][0]["prompt"].startswith(head + "[system]")
+    assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "reasoning_effort": "max"}), 400,
+                 "reasoning_effort")
+
+
 def test_chat_continue_final_and_echo(make_client):
     c, engine = make_client()
     msgs = MSGS + [{"role": "assistant", "content": "Hi the"}]

@@ -349,6 +349,9 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # ----------------------------------------------------------------------------------------------------------------
 # /v1/chat/completions
 # ----------------------------------------------------------------------------------------------------------------
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's values
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]]
     max_tokens: Optional[int] = Field(None, description="Deprecated by OpenAI in favour of max_completion_tokens.")
@@ -375,8 +378,16 @@ class ChatCompletionRequest(_SamplingRequest):
         bad = super().unsupported_fields()
         if not (self.tool_choice in (None, "none", "auto", "required") or isinstance(self.tool_choice, dict)):
             bad.append(f"tool_choice {self.tool_choice!r}")
-        bad += [name for name in ("functions", "function_call", "reasoning_effort") if getattr(self, name) is not None]
+        bad += [name for name in ("functions", "function_call") if getattr(self, name) is not None]
         return bad
+
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        """The request's chat-template variables: `chat_template_kwargs`, plus `reasoning_effort` as the variable
+        of that name (as vLLM passes it; templates that know it, e.g. gpt-oss's, use it, and an explicit
+        chat_template_kwargs entry wins)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
@@ -387,6 +398,9 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise FieldError("top_logprobs must be -1 (whole vocabulary) or >= 0.", "top_logprobs")
             if self.top_logprobs > 0 and not self.logprobs:
                 raise FieldError("When using top_logprobs, logprobs must be set to true.", "top_logprobs")
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise FieldError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got "
+                             f"{self.reasoning_effort!r}.", "reasoning_effort")
         if self.add_generation_prompt and self.continue_final_message:
             raise FieldError("Cannot set both continue_final_message and add_generation_prompt to true.",
                              "continue_final_message")

@@ -103,14 +103,13 @@ class OpenAIServingChat(OpenAIServing):
         prompt = self.renderer.render(request.messages, request_template=request.chat_template,
                                       add_generation_prompt=request.add_generation_prompt,
                                       continue_final_message=request.continue_final_message, tools=tools,
-                                      request_kwargs=request.chat_template_kwargs, documents=request.documents)
+                                      request_kwargs=request.template_kwargs(), documents=request.documents)
         ids = self.tokenize(prompt, request.add_special_tokens)
         ids = self.truncate(ids, request.truncate_prompt_tokens, self.max_model_len)
         if not ids:
             raise ServingError("The rendered conversation is empty.", 400, "messages")
         self.check_length(len(ids), requested, param)
-        template_kwargs = {**(self.frontend.default_chat_template_kwargs or {}),
-                           **(request.chat_template_kwargs or {})}
+        template_kwargs = {**(self.frontend.default_chat_template_kwargs or {}), **(request.template_kwargs() or {})}
         try:
             parsing = self.parsing.for_request(prompt, tools, request.tool_choice, template_kwargs,
                                                request.include_reasoning, request.parallel_tool_calls)
