@@ -244,3 +244,8 @@ def test_gemv_gpu_pdl_chain_in_graph(monkeypatch):
     check_pdl_chain(chain, monkeypatch)
     assert not any(c.any() for c in triton_gemv._COUNTERS.values())
 
+
+
+def test_acc2d_needs_the_fma_path():
+    with pytest.raises(ValueError, match="acc2d"):
+        GemvConfig(64, 128, 1, 4, 3, use_dot=True, acc2d=True)

@@ -36,11 +36,7 @@ def expand(params: SamplingParams) -> tuple[SamplingParams, BestOf | None]:
     engine samples best_of sequences with at least the chosen token's logprob (the ranking needs it)."""
     best_of = params.best_of
     if best_of is None or best_of <= params.n:
-        if best_of is None:
-            return params, None
-        params = params.clone()
-        params.best_of = None  # best_of == n: nothing to choose
-        return params, None
+        return params, None  # best_of == n: nothing to choose (the engine's per-sample children drop it)
     engine_params = params.clone()
     engine_params.n, engine_params.best_of = best_of, None
     strip = params.logprobs is None

@@ -225,6 +225,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
         if self.num_stages < 1:
             raise ValueError(f"GemvConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.acc2d and self.use_dot:
+            raise ValueError("GemvConfig.acc2d applies to the FMA path: it needs use_dot=False")
 
 
 # Where gemv beat cuBLAS (F.linear plus, for a prologue, the separate norm / SiLU kernel) by more than 3%, from
@@ -448,6 +450,6 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED, PREFETCH=cfg.prefetch,
-        ACC2D=cfg.acc2d and not cfg.use_dot,
+        ACC2D=cfg.acc2d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x2.device),
     )
