@@ -388,6 +388,45 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
       --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
       --output-json "$OUT/tp_qwen3.json" 2>&1 | grep -E "Throughput|Error"
     ;;
+  s10b)  # where the batch-1 host loop's time goes (py-spy, collapsed stacks), then Llama-3-8B gemv A/B in the graph
+    for m in qwen3-0.6b llama-3-8b; do
+      timeout 150 /tmp/site/bin/py-spy record -r 200 --nonblocking --format raw -o "$OUT/pyspy_$m.txt" -- \
+        python3 tools/graph_ab.py $m --host-seconds 8 2>&1 | grep -E "steps|Error|error" | tail -3
+    done
+    timeout 240 python3 tools/graph_ab.py llama-3-8b 2>&1 | grep -vE "^INFO" | tee "$OUT/ab_llama.txt" | tail -10
+    ;;
+  s10e)  # staged inputs + the draw inside the decode graph: GPU tests, host A/B (.ab/{old,new}, 2 cores), bs1 latency
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu tests/worker \
+      tests/kernels/test_triton_placeholders.py tests/kernels/test_triton_sampling.py > "$OUT/gpu_pytest.txt" 2>&1
+    echo "gpu pytest exit $?"; grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -8
+    for v in new old new old; do  # same host, alternating: .ab/{old,new} hold the two versions (untracked)
+      cp -r .ab/$v/tokenmill/. tokenmill/
+      echo -n "$v: "; timeout 60 taskset -c 4,5 python3 tools/graph_ab.py qwen3-0.6b --rounds 1 --only none 2>&1 | grep -E "async|Error"
+    done
+    cp -r .ab/new/tokenmill/. tokenmill/
+    timeout 90 python3 -m tokenmill.benchmarks.latency --model qwen3-0.6b --batch-size 1 --input-len 128 \
+      --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json" 2>&1 | grep -E "decode|Error"
+    ;;
+  s10f)  # session 10's final code: kernel/layer GPU tests, bs1 latency (both shapes), the nano-vllm throughput workload
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/kernels tests/layers \
+      > "$OUT/gpu_pytest.txt" 2>&1; echo "gpu pytest exit $?"
+    grep -E "passed|failed|Error|assert" "$OUT/gpu_pytest.txt" | tail -8
+    for m in qwen3-0.6b llama-3-8b; do
+      timeout 90 python3 -m tokenmill.benchmarks.latency --model $m --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$m.json" 2>&1 | grep -E "decode|Error"
+    done
+    timeout 120 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+      --output-json "$OUT/tp_qwen3.json" 2>&1 | grep -E "Throughput|Error"
+    ;;
+  s10g)  # the nano-vllm throughput workload, session 9's host path against session 10's, same host
+    for v in ${2:-old new}; do
+      cp -r .ab/$v/tokenmill/. tokenmill/
+      echo -n "$v: "; timeout 110 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 \
+        --input-len 562 --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+        --output-json "$OUT/tp_qwen3_$v.json" 2>&1 | grep -E "Throughput|Error"
+    done
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4

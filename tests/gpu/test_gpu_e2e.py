@@ -121,3 +121,26 @@ def test_async_scheduling_equals_sync_on_cuda(tiny_model_factory, kw):
                      for c in o.outputs]
         del llm
     assert res[True] == res[False]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_in_graph_sampling_equals_eager(tiny_model_factory, async_scheduling):
+    """Plain temperature sampling (seeded and unseeded rows, temperature 1 and not): the decode graphs draw the
+    tokens themselves and give the eager sampler's tokens; a batch with one top-p row samples outside the graph."""
+    from tokenmill import LLM, SamplingParams
+    d = tiny_model_factory("qwen3")
+    plain = [SamplingParams(temperature=t, seed=s, max_tokens=14, ignore_eos=True)
+             for t, s in ((0.8, 1), (1.0, 2), (1.3, None), (0.5, 4))]
+    mixed = plain[:2] + [SamplingParams(temperature=0.9, top_p=0.8, seed=9, max_tokens=14, ignore_eos=True)]
+    kw = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=512, max_num_seqs=8, seed=123,
+              async_scheduling=async_scheduling)
+    res = {}
+    for eager in (False, True):
+        llm = LLM(d, enforce_eager=eager, **kw)
+        res[eager] = [[c.token_ids for o in llm.generate(PROMPTS[:len(ps)], ps, use_tqdm=False) for c in o.outputs]
+                      for ps in (plain, mixed)]
+        cg = llm.llm_engine.engine_core.executor.worker.runner.cuda_graphs
+        if not eager:
+            assert cg.sampled_replays >= 13
+        del llm
+    assert res[False] == res[True]

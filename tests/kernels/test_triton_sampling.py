@@ -55,3 +55,22 @@ def test_race_argmax_with_temperature_equals_divided_fp32_logits(dtype):
     temp = torch.tensor([0.7, 1.3, 0.31, 2.0, 1.0], device=DEV)
     ref = sampling_rng.race_argmax(logits.float() / temp[:, None], seeds, positions)
     assert torch.equal(race_argmax(logits, seeds, positions, temp), ref)
+
+
+def test_race_argmax_flag_and_out():
+    """With a flag of 0 the kernels write nothing (a graph's skipped draw); with 1 they write the plain draw into
+    `out`, temperature included."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 5000, generator=g).to(DEV)
+    seeds = torch.tensor([1, -7, 2**40], device=DEV)
+    positions = torch.tensor([0, 5, 9], device=DEV)
+    temp = torch.tensor([0.5, 1.0, 1.7], device=DEV)
+    want = race_argmax(logits, seeds, positions, temp)
+    out = torch.full((3,), -5, dtype=torch.long, device=DEV)
+    race_argmax(logits, seeds, positions, temp, out=out, flag=torch.zeros(1, dtype=torch.int32, device=DEV))
+    assert out.tolist() == [-5, -5, -5]
+    got = race_argmax(logits, seeds, positions, temp, out=out, flag=torch.ones(1, dtype=torch.int32, device=DEV))
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
+    # temperature 1.0 divides exactly: the same tokens as no temperature at all
+    ones = torch.ones(3, device=DEV)
+    assert torch.equal(race_argmax(logits, seeds, positions, ones), race_argmax(logits, seeds, positions))

@@ -163,3 +163,28 @@ def test_seeded_request_reproducible_in_any_batch():
     assert run([5, 1, 2, 3, 4, 6, 7, 8], True) == alone
     assert run([11, 15, 0, 3, 2, 9, 8, 7], True) == alone
     assert len(set(alone)) > 1
+
+
+def test_plain_race_inputs_only_for_plain_rows():
+    """The in-graph draw takes a batch only when every row is plain temperature sampling; its inputs are the
+    metadata's seeds, positions and temperatures."""
+    st, b = SamplingState(M, V, torch.device("cpu"), global_seed=3), Batch()
+    st.add_request(0, params(temperature=0.7, seed=11))
+    st.add_request(1, params())                       # temperature 1, unseeded
+    b.set(0, [1, 2], [3, 4])
+    b.set(1, [5], [])
+    got = st.plain_race_inputs(np.array([1, 0]), b.num_prompt, b.num_tokens)
+    md = b.md(st, [1, 0])
+    assert got is not None and md.all_random and not md.needs_processing
+    assert got[0].tolist() == md.seeds.tolist() and got[1].tolist() == md.positions.tolist() == [0, 2]
+    assert got[2].tolist() == [1.0, np.float32(0.7)]
+    for i, kw in enumerate([dict(temperature=0), dict(top_k=3), dict(top_p=0.9), dict(min_p=0.1),
+                            dict(frequency_penalty=0.1), dict(presence_penalty=0.1), dict(repetition_penalty=1.1),
+                            dict(logprobs=0), dict(logit_bias={3: 1.0}), dict(allowed_token_ids=[1, 2]),
+                            dict(bad=[[4]]), dict(min_tokens=2, stop_token_ids=[9])]):
+        st.add_request(2, params(**kw))
+        b.set(2, [1], [])
+        assert st.plain_race_inputs(np.array([0, 2]), b.num_prompt, b.num_tokens) is None, kw
+    st.remove_request(2)
+    assert st.plain_race_inputs(np.array([2]), b.num_prompt, b.num_tokens) is None
+    assert st.plain_race_inputs(np.array([0, 1]), b.num_prompt, b.num_tokens) is not None

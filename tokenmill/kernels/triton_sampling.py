@@ -44,10 +44,14 @@ def _mix32(x):
 
 
 @triton.jit
-def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, best_val_ptr, best_idx_ptr, V, n_chunks,
-                 SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_TEMP: tl.constexpr, PDL: tl.constexpr = False):
+def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, best_val_ptr, best_idx_ptr, flag_ptr, V,
+                 n_chunks, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr,
+                 BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_FLAG: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     wait_then_release(PDL)
+    if HAS_FLAG:
+        if tl.load(flag_ptr) == 0:
+            return
     b = tl.program_id(0)
     c = tl.program_id(1)
     s = tl.load(seeds_ptr + b).to(tl.int64)
@@ -75,9 +79,12 @@ def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, best_val_pt
 
 
 @triton.jit
-def _race_stage2(best_val_ptr, best_idx_ptr, out_ptr, n_chunks, CHUNKS_P2: tl.constexpr,
-                 PDL: tl.constexpr = False):
+def _race_stage2(best_val_ptr, best_idx_ptr, out_ptr, flag_ptr, n_chunks, CHUNKS_P2: tl.constexpr,
+                 HAS_FLAG: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_then_release(PDL)
+    if HAS_FLAG:
+        if tl.load(flag_ptr) == 0:
+            return
     b = tl.program_id(0)
     c = tl.arange(0, CHUNKS_P2)
     m = c < n_chunks
@@ -89,23 +96,29 @@ def _race_stage2(best_val_ptr, best_idx_ptr, out_ptr, n_chunks, CHUNKS_P2: tl.co
 
 
 def race_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                temperature: torch.Tensor | None = None) -> torch.Tensor:
+                temperature: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                flag: torch.Tensor | None = None) -> torch.Tensor:
     """[B] int64 sampled ids; logits [B, V] (any float dtype, last dim contiguous), seeds/positions [B] int64,
-    temperature [B] (optional): the logits are upcast to fp32 and divided by it first."""
+    temperature [B] (optional): the logits are upcast to fp32 and divided by it first. out: a [B] int64 tensor to
+    write into. flag: an int32 device scalar; when it holds 0 the kernels do nothing (out keeps its contents), so
+    a CUDA graph can carry the draw and skip it on steps that sample otherwise."""
     b, v = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     n_chunks = triton.cdiv(v, _BLOCK)
     best_val = torch.empty((b, n_chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((b, n_chunks), dtype=torch.int32, device=logits.device)
-    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    assert out.shape == (b,) and out.dtype == torch.int64
     if b == 0:
         return out
-    has_temp = temperature is not None
+    has_temp, has_flag = temperature is not None, flag is not None
     pdl = launch_kwargs(logits.device)
     _race_stage1[(b, n_chunks)](logits, logits.stride(0), seeds, positions, temperature if has_temp else seeds,
-                                best_val, best_idx, v, n_chunks, SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS,
-                                SALT_COL=rng._SALT_COL, BLOCK=_BLOCK, HAS_TEMP=has_temp, num_warps=8, **pdl)
-    _race_stage2[(b,)](best_val, best_idx, out, n_chunks, CHUNKS_P2=triton.next_power_of_2(n_chunks), num_warps=4,
-                       **pdl)
+                                best_val, best_idx, flag if has_flag else seeds, v, n_chunks,
+                                SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS, SALT_COL=rng._SALT_COL,
+                                BLOCK=_BLOCK, HAS_TEMP=has_temp, HAS_FLAG=has_flag, num_warps=8, **pdl)
+    _race_stage2[(b,)](best_val, best_idx, out, flag if has_flag else seeds, n_chunks,
+                       CHUNKS_P2=triton.next_power_of_2(n_chunks), HAS_FLAG=has_flag, num_warps=4, **pdl)
     return out

@@ -14,12 +14,20 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.forward_context import set_forward_context
+from tokenmill.kernels.triton_placeholders import fill_placeholders
+from tokenmill.kernels.triton_sampling import race_argmax
 from tokenmill.logger import init_logger
+from tokenmill.worker.transfer import PinnedRing
 
 logger = init_logger(__name__)
 
 
 MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
+# Decode graphs up to this size also carry the plain temperature draw. It saves the host the sampler's metadata and
+# launches, which is what bounds a small batch's step; on the H200 the nano-vllm throughput workload (batches up to
+# 256) ran 2-4% slower with the draw in every graph (session 10: 25,380 against 26,033 tok/s without it, same host).
+# Sizes between 1 and 256 were not measured: 16 is a conservative cut.
+SAMPLE_IN_GRAPH_MAX_SIZE = 16
 
 
 def mixed_capture_sizes(max_tokens: int, max_reqs: int) -> list[tuple[int, int]]:
@@ -48,7 +56,8 @@ def pad_mixed_inputs(size: int, reqs: int, input_ids: np.ndarray, positions: np.
 
 
 def _pinned(a: np.ndarray) -> torch.Tensor:
-    t = torch.empty(a.shape, dtype=torch.from_numpy(a[:0]).dtype, pin_memory=True)
+    # Plain memory without CUDA: the input staging is also checked on the CPU (tests/worker).
+    t = torch.empty(a.shape, dtype=torch.from_numpy(a[:0]).dtype, pin_memory=torch.cuda.is_available())
     np.copyto(t.numpy(), a, casting="no")
     return t
 
@@ -77,7 +86,7 @@ class CudaGraphRunner:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], capture_sizes: list[int],
                  max_model_len: int, max_blocks_per_req: int, device: torch.device,
-                 mixed_sizes: list[tuple[int, int]] | None = None) -> None:
+                 mixed_sizes: list[tuple[int, int]] | None = None, prev_sampled: torch.Tensor | None = None) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.sizes = sorted(capture_sizes)
         self.max_size = self.sizes[-1]
@@ -87,12 +96,29 @@ class CudaGraphRunner:
         self.mixed_reqs = dict(self.mixed_sizes)
         n = max([self.max_size] + self.mixed_token_sizes)
         r = max([self.max_size] + list(self.mixed_reqs.values()))
-        # input ids, positions and slots share one buffer so one copy loads them.
-        self.vec = torch.zeros((3, n), dtype=torch.long, device=device)
-        self.vec[2].fill_(-1)
+        # One byte buffer holds every per-step input of a decode graph, so a decode step loads them with one copy
+        # from one pinned staging buffer: int64 rows (input ids, positions, slots, placeholder sources, and the
+        # in-graph draw's seeds and RNG positions), then int32 context lengths, float32 temperatures and the draw's
+        # on/off flag.
+        self._vec_bytes = 6 * n * 8
+        self._arena = torch.zeros(self._vec_bytes + 4 * r + 4 * n + 8, dtype=torch.uint8, device=device)
+        self.vec = self._arena[:self._vec_bytes].view(torch.long).view(6, n)
+        self.vec[2:4].fill_(-1)
         self.input_ids, self.positions, self.slot_mapping = self.vec[0], self.vec[1], self.vec[2]
-        self.seq_lens = torch.zeros(r, dtype=torch.int32, device=device)
+        self.fix_src = self.vec[3]   # >= 0: the input id is prev_sampled[fix_src] (async placeholder), else -1
+        self.race_seeds, self.race_pos = self.vec[4], self.vec[5]
+        tail = self._arena[self._vec_bytes:].view(torch.int32)
+        self.seq_lens = tail[:r]
+        self.race_temp = tail[r:r + n].view(torch.float32)
+        self.race_flag = tail[r + n:r + n + 1]   # 1: the decode graph samples (plain draw) into prev_sampled
+        self._staging = PinnedRing(self._arena.numel())
+        # The previous step's sampled ids (the runner copies them here after sampling); the graphs read them.
+        self.prev_sampled = prev_sampled if prev_sampled is not None else torch.zeros(r, dtype=torch.long,
+                                                                                        device=device)
         self.block_table = torch.zeros((r, max_blocks_per_req), dtype=torch.int32, device=device)
+        # What the device block table holds (as of the last queued copy): an unchanged table is not copied again
+        # (a decode step changes it only when a request crosses into a new block or the batch changes).
+        self._bt_mirror = np.zeros((r, max_blocks_per_req), dtype=np.int32)
         self.query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device)
         # Mixed graphs: query_start_loc then seq_lens in one buffer (one copy), and each request's last token.
         self.mixed_ints = torch.zeros(2 * r + 1, dtype=torch.int32, device=device)
@@ -102,6 +128,7 @@ class CudaGraphRunner:
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_logits: dict[int, torch.Tensor] = {}
         self.mixed_replays = 0  # steps run through a mixed graph (tests, diagnostics)
+        self.sampled_replays = 0  # decode steps whose tokens the graph drew itself (tests, diagnostics)
 
     def _metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -111,9 +138,16 @@ class CudaGraphRunner:
             query_start_loc_cpu=np.arange(size + 1), seq_lens_cpu=np.full(size, self.max_model_len))
 
     def _forward(self, size: int) -> torch.Tensor:
+        fill_placeholders(self.input_ids[:size], self.fix_src[:size], self.prev_sampled)
         with set_forward_context(self._metadata(size), self.kv_caches):
             hidden = self.model(self.input_ids[:size], self.positions[:size])
-            return self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
+        # The plain temperature draw, done by the graph when the step's flag says so (every row plain): the ids
+        # land in prev_sampled, where the host copies them from and the next step's graph reads them.
+        if size <= SAMPLE_IN_GRAPH_MAX_SIZE:
+            race_argmax(logits, self.race_seeds[:size], self.race_pos[:size], self.race_temp[:size],
+                        out=self.prev_sampled[:size], flag=self.race_flag)
+        return logits
 
     def _mixed_metadata(self, size: int) -> AttentionMetadata:
         reqs = self.mixed_reqs[size]
@@ -125,6 +159,7 @@ class CudaGraphRunner:
             captured_mixed=True)
 
     def _forward_mixed(self, size: int) -> torch.Tensor:
+        fill_placeholders(self.input_ids[:size], self.fix_src[:size], self.prev_sampled)
         with set_forward_context(self._mixed_metadata(size), self.kv_caches):
             hidden = self.model(self.input_ids[:size], self.positions[:size])
             return self.model.compute_logits(hidden[self.last_token[:self.mixed_reqs[size]]])
@@ -150,17 +185,22 @@ class CudaGraphRunner:
                     self.mixed_token_sizes[-1] if self.mixed_token_sizes else 0)
 
     def load(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, query_start_loc: np.ndarray,
-             seq_lens: np.ndarray, block_table: np.ndarray, allow_mixed: bool = True) -> tuple[bool, int] | None:
+             seq_lens: np.ndarray, block_table: np.ndarray, allow_mixed: bool = True,
+             fix_src: np.ndarray | None = None, race: tuple | None = None) -> tuple[bool, int] | None:
         """Load a batch into the smallest graph that holds it: a decode graph when every request computes one
-        token, else (with allow_mixed) a mixed graph. Returns the graph for `run` as (mixed, size), or None when
-        no graph fits (the batch runs eagerly)."""
+        token, else (with allow_mixed) a mixed graph. fix_src (per token, -1 = none) marks placeholder ids that the
+        graph takes from prev_sampled. race = (seeds, RNG positions, temperatures) per request makes a decode graph
+        also draw the plain temperature sample into prev_sampled. Returns the graph for `run` as (mixed, size), or
+        None when no graph fits (the batch runs eagerly)."""
         num_reqs, num_tokens = len(seq_lens), len(input_ids)
+        if fix_src is None:
+            fix_src = np.full(num_tokens, -1, dtype=np.int64)
         if self.can_run(num_reqs, num_tokens):
-            return False, self.load_inputs(input_ids, positions, slots, seq_lens, block_table)
+            return False, self.load_inputs(input_ids, positions, slots, seq_lens, block_table, fix_src, race)
         size = self.mixed_size(num_reqs, num_tokens) if allow_mixed else None
         if size is None:
             return None
-        self.load_mixed(size, input_ids, positions, slots, query_start_loc, seq_lens, block_table)
+        self.load_mixed(size, input_ids, positions, slots, query_start_loc, seq_lens, block_table, fix_src)
         return True, size
 
     def run(self, graph: tuple[bool, int], n: int) -> torch.Tensor:
@@ -171,6 +211,11 @@ class CudaGraphRunner:
     def can_run(self, num_reqs: int, num_tokens: int) -> bool:
         return num_tokens == num_reqs <= self.max_size and bool(self.graphs)
 
+    def can_sample(self, num_reqs: int, num_tokens: int) -> bool:
+        """True when this batch runs through a decode graph that carries the plain temperature draw."""
+        return (self.can_run(num_reqs, num_tokens)
+                and self.sizes[bisect.bisect_left(self.sizes, num_reqs)] <= SAMPLE_IN_GRAPH_MAX_SIZE)
+
     def mixed_size(self, num_reqs: int, num_tokens: int) -> int | None:
         """The token capacity of the smallest mixed graph that holds this batch, or None."""
         i = bisect.bisect_left(self.mixed_token_sizes, num_tokens)
@@ -180,18 +225,29 @@ class CudaGraphRunner:
         return None
 
     def load_mixed(self, size: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                   query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray) -> None:
-        """Copy a mixed batch into the buffers of the graph of `size` tokens (fresh pinned staging, as in
-        load_inputs)."""
+                   query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+                   fix_src: np.ndarray | None = None) -> None:
+        """Copy a mixed batch into the buffers of the graph of `size` tokens (fresh pinned staging: with async
+        scheduling the next step is prepared while this one's copies may still be queued)."""
         reqs = self.mixed_reqs[size]
         vec, ints, last = pad_mixed_inputs(size, reqs, input_ids, positions, slots, query_start_loc, seq_lens)
-        staged = [_pinned(a) for a in (vec, ints, last, block_table.astype(np.int32, copy=False))]
-        n, nb = block_table.shape
-        bt = staged[3]
-        self.vec[:, :size].copy_(staged[0], non_blocking=True)
+        vec4 = np.full((4, size), -1, dtype=np.int64)
+        vec4[:3] = vec
+        if fix_src is not None:
+            vec4[3, :len(fix_src)] = fix_src
+        staged = [_pinned(a) for a in (vec4, ints, last)]
+        self.vec[:4, :size].copy_(staged[0], non_blocking=True)
         self.mixed_ints[:2 * reqs + 1].copy_(staged[1], non_blocking=True)
         self.last_token[:reqs].copy_(staged[2], non_blocking=True)
-        self.block_table[:n, :nb].copy_(bt, non_blocking=True)
+        self._load_block_table(block_table)
+
+    def _load_block_table(self, block_table: np.ndarray) -> None:
+        """Copy the batch's block table rows unless the device already holds exactly these."""
+        n, nb = block_table.shape
+        if np.array_equal(self._bt_mirror[:n, :nb], block_table):
+            return
+        self._bt_mirror[:n, :nb] = block_table
+        self.block_table[:n, :nb].copy_(_pinned(block_table.astype(np.int32, copy=False)), non_blocking=True)
 
     def replay_mixed(self, size: int, n: int) -> torch.Tensor:
         """Run the mixed graph of `size` tokens on the loaded inputs; the logits of the first n requests' last
@@ -201,26 +257,36 @@ class CudaGraphRunner:
         return self.mixed_logits[size][:n]
 
     def load_inputs(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-                    block_table: np.ndarray) -> int:
+                    block_table: np.ndarray, fix_src: np.ndarray | None = None, race: tuple | None = None) -> int:
         """Copy a batch into the persistent buffers of the smallest graph that fits; returns that graph's size.
 
-        The host rows go through fresh pinned buffers (three copies per step): with async scheduling the next
-        step is prepared while this one's copies may still be queued, so a reused staging buffer could be
-        overwritten under them."""
+        Everything but the block table goes in one copy from a pinned ring buffer (PinnedRing: never one whose
+        previous copy may still be queued); the block table only when it changed. race: as in `load`."""
         n = len(input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        vec = torch.empty((3, size), dtype=torch.long, pin_memory=True)
-        v = vec.numpy()
+        src, arr = self._staging.next()
+        width = self.vec.shape[1]
+        v = arr[:self._vec_bytes].view(np.int64).reshape(6, width)
         v[0, :n], v[1, :n], v[2, :n] = input_ids, positions, slots
-        v[0, n:], v[1, n:], v[2, n:] = 0, 0, -1
-        lens = torch.zeros(size, dtype=torch.int32, pin_memory=True)
-        lens.numpy()[:n] = seq_lens
-        nb = block_table.shape[1]
-        bt = torch.empty((n, nb), dtype=torch.int32, pin_memory=True)
-        bt.numpy()[:] = block_table
-        self.vec[:, :size].copy_(vec, non_blocking=True)
-        self.seq_lens[:size].copy_(lens, non_blocking=True)
-        self.block_table[:n, :nb].copy_(bt, non_blocking=True)
+        v[3, :n] = -1 if fix_src is None else fix_src
+        v[:4, n:size] = ((0,), (0,), (-1,), (-1,))
+        tail = arr[self._vec_bytes:].view(np.int32)
+        r = self.seq_lens.shape[0]
+        tail[:n] = seq_lens
+        tail[n:size] = 0
+        if race is not None and size > SAMPLE_IN_GRAPH_MAX_SIZE:
+            raise ValueError(f"the decode graph of size {size} does not sample (see can_sample)")
+        if race is not None:
+            v[4, :n], v[5, :n] = race[0], race[1]
+            v[4:, n:size] = 0
+            temp = tail[r:r + width].view(np.float32)
+            temp[:n] = race[2]
+            temp[n:size] = 1.0
+        tail[r + width] = race is not None
+        # Whole buffer, whatever size: bytes past `size` reach only buffers this graph does not read.
+        self._arena.copy_(src, non_blocking=True)
+        self._staging.queued()
+        self._load_block_table(block_table)
         return size
 
     def replay(self, size: int, n: int) -> torch.Tensor:

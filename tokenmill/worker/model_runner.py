@@ -61,6 +61,12 @@ class ModelRunner:
         self._prev_sampled: torch.Tensor | None = None  # the last step's sampled ids, on the device
         self._prev_index = np.zeros(self.max_num_reqs, dtype=np.int64)  # row -> index in _prev_sampled
         self._prev_gen = np.full(self.max_num_reqs, -1, dtype=np.int64)  # row generation when it sampled
+        # Pinned host buffers the sampled ids are copied into, in turn (a fresh pinned tensor per step costs a
+        # caching-allocator round trip). A buffer is reused three steps later: by then the runner has taken that
+        # step's ids (`sample_tokens` calls the previous output's get() first).
+        self._ids_host = [torch.empty(self.max_num_reqs, dtype=torch.long, pin_memory=True) for _ in range(3)] \
+            if device.type == "cuda" else []
+        self._ids_host_i = 0
 
     # ----- set-up -----
     def load_model(self) -> None:
@@ -99,7 +105,9 @@ class ModelRunner:
             mixed = cc.mixed_capture_sizes(self.config.scheduler_config.max_num_batched_tokens, self.max_num_reqs)
             self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, sizes, self.max_model_len,
                                                cdiv(self.max_model_len, self.block_size), self.device,
-                                               mixed_sizes=mixed)
+                                               mixed_sizes=mixed,
+                                               prev_sampled=torch.zeros(self.max_num_reqs, dtype=torch.long,
+                                                                        device=self.device))
             self.cuda_graphs.capture()
 
     def cuda_graph_output_bytes(self) -> int:
@@ -190,18 +198,26 @@ class ModelRunner:
         sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
         fixup = self._placeholder_fixup(input_ids, token_rows)
         prompt_lp: dict[str, LogprobsLists] = {}
-        graph = None
+        graph, graph_sampled = None, False
         if self.cuda_graphs is not None:
             # Prompt logprobs need every token's hidden state; a mixed graph returns only each request's last.
             wants_prompt_lp = bool(self.prompt_logprobs) and any(r in self.prompt_logprobs for r in req_ids)
+            fix_src = None
+            if fixup is not None:  # the graph fills these ids from cuda_graphs.prev_sampled itself
+                fix_src = np.full(total, -1, dtype=np.int64)
+                fix_src[fixup[0]] = fixup[1]
+            race = None
+            if (not sched.grammar_req_ids and len(sample_idx) == len(rows)
+                    and self.cuda_graphs.can_sample(len(rows), total)):
+                # Every row plain temperature sampling: the (small) decode graph draws the tokens itself.
+                race = self.sampling.plain_race_inputs(rows, b.num_prompt_tokens, b.num_tokens)
             graph = self.cuda_graphs.load(input_ids, rope_positions, slots, qsl, seq_lens, block_table,
-                                          allow_mixed=not wants_prompt_lp)
+                                          allow_mixed=not wants_prompt_lp, fix_src=fix_src, race=race)
+            graph_sampled = race is not None and graph is not None and not graph[0]
         if graph is not None:
             # The graph returns the logits of every request's last token (a chunk that does not end its prompt
             # samples nothing, so keep only the rows that do).
             TIMER.count("mixed_graph_steps" if graph[0] else "graph_steps")
-            if fixup is not None:
-                self._apply_fixup(self.cuda_graphs.input_ids, fixup)
             logits = self.cuda_graphs.run(graph, len(rows))
             if len(sample_idx) != len(rows):
                 logits = logits[to_device(sample_idx, dev)]
@@ -227,7 +243,7 @@ class ModelRunner:
             logits = None
             if len(sample_idx):
                 logits = self.model.compute_logits(hidden[to_device(cu[sample_idx] - 1, dev)])
-        self._step = _StepState(req_ids, rows, sample_idx, logits, prompt_lp)
+        self._step = _StepState(req_ids, rows, sample_idx, logits, prompt_lp, graph_sampled)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput | None) -> "AsyncRunnerOutput":
@@ -242,11 +258,18 @@ class ModelRunner:
             self._last_output.get()  # the previous step's tokens must be on the host (penalties read them)
         sampled, lp, srows, pos, gens = None, None, st.rows[st.sample_idx], None, None
         if len(st.sample_idx):
-            if grammar is not None:
-                self._apply_grammar(grammar, st.req_ids, st.sample_idx, st.logits)
-            meta = self.sampling.make_metadata(srows, b.token_ids, b.num_prompt_tokens, b.num_tokens)
-            out = self.sampler(st.logits, meta)
-            sampled, lp = out.sampled_token_ids, out.logprobs
+            if st.graph_sampled and grammar is None:
+                # The decode graph drew them already (every row plain temperature sampling).
+                sampled = self.cuda_graphs.prev_sampled[:len(srows)]
+                self.cuda_graphs.sampled_replays += 1
+            else:
+                if grammar is not None:
+                    self._apply_grammar(grammar, st.req_ids, st.sample_idx, st.logits)
+                meta = self.sampling.make_metadata(srows, b.token_ids, b.num_prompt_tokens, b.num_tokens)
+                out = self.sampler(st.logits, meta)
+                sampled, lp = out.sampled_token_ids, out.logprobs
+                if self.cuda_graphs is not None:  # where the next step's graph reads its placeholder ids
+                    self.cuda_graphs.prev_sampled[:len(srows)].copy_(sampled)
             pos = b.num_tokens[srows].astype(np.int64)
             gens = b.row_gen[srows].copy()
             b.token_ids[srows, pos] = -1  # placeholder until get()
@@ -254,7 +277,12 @@ class ModelRunner:
             self._prev_sampled = sampled
             self._prev_index[srows] = np.arange(len(srows))
             self._prev_gen[srows] = gens
-        result = AsyncRunnerOutput(self, st, srows, pos, gens, sampled, lp)
+        ids_host = None
+        if sampled is not None and self._ids_host:
+            self._ids_host_i = (self._ids_host_i + 1) % len(self._ids_host)
+            ids_host = self._ids_host[self._ids_host_i][:len(srows)]
+            ids_host.copy_(sampled, non_blocking=True)
+        result = AsyncRunnerOutput(self, st, srows, pos, gens, sampled, lp, ids_host)
         self._last_output = result
         return result
 
@@ -313,12 +341,12 @@ class ModelRunner:
 
 
 class _StepState:
-    """What execute_model leaves for sample_tokens."""
-    __slots__ = ("req_ids", "rows", "sample_idx", "logits", "prompt_lp")
+    """What execute_model leaves for sample_tokens (graph_sampled: the decode graph drew the tokens)."""
+    __slots__ = ("req_ids", "rows", "sample_idx", "logits", "prompt_lp", "graph_sampled")
 
-    def __init__(self, req_ids, rows, sample_idx, logits, prompt_lp) -> None:
-        self.req_ids, self.rows, self.sample_idx, self.logits, self.prompt_lp = \
-            req_ids, rows, sample_idx, logits, prompt_lp
+    def __init__(self, req_ids, rows, sample_idx, logits, prompt_lp, graph_sampled=False) -> None:
+        self.req_ids, self.rows, self.sample_idx, self.logits, self.prompt_lp, self.graph_sampled = \
+            req_ids, rows, sample_idx, logits, prompt_lp, graph_sampled
 
 
 class AsyncRunnerOutput:
@@ -330,11 +358,14 @@ class AsyncRunnerOutput:
     """
 
     def __init__(self, runner: ModelRunner | None, st: _StepState | None, srows=None, pos=None, gens=None,
-                 sampled: torch.Tensor | None = None, logprobs: LogprobsTensors | None = None) -> None:
+                 sampled: torch.Tensor | None = None, logprobs: LogprobsTensors | None = None,
+                 sampled_host: torch.Tensor | None = None) -> None:
+        """sampled_host: a pinned buffer the copy of `sampled` is already queued into (else one is made here)."""
         self._runner, self._st, self._srows, self._pos, self._gens = runner, st, srows, pos, gens
         self._result: ModelRunnerOutput | None = None
         self._event = None
-        self._ids = to_host(sampled) if sampled is not None else None
+        self._ids = sampled_host if sampled_host is not None else (
+            to_host(sampled) if sampled is not None else None)
         self._lp = None if logprobs is None else LogprobsTensors(
             to_host(logprobs.token_ids), to_host(logprobs.logprobs), to_host(logprobs.ranks))
         if sampled is not None and sampled.is_cuda:

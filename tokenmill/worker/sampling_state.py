@@ -15,7 +15,7 @@ import torch
 
 from tokenmill.layers.sampler import LOGPROBS_MODES, SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.transfer import to_device
+from tokenmill.worker.transfer import PinnedRing, to_device
 
 _GREEDY_EPS = 1e-5
 _NO_LOGPROBS = -2  # sentinel in the logprobs-count array (-1 means the whole vocabulary)
@@ -57,8 +57,20 @@ class SamplingState:
         self._allowed: dict[int, np.ndarray] = {}
         self._bad_words: dict[int, list[list[int]]] = {}
         self._min_tokens: dict[int, tuple[int, np.ndarray]] = {}
+        # Rows sampled by the plain temperature draw alone (no top-k/p, min-p, penalties, logprobs or rare
+        # features): such batches can be sampled inside a CUDA graph (see plain_race_inputs).
+        self._plain = np.zeros(max_num_reqs, dtype=bool)
         # row -> position in the current batch (-1 = not in it); lets rare-feature loops find their batch index.
         self._batch_pos = np.full(max_num_reqs, -1, dtype=np.int64)
+        # On CUDA the per-step int and float parameters go in one copy from a reused pinned buffer into one
+        # persistent device buffer (the tensors of a step's metadata are views of it, valid until the next step's
+        # make_metadata, which the sampler of this step precedes in stream order).
+        self._ring: PinnedRing | None = None
+        self._dev_buf: torch.Tensor | None = None
+        if self.device.type == "cuda":
+            nbytes = max_num_reqs * (3 * 8 + 6 * 4)
+            self._ring = PinnedRing(nbytes)
+            self._dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     # ----- lifecycle -----
     def add_request(self, row: int, params: SamplingParams) -> None:
@@ -86,8 +98,15 @@ class SamplingState:
         stop_ids = [t for t in params.all_stop_token_ids if 0 <= t < v]
         if params.min_tokens > 0 and stop_ids:
             self._min_tokens[row] = (params.min_tokens, np.array(sorted(stop_ids), dtype=np.int64))
+        f = self._f[:, row]
+        self._plain[row] = (not greedy and self._top_k[row] == 0 and f[_TOP_P] >= 1 and f[_MIN_P] <= 0
+                            and f[_FREQ] == 0 and f[_PRES] == 0 and f[_REP] == 1
+                            and self._num_logprobs[row] == _NO_LOGPROBS
+                            and not any(row in d for d in (self._logit_bias, self._allowed, self._bad_words,
+                                                           self._min_tokens)))
 
     def remove_request(self, row: int) -> None:
+        self._plain[row] = False
         self._f[:, row] = _F_DEFAULTS
         self._top_k[row] = 0
         self._seed[row] = 0
@@ -96,6 +115,16 @@ class SamplingState:
             d.pop(row, None)
 
     # ----- per step -----
+    def plain_race_inputs(self, rows: np.ndarray, num_prompt_tokens: np.ndarray, num_tokens: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(seeds int64, RNG positions int64, temperatures float32) of `rows` when every one of them is sampled by
+        the plain temperature draw alone, else None. The draw from these equals what `make_metadata` plus the
+        sampler would pick for the same token counts (a temperature of 1 divides exactly)."""
+        if not len(rows) or not self._plain[rows].all():
+            return None
+        n_out = num_tokens[rows].astype(np.int64) - num_prompt_tokens[rows].astype(np.int64)
+        return self._seed[rows], n_out, self._f[_TEMP, rows]
+
     def make_metadata(self, rows: np.ndarray, token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
                       num_tokens: np.ndarray) -> SamplingMetadata:
         """Metadata for sampling the next token of `rows` (runner rows, in batch order).
@@ -125,8 +154,11 @@ class SamplingState:
         need_temp = not all_greedy and bool((f[_TEMP] != 1).any())
         need_top_p = not all_greedy and bool((f[_TOP_P] < 1).any())
         need_min_p = not all_greedy and bool((f[_MIN_P] > 0).any())
-        if need_temp or need_top_p or need_min_p or has_freq or has_pres or has_rep:
-            ft = to_device(f, dev)                        # one copy for all float params
+        need_f = need_temp or need_top_p or need_min_p or has_freq or has_pres or has_rep
+        top_k = self._top_k[rows]
+        ints_h = None if all_greedy else np.stack([self._seed[rows], n_out, top_k])
+        ints, ft = self._upload(ints_h, f if need_f else None)
+        if need_f:
             md.temperature = ft[_TEMP] if need_temp else None
             md.top_p = ft[_TOP_P] if need_top_p else None
             md.min_p = ft[_MIN_P] if need_min_p else None
@@ -135,9 +167,7 @@ class SamplingState:
             md.repetition_penalties = ft[_REP] if has_rep else None
 
         if not all_greedy:
-            top_k = self._top_k[rows]
             has_top_k = bool((top_k > 0).any())
-            ints = to_device(np.stack([self._seed[rows], n_out, top_k]), dev)
             md.seeds, md.positions = ints[0], ints[1]
             if has_top_k:
                 md.top_k, md.max_top_k = ints[2], int(top_k.max())
@@ -156,6 +186,26 @@ class SamplingState:
         if self._logit_bias or self._allowed or self._bad_words or self._min_tokens:
             self._rare_features(md, rows, token_ids, num_tokens, n_out)
         return md
+
+    def _upload(self, ints: np.ndarray | None, floats: np.ndarray | None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """ints [3, B] int64 and floats [6, B] float32 (either may be None) on the device."""
+        if self._ring is None:
+            return (None if ints is None else to_device(ints, self.device),
+                    None if floats is None else to_device(floats, self.device))
+        ni = 0 if ints is None else ints.nbytes
+        nf = 0 if floats is None else floats.nbytes
+        if ni + nf == 0:
+            return None, None
+        src, arr = self._ring.next()
+        if ints is not None:
+            arr[:ni].view(np.int64).reshape(ints.shape)[:] = ints
+        if floats is not None:
+            arr[ni:ni + nf].view(np.float32).reshape(floats.shape)[:] = floats
+        self._dev_buf[:ni + nf].copy_(src[:ni + nf], non_blocking=True)
+        self._ring.queued()
+        return (None if ints is None else self._dev_buf[:ni].view(torch.int64).view(ints.shape),
+                None if floats is None else self._dev_buf[ni:ni + nf].view(torch.float32).view(floats.shape))
 
     def _counts(self, token_ids: np.ndarray, rows: np.ndarray, start: np.ndarray, length: np.ndarray,
                 presence_only: bool = False) -> torch.Tensor:

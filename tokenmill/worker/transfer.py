@@ -31,3 +31,38 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
+
+
+class PinnedRing:
+    """A few reusable pinned host buffers of `nbytes` each, handed out in turn for host->device copies.
+
+    Why: a fresh pinned tensor per copy costs a caching-allocator round trip and an event each time, which at batch 1
+    is a visible share of the host's step. Contract: take a buffer with `next()`, fill it, queue the copy from it,
+    then call `queued()`; a buffer is handed out again only once the copy queued from it has run (its event is
+    waited on, which in a steady loop has long completed), so a step prepared ahead never overwrites inputs in
+    flight."""
+
+    def __init__(self, nbytes: int, slots: int = 4) -> None:
+        # Without CUDA (CPU tests of the callers) plain memory: copies from it are synchronous, so no events.
+        self._cuda = torch.cuda.is_available()
+        self._bufs = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self._cuda) for _ in range(slots)]
+        self._arrays = [b.numpy() for b in self._bufs]
+        self._events: list[torch.cuda.Event | None] = [None] * slots
+        self._i = -1
+
+    def next(self) -> tuple[torch.Tensor, np.ndarray]:
+        """The next buffer, as a tensor (the copy's source) and a numpy view of the same bytes."""
+        self._i = (self._i + 1) % len(self._bufs)
+        ev = self._events[self._i]
+        if ev is not None:
+            ev.synchronize()
+        return self._bufs[self._i], self._arrays[self._i]
+
+    def queued(self) -> None:
+        """Record that the copy from the current buffer has been queued on the current stream."""
+        if not self._cuda:
+            return
+        ev = self._events[self._i]
+        if ev is None:
+            ev = self._events[self._i] = torch.cuda.Event()
+        ev.record()

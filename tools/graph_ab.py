@@ -1,0 +1,169 @@
+"""A/B of kernel choices inside the whole batch-1 decode graph (runs on the GPU machine).
+
+Why: a product's config measured alone (tools/bench_gemv.py chains the same product 20 times) did not always carry
+into the model, where each product follows a short latency-bound kernel. Here every variant re-captures the batch-1
+decode graph of one loaded model, with real decode inputs in its buffers, and times it replayed back to back;
+variants alternate over several rounds so drift hits them alike. Also reports, for batch-1 decode as served (async
+scheduling), how much of each step the host was busy (wall minus the time it waited for the device).
+
+Usage: python3 tools/graph_ab.py qwen3-0.6b|llama-3-8b [--rounds 3] [--only NAME,NAME]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.benchmarks.offline_common import shipped_model_dir
+from tokenmill.kernels import triton_gemv as tg
+from tokenmill.kernels.triton_gemv import GemvConfig
+from tokenmill.sampling_params import RequestOutputKind
+
+
+def fma(n, k, s=1, w=4, pre=False, a2=False):
+    return GemvConfig(n, k, s, w, 1, use_dot=False, prefetch=pre, acc2d=a2)
+
+
+def dot(n, k, s=1, w=4, st=3):
+    return GemvConfig(n, k, s, w, st, use_dot=True)
+
+
+# name -> (environment, {(M, N, K, prologue): config, or None to drop the entry (cuBLAS / separate kernel)})
+VARIANTS = {
+    "qwen3-0.6b": {
+        "base": ({}, {}),
+        "qkv-n16pre": ({}, {(1, 4096, 1024, "rmsnorm"): fma(16, 1024, pre=True, a2=True)}),
+        "o-n8pre": ({}, {(1, 1024, 2048, None): fma(8, 1024, pre=True, a2=True)}),
+    },
+    "llama-3-8b": {
+        "base": ({}, {}),
+        "qkv-nopre": ({}, {(1, 6144, 4096, "rmsnorm"): fma(8, 1024)}),
+        "o-a2": ({}, {(1, 4096, 4096, None): fma(8, 512, pre=True, a2=True)}),
+        "down-fma-pre": ({}, {(1, 4096, 14336, None): fma(8, 1024, pre=True, a2=True)}),
+        "down-fma16-pre": ({}, {(1, 4096, 14336, None): fma(16, 512, pre=True, a2=True)}),
+        "gate_up-fma-pre": ({}, {(1, 28672, 4096, None): fma(8, 512, pre=True, a2=True)}),
+        "gate_up-fma16-pre": ({}, {(1, 28672, 4096, None): fma(16, 512, pre=True, a2=True)}),
+    },
+}
+
+
+@contextlib.contextmanager
+def applied(env: dict, table: dict):
+    old_env = {k: os.environ.get(k) for k in env}
+    old_tab = {k: tg.MEASURED_FASTER.get(k) for k in table}
+    os.environ.update(env)
+    for k, cfg in table.items():
+        if cfg is None:
+            tg.MEASURED_FASTER.pop(k, None)
+        else:
+            tg.MEASURED_FASTER[k] = (cfg, 0.0, 0.0)
+    try:
+        yield
+    finally:
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for k, v in old_tab.items():
+            if v is None:
+                tg.MEASURED_FASTER.pop(k, None)
+            else:
+                tg.MEASURED_FASTER[k] = v
+
+
+def time_graph(cg, reps: int) -> float:
+    cg._forward(1)                       # eager warm-up: compiles new variants outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        cg._forward(1)
+    for _ in range(20):
+        g.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t) / reps
+
+
+def host_busy(eng, core, steps: int) -> tuple[float, float]:
+    """(wall ms, device-wait ms) per async batch-1 decode step."""
+    waited = [0.0]
+    orig = torch.cuda.Event.synchronize
+
+    def sync(ev):
+        t = time.perf_counter()
+        orig(ev)
+        waited[0] += time.perf_counter() - t
+    torch.cuda.Event.synchronize = sync
+    try:
+        core.async_scheduling = True
+        for _ in range(8):
+            eng.step()
+        waited[0] = 0.0
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        wall = time.perf_counter() - t
+    finally:
+        torch.cuda.Event.synchronize = orig
+    return 1000 * wall / steps, 1000 * waited[0] / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=0, help="graph replays per timing (0: ~1.5 s worth)")
+    ap.add_argument("--only", default="", help="comma-separated variant names (base is always run)")
+    ap.add_argument("--host-seconds", type=float, default=0.0,
+                    help="only run async batch-1 decode for this long (a window for py-spy), then exit")
+    args = ap.parse_args()
+    variants = VARIANTS[args.model]
+    if args.only:
+        keep = {"base", *args.only.split(",")}
+        variants = {k: v for k, v in variants.items() if k in keep}
+    llm = LLM(shipped_model_dir(args.model), load_format="dummy", skip_tokenizer_init=True, max_model_len=2048,
+              cudagraph_capture_sizes=[1])
+    eng = llm.llm_engine
+    core = eng.engine_core
+    cg = core.executor.worker.runner.cuda_graphs
+    sp = SamplingParams(temperature=1.0, max_tokens=100000, ignore_eos=True, detokenize=False,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    eng.add_request("r", {"prompt_token_ids": list(range(100, 228))}, sp)
+    for _ in range(130):                 # the bench's shape: 128 prompt tokens, then decode
+        eng.step()
+    if args.host_seconds:
+        steps = int(args.host_seconds * 1000 / host_busy(eng, core, 100)[0])
+        wall, wait = host_busy(eng, core, steps)
+        print(f"{steps} async batch-1 steps: wall {wall:.3f} ms, waiting on the device {wait:.3f} ms")
+        return
+    wall, wait = host_busy(eng, core, 1000)
+    print(f"async batch-1 step: wall {wall:.3f} ms, waiting on the device {wait:.3f} ms, host busy "
+          f"{wall - wait:.3f} ms")
+    core.async_scheduling = False
+    eng.step()
+    torch.cuda.synchronize()
+    reps = args.reps or max(50, int(1500 / max(0.1, time_graph(cg, 20))))
+    results: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(args.rounds):
+        for name, (env, table) in variants.items():
+            with applied(env, table):
+                results[name].append(time_graph(cg, reps))
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.4f}" for k, v in results.items()), flush=True)
+    base = statistics.median(results["base"])
+    print(f"{args.model}: batch-1 decode graph, ms per replay (median of {args.rounds} rounds x {reps} replays)")
+    for name, ts in results.items():
+        med = statistics.median(ts)
+        print(f"  {name:16s} {med:.4f}  ({100 * (med / base - 1):+.2f}%)  [{', '.join(f'{t:.4f}' for t in ts)}]")
+
+
+if __name__ == "__main__":
+    main()
