@@ -142,7 +142,7 @@ def main() -> None:
         eng.step()
     if args.host_seconds:
         # Stay inside max_model_len (2048): past it the request ends and the remaining steps are empty.
-        steps = min(int(args.host_seconds * 1000 / host_busy(eng, core, 100)[0]), 1700)
+        steps = min(int(args.host_seconds * 1000 / host_busy(eng, core, 100)[0]), 1600)
         wall, wait = host_busy(eng, core, steps)
         print(f"{steps} async batch-1 steps: wall {wall:.3f} ms, waiting on the device {wait:.3f} ms")
         return
