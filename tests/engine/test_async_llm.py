@@ -108,3 +108,17 @@ def test_engine_death_is_reported(model_dir):
             eng.shutdown()
 
     run(main())
+
+
+def test_utility_before_any_request(model_dir):
+    """A utility call (reset_prefix_cache) on an engine that has served nothing yet returns: its result arrives on
+    the output socket, which is read from start-up, not from the first request on."""
+    from tokenmill.engine.async_llm import AsyncLLM
+
+    async def main():
+        eng = AsyncLLM.from_engine_args(model=model_dir, max_model_len=256, log_stats=False)
+        try:
+            assert await asyncio.wait_for(eng.reset_prefix_cache(), 60) is True
+        finally:
+            eng.shutdown()
+    run(main())

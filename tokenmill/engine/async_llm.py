@@ -81,6 +81,7 @@ class AsyncLLM(EngineClient):
         return self.stat_logger.last
 
     async def reset_prefix_cache(self) -> bool:
+        self._ensure_output_task()  # the results come back on the output socket
         return all(await self.client.call_utility_all("reset_prefix_cache"))
 
     # ----- requests -----
@@ -118,6 +119,13 @@ class AsyncLLM(EngineClient):
         await self.client.abort(self.output_processor.abort_requests(ids))
 
     # ----- background output handling -----
+    def start_output_handler(self) -> None:
+        """Start reading the engines' outputs now (needs a running event loop). The API server calls it at
+        start-up: the engines send every step's stats to every API server process, and one that has served no
+        request yet must still drain them (else the engines block once the socket's buffer is full), and the first
+        one must record the per-step metrics whether or not requests reach it."""
+        self._ensure_output_task()
+
     def _ensure_output_task(self) -> None:
         if self._output_task is None or self._output_task.done():
             self._output_task = asyncio.get_running_loop().create_task(self._output_loop())

@@ -121,6 +121,9 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        start = getattr(engine, "start_output_handler", None)
+        if start is not None:
+            start()
         tasks = [asyncio.ensure_future(_watchdog(app))]
         if envs.TOKENMILL_LOOP_LAG_MS > 0:
             tasks.append(asyncio.ensure_future(watch_event_loop(envs.TOKENMILL_LOOP_LAG_MS)))
