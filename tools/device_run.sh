@@ -427,6 +427,19 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
         --output-json "$OUT/tp_qwen3_$v.json" 2>&1 | grep -E "Throughput|Error"
     done
     ;;
+  s11a)  # where to cut the in-graph draw (worker/cuda_graph.py SAMPLE_IN_GRAPH_MAX_SIZE): bs 1/4/16 latency and the
+         # throughput workload per cut, same host (the constant is edited in this copy of the tree only)
+    for cut in 0 16 256 16 0; do
+      sed -i "s/^SAMPLE_IN_GRAPH_MAX_SIZE = .*/SAMPLE_IN_GRAPH_MAX_SIZE = $cut/" tokenmill/worker/cuda_graph.py
+      echo "== cut $cut"
+      for bs in 1 4 16; do
+        timeout 60 python3 -m tokenmill.benchmarks.latency --model qwen3-0.6b --batch-size $bs --input-len 128 \
+          --output-len 256 --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 2>&1 | grep -E "decode|Error"
+      done
+      timeout 110 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+        --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 2>&1 | grep -E "Throughput|Error"
+    done
+    ;;
   s5h)  # on nvidia-h200-x2: the final symmetric all-reduce code: its GPU test and TP=2 equality
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/distributed/test_symm_all_reduce.py \
       "tests/distributed/test_tp_engine.py::test_tp2_on_two_gpus_matches_tp1" 2>&1 | tail -4
