@@ -31,6 +31,9 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # while the previous one finishes and waits on the GPU for its inputs; weights are read before that wait.
     # 0 = plain stream order (an A/B switch; tokenmill/kernels/pdl.py).
     "TOKENMILL_PDL": _bool("TOKENMILL_PDL", True),
+    # Pure decode steps on the Triton backend fold the q/k norm + RoPE + K/V store kernel into decode attention's
+    # first stage (tokenmill/kernels/triton_decode_rope_attention.py). 0 = the separate kernel (an A/B switch).
+    "TOKENMILL_DECODE_ROPE_FUSED": _bool("TOKENMILL_DECODE_ROPE_FUSED", True),
     # KV cache size on CPU when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given.
     "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _int("TOKENMILL_CPU_KVCACHE_SPACE_GIB", 1),
     # Number of torch intra-op threads on CPU (0 = torch's default).

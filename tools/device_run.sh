@@ -427,6 +427,26 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
         --output-json "$OUT/tp_qwen3_$v.json" 2>&1 | grep -E "Throughput|Error"
     done
     ;;
+  s11d)  # decode attention from qkv, v2 (first K/V tile before the PDL wait, newest key in registers): graph A/B
+         # with 4 / 8 warps against the separate rope kernel, then the GPU tests
+    for m in qwen3-0.6b llama-3-8b; do
+      timeout 150 python3 tools/graph_ab.py $m 2>&1 | grep -vE "^INFO|Loading|it/s" | tee "$OUT/ab_$m.txt"
+    done
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_triton_decode_rope_attention.py \
+      tests/gpu/test_gpu_e2e.py 2>&1 | tail -8
+    ;;
+  s11c)  # decode attention straight from qkv (rope/store folded into stage 1): graph A/B, bs1 latency, GPU tests
+    for m in qwen3-0.6b llama-3-8b; do
+      timeout 150 python3 tools/graph_ab.py $m 2>&1 | grep -vE "^INFO|Loading|it/s" | tee "$OUT/ab_$m.txt"
+    done
+    for m in qwen3-0.6b llama-3-8b; do
+      timeout 60 python3 -m tokenmill.benchmarks.latency --model $m --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$m.json" 2>&1 \
+        | grep -E "decode|Error"
+    done
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_triton_decode_rope_attention.py \
+      tests/kernels/test_triton_attention.py tests/gpu/test_gpu_e2e.py 2>&1 | tail -8
+    ;;
   s11a)  # where to cut the in-graph draw (worker/cuda_graph.py SAMPLE_IN_GRAPH_MAX_SIZE): bs 1 and 16 latency and the
          # throughput workload per cut, same host (the constant is edited in this copy of the tree only)
     for cut in 0 16 256; do

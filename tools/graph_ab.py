@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import statistics
 import time
@@ -33,27 +34,34 @@ def dot(n, k, s=1, w=4, st=3):
     return GemvConfig(n, k, s, w, st, use_dot=True)
 
 
-# name -> (environment, {(M, N, K, prologue): config, or None to drop the entry (cuBLAS / separate kernel)})
+def warps(module: str, n: int):
+    """Patch `module`'s decode_config to n warps (bs1 shapes: block_n 64, 2 stages)."""
+    return {f"tokenmill.kernels.{module}.decode_config": lambda *a, **k: (64, n, 2)}
+
+
+UNFUSED = {"TOKENMILL_DECODE_ROPE_FUSED": "0"}
+# name -> (environment, {(M, N, K, prologue): config or None}[, {"module.attr": value} patches])
 VARIANTS = {
     "qwen3-0.6b": {
         "base": ({}, {}),
-        "qkv-n16pre": ({}, {(1, 4096, 1024, "rmsnorm"): fma(16, 1024, pre=True, a2=True)}),
-        "o-n8pre": ({}, {(1, 1024, 2048, None): fma(8, 1024, pre=True, a2=True)}),
+        "unfused-w8": (UNFUSED, {}, warps("triton_decode_attention", 8)),
     },
     "llama-3-8b": {
         "base": ({}, {}),
-        "qkv-nopre": ({}, {(1, 6144, 4096, "rmsnorm"): fma(8, 1024)}),
-        "o-a2": ({}, {(1, 4096, 4096, None): fma(8, 512, pre=True, a2=True)}),
-        "down-fma-pre": ({}, {(1, 4096, 14336, None): fma(8, 1024, pre=True, a2=True)}),
-        "down-fma16-pre": ({}, {(1, 4096, 14336, None): fma(16, 512, pre=True, a2=True)}),
-        "gate_up-fma-pre": ({}, {(1, 28672, 4096, None): fma(8, 512, pre=True, a2=True)}),
-        "gate_up-fma16-pre": ({}, {(1, 28672, 4096, None): fma(16, 512, pre=True, a2=True)}),
+        "rope-unfused": (UNFUSED, {}),
     },
 }
 
 
 @contextlib.contextmanager
-def applied(env: dict, table: dict):
+def applied(env: dict, table: dict, patches: dict | None = None):
+    patches = patches or {}
+    targets = {}
+    for path, value in patches.items():
+        mod, attr = path.rsplit(".", 1)
+        m = importlib.import_module(mod)
+        targets[path] = (m, attr, getattr(m, attr))
+        setattr(m, attr, value)
     old_env = {k: os.environ.get(k) for k in env}
     old_tab = {k: tg.MEASURED_FASTER.get(k) for k in table}
     os.environ.update(env)
@@ -75,6 +83,8 @@ def applied(env: dict, table: dict):
                 tg.MEASURED_FASTER.pop(k, None)
             else:
                 tg.MEASURED_FASTER[k] = v
+        for m, attr, value in targets.values():
+            setattr(m, attr, value)
 
 
 def time_graph(cg, reps: int) -> float:
@@ -155,8 +165,8 @@ def main() -> None:
     reps = args.reps or max(50, int(1500 / max(0.1, time_graph(cg, 20))))
     results: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(args.rounds):
-        for name, (env, table) in variants.items():
-            with applied(env, table):
+        for name, variant in variants.items():
+            with applied(*variant):
                 results[name].append(time_graph(cg, reps))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.4f}" for k, v in results.items()), flush=True)
     base = statistics.median(results["base"])

@@ -32,7 +32,8 @@ class Attention(nn.Module):
 
         On CUDA with a backend that reads K/V only from the cache, one kernel normalises q/k per head (Qwen3),
         rotates them and writes K/V into the paged cache (tokenmill.kernels.triton_qk_norm_rope_store), replacing
-        four to five launches per layer. fp8 caches keep the unfused path (the fused store does not scale)."""
+        four to five launches per layer; a backend with `forward_decode_qkv` may fold that kernel into decode
+        attention too. fp8 caches keep the unfused path (the fused store does not scale)."""
         ctx = get_forward_context()
         md = ctx.attn_metadata
         if md is None or not qkv.is_cuda or not getattr(self.impl, "supports_prestored_kv", False):
@@ -40,6 +41,11 @@ class Attention(nn.Module):
         kv_cache = ctx.kv_caches[self.layer_idx]
         if kv_cache.dtype != qkv.dtype:
             return None
+        fused = getattr(self.impl, "forward_decode_qkv", None)
+        if fused is not None:
+            out = fused(qkv, positions, rotary_emb, q_norm, k_norm, kv_cache, md)
+            if out is not None:
+                return out
         from tokenmill.kernels.triton_qk_norm_rope_store import qk_norm_rope_store
         t = md.num_actual_tokens
         q = qk_norm_rope_store(

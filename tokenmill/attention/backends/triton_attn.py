@@ -11,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenmill import envs
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.attention.kv_quant import check_triton_fp8_support, is_fp8
 from tokenmill.kernels.triton_decode_attention import decode_attention, decode_config, decode_num_splits
+from tokenmill.kernels.triton_decode_rope_attention import decode_rope_attention
 from tokenmill.kernels.triton_kv_store import store_kv
 from tokenmill.kernels.triton_prefill_attention import prefill_attention
 
@@ -24,12 +26,42 @@ class TritonAttentionBackend(AttentionBackend):
     name = "TRITON"
     supports_cuda_graphs = True  # pure-decode steps plan nothing on the host; captured mixed batches neither
     supports_prestored_kv = True  # forward(q, None, None, ...) when the K/V of the step are already in the cache
+    FUSED_DECODE_MAX_ROWS = 16    # forward_decode_qkv: the small decode batches of the gemv regime
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
         super().__init__(num_heads, head_size, num_kv_heads, scale)
         # Fixed split count for the decode kernel (set it before capturing CUDA graphs: a captured launch keeps the
         # count it was captured with); None = a heuristic from the batch size and md.max_seq_len per call.
         self.decode_num_splits: int | None = None
+
+    def _decode_splits(self, md: AttentionMetadata, dtype: torch.dtype, fp8: bool) -> int:
+        if self.decode_num_splits is not None:
+            return self.decode_num_splits
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        rows = md.seq_lens.shape[0]
+        return decode_num_splits(rows, hkv, md.max_seq_len, md.seq_lens.device,
+                                 block_n=decode_config(d, hq // hkv, dtype, fp8, rows)[0])
+
+    def forward_decode_qkv(self, qkv, positions, rotary_emb, q_norm, k_norm, kv_cache,
+                           md: AttentionMetadata) -> torch.Tensor | None:
+        """A pure decode step straight from the qkv projection: RoPE, K/V store and attention in one stage-1 launch
+        (kernels/triton_decode_rope_attention.py); None where that does not apply: prefill or mixed rows, more
+        than FUSED_DECODE_MAX_ROWS rows, per-head q/k norms, an fp8 cache, TOKENMILL_DECODE_ROPE_FUSED=0.
+
+        Where it applies was measured, in the whole batch-1 decode graph on an H200 (tools/graph_ab.py, session 11):
+        Llama-3-8B 1.3-1.6% faster than the separate rope/store kernel, Qwen3-0.6B (q/k norms) 0.6% slower, so
+        models with q/k norms keep the separate kernel. Larger batches were not measured and keep it too."""
+        if md.captured_mixed or md.max_query_len > 1 or kv_cache.dtype != qkv.dtype or q_norm is not None \
+                or md.seq_lens.shape[0] > self.FUSED_DECODE_MAX_ROWS or not envs.TOKENMILL_DECODE_ROPE_FUSED:
+            return None
+        return decode_rope_attention(
+            qkv, positions, md.slot_mapping, kv_cache, rotary_emb.cos_cache, rotary_emb.sin_cache,
+            md.query_start_loc, md.seq_lens, md.block_table, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_size, scale=self.scale,
+            num_splits=self._decode_splits(md, qkv.dtype, False), rotary_dim=rotary_emb.rotary_dim,
+            is_neox=rotary_emb.is_neox_style, q_norm_weight=None if q_norm is None else q_norm.weight,
+            k_norm_weight=None if k_norm is None else k_norm.weight,
+            eps=q_norm.eps if q_norm is not None else 1e-6, num_tokens=md.num_actual_tokens)
 
     def forward(self, q, k, v, kv_cache, md: AttentionMetadata, k_scale=None, v_scale=None):
         fp8 = is_fp8(kv_cache.dtype)
@@ -50,10 +82,6 @@ class TritonAttentionBackend(AttentionBackend):
                               num_tokens=t, skip_single=has_decode, max_query_len=md.max_query_len,
                               k_scale=k_scale, v_scale=v_scale)
         if has_decode:
-            splits = self.decode_num_splits
-            if splits is None:
-                splits = decode_num_splits(md.seq_lens.shape[0], hkv, md.max_seq_len, q.device,
-                                           block_n=decode_config(d, hq // hkv, q.dtype, fp8, md.seq_lens.shape[0])[0])
             decode_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
-                             num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+                             num_splits=self._decode_splits(md, q.dtype, fp8), k_scale=k_scale, v_scale=v_scale)
         return out.view(t, hq * d)
