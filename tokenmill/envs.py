@@ -27,6 +27,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Small-batch decode GEMV (tokenmill/layers/linear_ops.py): "auto" = only where measured faster than cuBLAS,
     # "always" = every eligible product (tests use it to cover the fused path on tiny shapes), "never" = cuBLAS.
     "TOKENMILL_GEMV": _str("TOKENMILL_GEMV", "auto"),
+    # Small-batch decode: the SiLU-and-mul after gate_up_proj in the gemv's epilogue, where the gemv takes both
+    # gate_up_proj and a plain down_proj (tokenmill/layers/linear_ops.py). 0 = the SiLU in down_proj's prologue or
+    # a separate kernel (an A/B switch).
+    "TOKENMILL_GEMV_SILU_EPILOGUE": _bool("TOKENMILL_GEMV_SILU_EPILOGUE", True),
     # Programmatic dependent launch between the Triton kernels of a step (Hopper and newer): each kernel starts
     # while the previous one finishes and waits on the GPU for its inputs; weights are read before that wait.
     # 0 = plain stream order (an A/B switch; tokenmill/kernels/pdl.py).

@@ -427,6 +427,22 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
         --output-json "$OUT/tp_qwen3_$v.json" 2>&1 | grep -E "Throughput|Error"
     done
     ;;
+  s11e)  # SiLU in gate_up's epilogue: graph A/B per model, bs1 latency and the throughput workload on the defaults,
+         # then the GPU tests of the changed kernels and the end-to-end GPU tests
+    for m in llama-3-8b qwen3-0.6b; do
+      timeout 150 python3 tools/graph_ab.py $m 2>&1 | grep -vE "^INFO|Loading|it/s" | tee "$OUT/ab_$m.txt"
+    done
+    for m in qwen3-0.6b llama-3-8b; do
+      timeout 60 python3 -m tokenmill.benchmarks.latency --model $m --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$m.json" 2>&1 \
+        | grep -E "decode|Error"
+    done
+    timeout 100 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+      --output-json "$OUT/tp_qwen3.json" 2>&1 | grep -E "Throughput|Error"
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_triton_gemv.py \
+      tests/gpu/test_gpu_e2e.py 2>&1 | tail -8
+    ;;
   s11d)  # decode attention from qkv, v2 (first K/V tile before the PDL wait, newest key in registers): graph A/B
          # with 4 / 8 warps against the separate rope kernel, then the GPU tests
     for m in qwen3-0.6b llama-3-8b; do

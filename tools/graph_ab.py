@@ -44,10 +44,13 @@ UNFUSED = {"TOKENMILL_DECODE_ROPE_FUSED": "0"}
 VARIANTS = {
     "qwen3-0.6b": {
         "base": ({}, {}),
-        "unfused-w8": (UNFUSED, {}, warps("triton_decode_attention", 8)),
+        # SiLU in gate_up's epilogue needs a plain down_proj entry to apply here
+        "epi-down4x2048": ({}, {(1, 1024, 3072, None): fma(4, 2048, w=8, pre=True)}),
+        "epi-down8x1024": ({}, {(1, 1024, 3072, None): fma(8, 1024, pre=True, a2=True)}),
     },
     "llama-3-8b": {
         "base": ({}, {}),
+        "no-silu-epi": ({"TOKENMILL_GEMV_SILU_EPILOGUE": "0"}, {}),
         "rope-unfused": (UNFUSED, {}),
     },
 }

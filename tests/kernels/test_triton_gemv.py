@@ -48,7 +48,8 @@ def _rms_ref(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.double()
 
 
-def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=False, residual=False, lead=()):
+def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=False, residual=False, lead=(),
+           epilogue=None):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     k_in = 2 * k if act == "silu_mul" else k
     x = _rand(*lead, m, k_in, dtype=dtype, gen=gen, scale=2.0)
@@ -66,9 +67,14 @@ def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=Fals
     else:
         inp = h.double()
     ref = F.linear(inp, w.double(), b.double() if bias else None)
+    tol = TOL[dtype]
+    if epilogue == "silu_mul":
+        # w = [gate | up]; the kernel rounds gate, up, silu(gate) and the product (three more roundings).
+        ref = F.silu(ref[..., :n // 2]) * ref[..., n // 2:]
+        n, tol = n // 2, 3 * tol
     out = torch.full((*lead, m, n), float("nan"), dtype=dtype, device=DEV)     # poison: every element written
     x_before = x.clone()
-    res = gemv(x, w, b, act=act, norm_weight=nw, eps=eps, residual=r, out=out, config=config)
+    res = gemv(x, w, b, act=act, norm_weight=nw, eps=eps, residual=r, out=out, config=config, epilogue=epilogue)
     if residual:
         y, r_out = res
         if dtype != torch.bfloat16 or not INTERPRETED:                   # the interpreter truncates bf16
@@ -79,7 +85,7 @@ def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=Fals
     assert y is out and y.dtype == dtype and y.shape == (*lead, m, n)
     assert torch.equal(x, x_before), "x is left alone"
     err = rel_err(y, ref)
-    assert err < TOL[dtype], f"rel err {err:.2e} (m={m} n={n} k={k} {config})"
+    assert err < tol, f"rel err {err:.2e} (m={m} n={n} k={k} {config})"
     for counters in triton_gemv._COUNTERS.values():
         assert not counters.any(), "split-K arrival counters must be reset to 0"
     return err
@@ -108,6 +114,16 @@ def test_rmsnorm_prologue(config, residual):
     for i, m in enumerate((1, 4, 7)):
         _check(m, 45, 96 + 7 * i, torch.float16, seed=20 + i, config=config, norm=True, residual=residual,
                bias=i == 2)
+
+
+@pytest.mark.parametrize("config", CPU_CONFIGS, ids=["dot1", "dot_split", "fma1", "fma_split", "fma_pre",
+                                                     "dot_split_pre", "fma_pre_a2", "fma_a2"])
+def test_silu_mul_epilogue(config):
+    """W = [gate | up]: silu(gate) * up straight out of the product (partial pair tiles, K splits, the norm
+    prologue and a bias included)."""
+    for i, (m, n) in enumerate(((1, 58), (3, 64), (6, 42))):
+        _check(m, n, 80 + 9 * i, torch.float16, seed=60 + i, config=config, epilogue="silu_mul", bias=i == 1,
+               norm=i == 2, residual=i == 2)
 
 
 def test_residual_without_norm_and_leading_dims():
@@ -175,6 +191,11 @@ def test_gemv_gpu_prologues(dtype):
     for cfg in (GemvConfig(32, 256, 8, 4, 2), GemvConfig(16, 128, 4, 4, 1, use_dot=False),
                 GemvConfig(128, 64, 1, 8, 4)):
         _check(5, 3000, 2000, dtype, seed=240, config=cfg, norm=True, residual=True, bias=True)
+    for m in (1, 3, 16):     # the SiLU epilogue at gate_up shapes, with the table's (or the default) configs
+        _check(m, 28672, 4096, dtype, seed=250 + m, epilogue="silu_mul",
+               config=triton_gemv.prefer_gemv(m, 28672, 4096))
+        _check(m, 6144, 1024, dtype, seed=260 + m, epilogue="silu_mul", norm=True, residual=True,
+               config=triton_gemv.prefer_gemv(m, 6144, 1024, "rmsnorm"))
 
 
 @pytest.mark.gpu

@@ -59,7 +59,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr = False,
-    ACC2D: tl.constexpr = False, PDL: tl.constexpr = False,
+    ACC2D: tl.constexpr = False, OUT_SILU: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -69,7 +69,11 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     # Rows past N re-read row N-1 instead of being masked, so W loads stay unpredicated; only the store is masked.
-    n_safe = tl.minimum(offs_n, N - 1)
+    if OUT_SILU:
+        # W = [gate | up] (N = 2I rows): tile column c computes gate row c // 2 (even c) or up row I + c // 2.
+        n_safe = tl.minimum(offs_n // 2, N // 2 - 1) + (offs_n % 2) * (N // 2)
+    else:
+        n_safe = tl.minimum(offs_n, N - 1)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     # W^T tile [BLOCK_K, BLOCK_N]: K is contiguous in memory, so each thread loads 16-byte runs along K.
@@ -113,7 +117,12 @@ def _gemv_kernel(
     ssum = tl.sum(ss, axis=1)
     y_mask = m_mask[:, None] & (offs_n < N)[None, :]
     if not SPLIT:
-        _gemv_epilogue(part, ssum, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM, HAS_BIAS)
+        if OUT_SILU:
+            _gemv_epilogue_silu(part, ssum, b_ptr, y_ptr, offs_m, m_mask, n_safe, pid_n, N, K, eps, stride_ym,
+                                BLOCK_M, BLOCK_N, NORM, HAS_BIAS)
+        else:
+            _gemv_epilogue(part, ssum, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM,
+                           HAS_BIAS)
     else:
         tile = pid_n * split_k
         tile_elems = BLOCK_M * BLOCK_N
@@ -135,8 +144,12 @@ def _gemv_kernel(
                 if NORM:
                     ss_total += tl.load(ss_ptr + (tile + s) * BLOCK_M + offs_m, mask=m_mask, other=0.0,
                                         cache_modifier=".cg")
-            _gemv_epilogue(total, ss_total, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM,
-                           HAS_BIAS)
+            if OUT_SILU:
+                _gemv_epilogue_silu(total, ss_total, b_ptr, y_ptr, offs_m, m_mask, n_safe, pid_n, N, K, eps,
+                                    stride_ym, BLOCK_M, BLOCK_N, NORM, HAS_BIAS)
+            else:
+                _gemv_epilogue(total, ss_total, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM,
+                               HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
@@ -195,6 +208,25 @@ def _gemv_epilogue(acc, ssum, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, s
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _gemv_epilogue_silu(acc, ssum, b_ptr, y_ptr, offs_m, m_mask, rows, pid_n, N, K, eps, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """silu(gate) * up of the interleaved tile (even columns gate, odd up), rounded like the unfused layers: the
+    product's gate and up outputs to the activation dtype, then silu(gate), then the product."""
+    dt = y_ptr.dtype.element_ty
+    if NORM:
+        acc = acc * tl.math.rsqrt(ssum / K + eps)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows).to(tl.float32)[None, :]
+    gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+    gate = gate.to(dt).to(tl.float32)
+    up = up.to(dt).to(tl.float32)
+    a = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + cols[None, :], (a * up).to(dt),
+             mask=m_mask[:, None] & (cols < N // 2)[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------------- host
@@ -351,7 +383,7 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, act: str | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
          residual_out: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         config: GemvConfig | None = None):
+         config: GemvConfig | None = None, epilogue: str | None = None):
     """F.linear(prologue(x), weight, bias) for a few rows of x.
 
     x [..., K] (or [..., 2K] with act="silu_mul"), weight [N, K], bias [N] or None; fp16/bf16, x and weight of one
@@ -360,9 +392,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
       norm_weight [K]: input = RMSNorm(h) with h = x (+ residual); eps is the RMSNorm epsilon.
       residual [..., K] (same shape/dtype as x): h = x + residual; h is written to residual_out (allocated when
         None; must not overlap x or residual) and the call returns (y, residual_out).
+    Epilogue: epilogue="silu_mul" treats weight as [gate | up] (N = 2I rows) and returns silu(gate) * up, y [..., I]
+      (the SiLU-and-mul after gate_up_proj; combines with the norm prologue).
     Returns y [..., N] in x.dtype (written into `out` when given). config overrides the launch heuristic."""
     if act not in _ACTS:
         raise ValueError(f"gemv: unsupported act={act!r}; supported: None, 'silu_mul'")
+    if epilogue not in (None, "silu_mul"):
+        raise ValueError(f"gemv: unsupported epilogue={epilogue!r}; supported: None, 'silu_mul'")
+    if epilogue is not None and act is not None:
+        raise ValueError("gemv: epilogue='silu_mul' cannot be combined with act='silu_mul'")
     if act is not None and (norm_weight is not None or residual is not None):
         raise ValueError("gemv: act='silu_mul' cannot be combined with norm_weight or residual")
     if residual_out is not None and residual is None:
@@ -386,10 +424,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: bias must have shape ({n},) on {dev}, got {tuple(bias.shape)} on {bias.device}")
     if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.device != dev):
         raise ValueError(f"gemv: norm_weight must have shape ({k},) on {dev}, got {tuple(norm_weight.shape)}")
+    if epilogue is not None and n % 2:
+        raise ValueError(f"gemv: epilogue='silu_mul' needs an even number of weight rows ([gate | up]), got {n}")
+    n_out = n // 2 if epilogue is not None else n
     if out is None:
-        out = torch.empty((*lead, n), dtype=x.dtype, device=dev)
-    elif out.shape != (*lead, n) or out.dtype != x.dtype:
-        raise ValueError(f"gemv: out must be {tuple((*lead, n))} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+        out = torch.empty((*lead, n_out), dtype=x.dtype, device=dev)
+    elif out.shape != (*lead, n_out) or out.dtype != x.dtype:
+        raise ValueError(f"gemv: out must be {tuple((*lead, n_out))} {x.dtype}, got {tuple(out.shape)} "
+                         f"{out.dtype}")
     y2 = _rows(out, "out")
     if _overlaps(y2, x2):
         raise ValueError("gemv: out must not overlap x (other programs still read x while one writes its tile)")
@@ -412,8 +454,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if m and n:
         if config is None:
             config = default_config(m, n, k, _sm_count(dev))
+        if epilogue is not None and config.block_n < 2:
+            config = dataclasses.replace(config, block_n=2)
         _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, config, act == "silu_mul",
-                residual is not None)
+                residual is not None, epilogue is not None)
     if residual is None:
         return out
     return out, residual_out
@@ -438,7 +482,7 @@ def launch_plan(m: int, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int,
 
 
 def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvConfig, silu_mul: bool,
-            has_res: bool) -> None:
+            has_res: bool, out_silu: bool = False) -> None:
     block_m, n_tiles, split, k_per_split = launch_plan(m, n, k, cfg)
     if split > 1:
         ws = torch.empty(n_tiles * split * block_m * (cfg.block_n + 1), dtype=torch.float32, device=x2.device)
@@ -453,6 +497,6 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED, PREFETCH=cfg.prefetch,
-        ACC2D=cfg.acc2d,
+        ACC2D=cfg.acc2d, OUT_SILU=out_silu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x2.device),
     )

@@ -16,7 +16,7 @@ from torch import nn
 
 from tokenmill.distributed import divide, get_parallel_state, get_tp_size, kv_heads_per_rank
 from tokenmill.distributed.communication_op import tensor_model_parallel_all_reduce
-from tokenmill.layers.linear_ops import linear, norm_linear, silu_mul_linear
+from tokenmill.layers.linear_ops import linear, norm_linear, norm_linear_silu, silu_mul_linear
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -100,6 +100,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError(f"Shard {shard_id!r}: checkpoint has {loaded.shape[0]} rows, expected {full}.")
         _copy_checked(param.data.narrow(0, offset, here), loaded.narrow(0, self.shard_start(shard_id), here),
                       f"shard {shard_id!r}")
+
+    def forward_norm_silu(self, x: torch.Tensor, residual: torch.Tensor | None, norm,
+                          down: RowParallelLinear) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a [gate | up] projection: (silu(gate) * up of norm(x + residual), x + residual) with the SiLU in the
+        product's epilogue, or None where that does not pay (see linear_ops.norm_linear_silu)."""
+        return norm_linear_silu(x, residual, norm, self.weight, self.bias, down.weight)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

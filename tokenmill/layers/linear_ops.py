@@ -63,3 +63,27 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm, weight: to
         return linear(norm(x), weight, bias), x
     h, residual = norm(x, residual)
     return linear(h, weight, bias), residual
+
+
+def norm_linear_silu(x: torch.Tensor, residual: torch.Tensor | None, norm, weight: torch.Tensor,
+                     bias: torch.Tensor | None, down_weight: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(silu(gate) * up, x + residual) for [gate | up] = F.linear(norm(x + residual), W, b), the SiLU-and-mul in
+    the gemv's epilogue; None where that does not pay: the gemv must take this product (with or without the norm
+    folded in) and down_proj's plain product (`down_weight`) too, else the caller keeps the [gate | up] output and
+    down_proj's SiLU prologue. TOKENMILL_GEMV_SILU_EPILOGUE=0 turns it off."""
+    # _gemv_config looks only at x's rows and dtype and at the weight's shape: x stands in for down_proj's input.
+    if not x.is_cuda or not envs.TOKENMILL_GEMV_SILU_EPILOGUE or _gemv_config(x, down_weight, None) is None:
+        return None
+    from tokenmill.kernels.triton_gemv import gemv
+    cfg = _gemv_config(x, weight, "rmsnorm")
+    if cfg is not None:
+        if residual is None:
+            return gemv(x, weight, bias, norm_weight=norm.weight, eps=norm.eps, config=cfg, epilogue="silu_mul"), x
+        return gemv(x, weight, bias, norm_weight=norm.weight, eps=norm.eps, residual=residual, config=cfg,
+                    epilogue="silu_mul")
+    cfg = _gemv_config(x, weight, None)
+    if cfg is None:
+        return None
+    h, residual = (norm(x), x) if residual is None else norm(x, residual)
+    return gemv(h, weight, bias, config=cfg, epilogue="silu_mul"), residual

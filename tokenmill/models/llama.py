@@ -89,7 +89,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """mlp(norm(x + residual)) and the new residual; SiLU-and-mul is folded into down_proj where it pays."""
+        """mlp(norm(x + residual)) and the new residual; SiLU-and-mul is folded into gate_up_proj's epilogue or
+        down_proj's prologue where it pays."""
+        fused = self.gate_up_proj.forward_norm_silu(x, residual, norm, self.down_proj)
+        if fused is not None:
+            act, residual = fused
+            return self.down_proj(act), residual
         gate_up, residual = self.gate_up_proj.forward_norm(x, residual, norm)
         return self.down_proj(gate_up, act="silu_mul"), residual
 
