@@ -427,6 +427,11 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
         --output-json "$OUT/tp_qwen3_$v.json" 2>&1 | grep -E "Throughput|Error"
     done
     ;;
+  s11f)  # norm prologue on the dot path (spill-free tiles) and x one K step ahead: graph A/B per model
+    for m in llama-3-8b qwen3-0.6b; do
+      timeout 200 python3 tools/graph_ab.py $m 2>&1 | grep -vE "^INFO|Loading|it/s" | tee "$OUT/ab_$m.txt"
+    done
+    ;;
   s11e)  # SiLU in gate_up's epilogue: graph A/B per model, bs1 latency and the throughput workload on the defaults,
          # then the GPU tests of the changed kernels and the end-to-end GPU tests
     for m in llama-3-8b qwen3-0.6b; do

@@ -26,12 +26,12 @@ from tokenmill.kernels.triton_gemv import GemvConfig
 from tokenmill.sampling_params import RequestOutputKind
 
 
-def fma(n, k, s=1, w=4, pre=False, a2=False):
-    return GemvConfig(n, k, s, w, 1, use_dot=False, prefetch=pre, acc2d=a2)
+def fma(n, k, s=1, w=4, pre=False, a2=False, x=False):
+    return GemvConfig(n, k, s, w, 1, use_dot=False, prefetch=pre, acc2d=a2, xprefetch=x)
 
 
-def dot(n, k, s=1, w=4, st=3):
-    return GemvConfig(n, k, s, w, st, use_dot=True)
+def dot(n, k, s=1, w=4, st=3, x=False):
+    return GemvConfig(n, k, s, w, st, use_dot=True, xprefetch=x)
 
 
 def warps(module: str, n: int):
@@ -41,17 +41,23 @@ def warps(module: str, n: int):
 
 UNFUSED = {"TOKENMILL_DECODE_ROPE_FUSED": "0"}
 # name -> (environment, {(M, N, K, prologue): config or None}[, {"module.attr": value} patches])
+GUN = (1, 28672, 4096, "rmsnorm")     # Llama gate_up with the RMSNorm folded in (no separate norm kernel)
+QKVN = (1, 6144, 4096, "rmsnorm")
 VARIANTS = {
     "qwen3-0.6b": {
         "base": ({}, {}),
-        # SiLU in gate_up's epilogue needs a plain down_proj entry to apply here
-        "epi-down4x2048": ({}, {(1, 1024, 3072, None): fma(4, 2048, w=8, pre=True)}),
-        "epi-down8x1024": ({}, {(1, 1024, 3072, None): fma(8, 1024, pre=True, a2=True)}),
+        "gu-x": ({}, {(1, 6144, 1024, "rmsnorm"): fma(8, 512, a2=True, x=True)}),
+        "down-x": ({}, {(1, 1024, 3072, "silu_mul"): fma(4, 2048, w=8, pre=True, x=True)}),
     },
     "llama-3-8b": {
         "base": ({}, {}),
-        "no-silu-epi": ({"TOKENMILL_GEMV_SILU_EPILOGUE": "0"}, {}),
-        "rope-unfused": (UNFUSED, {}),
+        "gun-d64x64s4": ({}, {GUN: dot(64, 64, st=4)}),
+        "gun-d64x64s4x": ({}, {GUN: dot(64, 64, st=4, x=True)}),
+        "gun-d32x128s3x": ({}, {GUN: dot(32, 128, st=3, x=True)}),
+        "gun-d64x128s3w8": ({}, {GUN: dot(64, 128, w=8, st=3)}),
+        "gun-d128x64s4w8": ({}, {GUN: dot(128, 64, w=8, st=4)}),
+        "qkvn-d64x64s4": ({}, {QKVN: dot(64, 64, st=4)}),
+        "qkvn-d32x128s3x": ({}, {QKVN: dot(32, 128, st=3, x=True)}),
     },
 }
 

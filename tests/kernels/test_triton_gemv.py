@@ -36,7 +36,13 @@ CPU_CONFIGS = [
     # FMA reducing over K every step, with and without the prefetch
     GemvConfig(block_n=8, block_k=32, split_k=2, num_stages=1, use_dot=False, prefetch=True, acc2d=True),
     GemvConfig(block_n=16, block_k=16, split_k=1, num_stages=1, use_dot=False, acc2d=True),
+    # x (and residual / norm weight) one K step ahead, dot and FMA, with a partial last split
+    GemvConfig(block_n=16, block_k=16, split_k=3, num_stages=1, use_dot=True, xprefetch=True),
+    GemvConfig(block_n=8, block_k=32, split_k=1, num_stages=1, use_dot=False, prefetch=True, acc2d=True,
+               xprefetch=True),
 ]
+CPU_IDS = ["dot1", "dot_split", "fma1", "fma_split", "fma_pre", "dot_split_pre", "fma_pre_a2", "fma_a2",
+           "dot_split_xpre", "fma_pre_a2_xpre"]
 
 
 def _rand(*shape, dtype, gen, scale=1.0):
@@ -94,30 +100,28 @@ def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=Fals
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", CPU_CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}"
                                                              f"{'dot' if c.use_dot else 'fma'}"
-                                                             f"{'pre' if c.prefetch else ''}{'a2' if c.acc2d else ''}")
+                                                             f"{'pre' if c.prefetch else ''}{'a2' if c.acc2d else ''}"
+                                                             f"{'x' if c.xprefetch else ''}")
 def test_plain_and_bias(config, dtype):
     for i, (m, n, k) in enumerate(((1, 37, 100), (3, 50, 72), (8, 33, 129))):
         _check(m, n, k, dtype, seed=i, config=config, bias=i % 2 == 1)
 
 
-@pytest.mark.parametrize("config", CPU_CONFIGS[:2] + CPU_CONFIGS[3:],
-                         ids=["dot1", "dot_split", "fma_split", "fma_pre", "dot_split_pre", "fma_pre_a2", "fma_a2"])
+@pytest.mark.parametrize("config", CPU_CONFIGS[:2] + CPU_CONFIGS[3:], ids=CPU_IDS[:2] + CPU_IDS[3:])
 def test_silu_mul_prologue(config):
     for i, m in enumerate((1, 2, 5)):
         _check(m, 29, 80 + i, torch.bfloat16, seed=10 + i, config=config, act="silu_mul", bias=i == 1)
 
 
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("config", CPU_CONFIGS[:2] + CPU_CONFIGS[3:],
-                         ids=["dot1", "dot_split", "fma_split", "fma_pre", "dot_split_pre", "fma_pre_a2", "fma_a2"])
+@pytest.mark.parametrize("config", CPU_CONFIGS[:2] + CPU_CONFIGS[3:], ids=CPU_IDS[:2] + CPU_IDS[3:])
 def test_rmsnorm_prologue(config, residual):
     for i, m in enumerate((1, 4, 7)):
         _check(m, 45, 96 + 7 * i, torch.float16, seed=20 + i, config=config, norm=True, residual=residual,
                bias=i == 2)
 
 
-@pytest.mark.parametrize("config", CPU_CONFIGS, ids=["dot1", "dot_split", "fma1", "fma_split", "fma_pre",
-                                                     "dot_split_pre", "fma_pre_a2", "fma_a2"])
+@pytest.mark.parametrize("config", CPU_CONFIGS, ids=CPU_IDS)
 def test_silu_mul_epilogue(config):
     """W = [gate | up]: silu(gate) * up straight out of the product (partial pair tiles, K splits, the norm
     prologue and a bias included)."""

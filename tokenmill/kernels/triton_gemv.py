@@ -59,7 +59,8 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr = False,
-    ACC2D: tl.constexpr = False, OUT_SILU: tl.constexpr = False, PDL: tl.constexpr = False,
+    ACC2D: tl.constexpr = False, OUT_SILU: tl.constexpr = False, XPRE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -97,7 +98,15 @@ def _gemv_kernel(
         step1 = tl.where(k_start + BLOCK_K < k_end, BLOCK_K, 0)
         w_nxt = _load_w_tile(w_ptrs + step1, k_start + step1 + offs_k, K, EVEN_K)
     wait_then_release(PDL)
-    acc, ss = _gemv_step(acc, ss, w, k_start + offs_k, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K,
+    xa, xb, xc = _load_x(k_start + offs_k, x_rows, r_rows, nw_ptr, m_mask, K, BLOCK_M, BLOCK_K, SILU_MUL, NORM,
+                         HAS_RES, EVEN_K)
+    if XPRE:
+        # x (and residual / norm weight) one K step ahead too: the prologue's loads are not left to the compiler's
+        # pipeliner, which does not take loads whose values are transformed before the product.
+        step1x = tl.where(k_start + BLOCK_K < k_end, BLOCK_K, 0)
+        na, nb, nc = _load_x(k_start + step1x + offs_k, x_rows, r_rows, nw_ptr, m_mask, K, BLOCK_M, BLOCK_K,
+                             SILU_MUL, NORM, HAS_RES, EVEN_K)
+    acc, ss = _gemv_step(acc, ss, w, k_start + offs_k, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K,
                          xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32, ACC2D)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
@@ -108,7 +117,15 @@ def _gemv_kernel(
             w_nxt = _load_w_tile(w_ptrs + step, kk + step, K, EVEN_K)
         else:
             w = _load_w_tile(w_ptrs, kk, K, EVEN_K)
-        acc, ss = _gemv_step(acc, ss, w, kk, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K,
+        if XPRE:
+            xa, xb, xc = na, nb, nc
+            stepx = tl.where(k0 + BLOCK_K < k_end, BLOCK_K, 0)
+            na, nb, nc = _load_x(kk + stepx, x_rows, r_rows, nw_ptr, m_mask, K, BLOCK_M, BLOCK_K, SILU_MUL, NORM,
+                                 HAS_RES, EVEN_K)
+        else:
+            xa, xb, xc = _load_x(kk, x_rows, r_rows, nw_ptr, m_mask, K, BLOCK_M, BLOCK_K, SILU_MUL, NORM,
+                                 HAS_RES, EVEN_K)
+        acc, ss = _gemv_step(acc, ss, w, kk, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K,
                              xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32, ACC2D)
     if USE_DOT or ACC2D:
         part = acc
@@ -161,30 +178,52 @@ def _load_w_tile(w_ptrs, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(acc, ss, w, kk, x_rows, r_rows, ro_rows, nw_ptr, m_mask, ro_m, offs_m, K, xdt,
-               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, USE_DOT: tl.constexpr,
-               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, ACC2D: tl.constexpr):
-    """One BLOCK_K step: the prologue on x's columns kk, then acc += x_tile @ w_tile."""
+def _load_x(kk, x_rows, r_rows, nw_ptr, m_mask, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+            SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr):
+    """The loads of one step's prologue on x's columns kk: (gate, up) with SILU_MUL, else (x, residual or x) and
+    the norm weight (or x again)."""
     if EVEN_K:
         xm = tl.broadcast_to(m_mask[:, None], [BLOCK_M, BLOCK_K])
     else:
         xm = m_mask[:, None] & (kk < K)[None, :]
+    a = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
     if SILU_MUL:
-        gate = tl.load(x_rows + kk[None, :], mask=xm, other=0.0).to(tl.float32)
-        up = tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0).to(tl.float32)
+        b = tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0)
+    elif HAS_RES:
+        b = tl.load(r_rows + kk[None, :], mask=xm, other=0.0)
+    else:
+        b = a
+    if NORM:
+        c = tl.load(nw_ptr + kk, mask=kk < K, other=0.0)
+    else:
+        c = kk
+    return a, b, c
+
+
+@triton.jit
+def _gemv_step(acc, ss, w, kk, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K, xdt,
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
+               HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+               ACC2D: tl.constexpr):
+    """One BLOCK_K step: the prologue on x's columns kk (loaded by _load_x), then acc += x_tile @ w_tile."""
+    if SILU_MUL:
+        gate = xa.to(tl.float32)
+        up = xb.to(tl.float32)
         a = (gate / (1.0 + tl.exp(-gate))).to(xdt).to(tl.float32)       # torch rounds silu(gate) first
         xin = (a * up).to(xdt)
     else:
-        xin = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
+        xin = xa
         if HAS_RES:
-            r = tl.load(r_rows + kk[None, :], mask=xm, other=0.0)
-            xin = (xin.to(tl.float32) + r.to(tl.float32)).to(xdt)     # torch adds in the activation dtype
+            xin = (xin.to(tl.float32) + xb.to(tl.float32)).to(xdt)     # torch adds in the activation dtype
+            if EVEN_K:
+                xm = tl.broadcast_to(m_mask[:, None], [BLOCK_M, BLOCK_K])
+            else:
+                xm = m_mask[:, None] & (kk < K)[None, :]
             tl.store(ro_rows + kk[None, :], xin, mask=xm & (offs_m < ro_m)[:, None])
         if NORM:
             xf = xin.to(tl.float32)
             ss += xf * xf
-            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            xin = (xf * nw[None, :]).to(xdt)
+            xin = (xf * xc.to(tl.float32)[None, :]).to(xdt)
     if USE_DOT:
         if DOT_F32:
             acc += tl.dot(xin.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -243,6 +282,7 @@ class GemvConfig:
     use_dot: bool = True
     prefetch: bool = False      # two W tiles in flight per program, both first ones before the PDL wait
     acc2d: bool = False         # FMA path: reduce over K every step (fewer registers, more programs per SM)
+    xprefetch: bool = False     # x (and the prologue's residual / norm weight) loaded one K step ahead
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -497,6 +537,6 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
         SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED, PREFETCH=cfg.prefetch,
-        ACC2D=cfg.acc2d, OUT_SILU=out_silu,
+        ACC2D=cfg.acc2d, OUT_SILU=out_silu, XPRE=cfg.xprefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x2.device),
     )
