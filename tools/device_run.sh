@@ -427,6 +427,15 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
         --output-json "$OUT/tp_qwen3_$v.json" 2>&1 | grep -E "Throughput|Error"
     done
     ;;
+  s11g)  # the session's final code: bs1 latency of both models, then the GPU tests of kernels, layers and engine
+    for m in llama-3-8b qwen3-0.6b; do
+      timeout 60 python3 -m tokenmill.benchmarks.latency --model $m --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$m.json" 2>&1 \
+        | grep -E "decode|Error"
+    done
+    timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels tests/layers tests/gpu \
+      tests/worker 2>&1 | tail -8
+    ;;
   s11f)  # norm prologue on the dot path (spill-free tiles) and x one K step ahead: graph A/B per model
     for m in llama-3-8b qwen3-0.6b; do
       timeout 200 python3 tools/graph_ab.py $m 2>&1 | grep -vE "^INFO|Loading|it/s" | tee "$OUT/ab_$m.txt"
