@@ -49,7 +49,7 @@ class TritonAttentionBackend(AttentionBackend):
         than FUSED_DECODE_MAX_ROWS rows, per-head q/k norms, an fp8 cache, TOKENMILL_DECODE_ROPE_FUSED=0.
 
         Where it applies was measured, in the whole batch-1 decode graph on an H200 (tools/graph_ab.py, session 11):
-        Llama-3-8B 1.3-1.6% faster than the separate rope/store kernel, Qwen3-0.6B (q/k norms) 0.6% slower, so
+        Llama-3-8B 1.6-1.7% faster than the separate rope/store kernel, Qwen3-0.6B (q/k norms) 0.6% slower, so
         models with q/k norms keep the separate kernel. Larger batches were not measured and keep it too."""
         if md.captured_mixed or md.max_query_len > 1 or kv_cache.dtype != qkv.dtype or q_norm is not None \
                 or md.seq_lens.shape[0] > self.FUSED_DECODE_MAX_ROWS or not envs.TOKENMILL_DECODE_ROPE_FUSED:
