@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
-from tokenmill.kernels.triton_decode_attention import (_LOG2E, _decode_stage2_kernel, _splits_p2, decode_config)
+from tokenmill.kernels.triton_decode_attention import _LOG2E, _decode_stage2_kernel, _splits_p2, decode_config
+from tokenmill.kernels.triton_prefill_attention import softmax_tile
 
 
 @triton.jit
@@ -85,25 +86,6 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, pos, k_mask, d, 
     return kt, vv
 
 
-@triton.jit
-def _softmax_step(acc, l_i, m_i, q, kt, vv, k_mask, qk_scale, IEEE: tl.constexpr):
-    """One online-softmax step (exp2 domain) over a K/V tile, as kernels/triton_prefill_attention.py does it."""
-    if IEEE:
-        s = tl.dot(q, kt.to(q.dtype), input_precision="ieee")
-    else:
-        s = tl.dot(q, kt.to(q.dtype))
-    s = tl.where(k_mask[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
-        pv = tl.dot(p.to(q.dtype), vv.to(q.dtype), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(q.dtype), vv.to(q.dtype))
-    return acc * alpha[:, None] + pv, l_i, m_new
-
-
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_rope_stage1_kernel(
     qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
@@ -159,13 +141,13 @@ def _decode_rope_stage1_kernel(
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_P2], dtype=tl.float32)
-    acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, kt0, vv0, m0, qk_scale, IEEE)
+    acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, kt0, vv0, m0[None, :], qk_scale, True, IEEE)
     for start_n in range(start + BLOCK_N, old_end, BLOCK_N):
         pn = start_n + tl.arange(0, BLOCK_N)
         mn = pn < old_end
         kt, vv = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, kv_off, pn, mn, d, d_mask, stride_cb, stride_cs,
                           BLOCK_SIZE)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, q, kt, vv, mn, qk_scale, IEEE)
+        acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, kt, vv, mn[None, :], qk_scale, True, IEEE)
     if has_new:
         # The newest key straight from qkv: rotate it, add it to the softmax, and store k / v for later steps.
         kh = kvh + tl.arange(0, 1)

@@ -50,24 +50,34 @@ def _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, k
         else:
             kt = tl.load(k_cache_ptr + row_off[None, :] + d[:, None], mask=d_mask[:, None], other=0.0)
             vv = tl.load(v_cache_ptr + row_off[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, kt.to(q.dtype), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt.to(q.dtype))
-        s = s * qk_scale                                                                    # [BLOCK_M, BLOCK_N]
         if MASKED:
-            s = tl.where((pos[None, :] <= q_pos[:, None]) & k_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p.to(q.dtype), vv.to(q.dtype), input_precision="ieee")
+            s_mask = (pos[None, :] <= q_pos[:, None]) & k_mask[None, :]
         else:
-            pv = tl.dot(p.to(q.dtype), vv.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            s_mask = pos                       # unused
+        acc, l_i, m_i = softmax_tile(acc, l_i, m_i, q, kt, vv, s_mask, qk_scale, MASKED, IEEE)
     return acc, l_i, m_i
+
+
+@triton.jit
+def softmax_tile(acc, l_i, m_i, q, kt, vv, s_mask, qk_scale, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step (exp2 domain) of q's rows over a K^T / V tile; with MASKED, scores where s_mask
+    (broadcast to [rows, keys]) is false are dropped. Returns the updated (acc, l, m)."""
+    if IEEE:
+        s = tl.dot(q, kt.to(q.dtype), input_precision="ieee")
+    else:
+        s = tl.dot(q, kt.to(q.dtype))
+    s = s * qk_scale                                                                    # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        s = tl.where(s_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(q.dtype), vv.to(q.dtype), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(q.dtype), vv.to(q.dtype))
+    return acc * alpha[:, None] + pv, l_i, m_new
 
 
 @triton.jit
