@@ -122,3 +122,35 @@ def test_utility_before_any_request(model_dir):
         finally:
             eng.shutdown()
     run(main())
+
+
+def test_client_aborts_are_counted_in_metrics(model_dir):
+    """A consumer that stops reading and an explicit abort() both count as finished with reason "abort" in
+    vllm:request_success_total and the per-request histograms (vLLM counts neither)."""
+    from prometheus_client import REGISTRY
+
+    from tokenmill.engine.async_llm import AsyncLLM
+
+    def sample(name: str, model: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, {"model_name": model, "engine": "0", **labels}) or 0.0
+
+    async def main():
+        eng = AsyncLLM.from_engine_args(model=model_dir, max_model_len=256)
+        model = eng.config.model_config.served_model_name[0]
+        names = [("vllm:request_success_total", {"finished_reason": "abort"}),
+                 ("vllm:e2e_request_latency_seconds_count", {}), ("vllm:request_params_n_count", {})]
+        before = [sample(n, model, **lb) for n, lb in names]
+        try:
+            sp = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            agen = eng.generate("stop reading me", sp, "a1")
+            async for _ in agen:
+                break
+            await agen.aclose()
+            agen2 = eng.generate("abort me", sp, "a2")
+            async for _ in agen2:
+                await eng.abort("a2")
+            await eng.abort("never-added")                  # unknown ids are ignored, not counted
+        finally:
+            eng.shutdown()
+        return [sample(n, model, **lb) - b for (n, lb), b in zip(names, before)]
+    assert run(main()) == [2.0, 2.0, 2.0]

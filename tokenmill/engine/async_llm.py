@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator
 
 from tokenmill.config import TokenmillConfig
@@ -15,6 +16,7 @@ from tokenmill.engine.processor import PromptType
 from tokenmill.engine.protocol import EngineClient, EngineDeadError
 from tokenmill.logger import init_logger
 from tokenmill.metrics.loggers import StatLogger
+from tokenmill.metrics.stats import IterationStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -111,12 +113,21 @@ class AsyncLLM(EngineClient):
         finally:
             self._queues.pop(request_id, None)
             if not finished:  # cancelled, disconnected or failed: free the request's blocks in the core
-                self.client.abort_nowait(self.output_processor.abort_requests(request_id))
-
+                self.client.abort_nowait(self._drop(request_id))
 
     async def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        await self.client.abort(self.output_processor.abort_requests(ids))
+        await self.client.abort([eid for rid in ids for eid in self._drop(rid)])
+
+    def _drop(self, request_id: str) -> list[str]:
+        """Forget a user request (or one sequence) in the front end; returns the engine ids to abort. Its
+        sequences count as finished with reason "abort" in the metrics (vllm:request_success_total and the
+        per-request histograms) of the engine that ran them: vLLM leaves client aborts out of them."""
+        stats = IterationStats(time.time(), time.monotonic())
+        engine_ids = self.output_processor.abort_requests(request_id, stats)
+        if stats.finished:
+            self.stat_logger.record_step(None, stats, self.client.owner(engine_ids[0]) or 0)
+        return engine_ids
 
     # ----- background output handling -----
     def start_output_handler(self) -> None:

@@ -171,8 +171,9 @@ class OutputProcessor:
         parent.seqs[index] = seq
         self._seqs[request_id] = seq
 
-    def abort_requests(self, request_ids: str | list[str]) -> list[str]:
-        """Drops the named parents (all their sequences) or sequences; returns the engine ids to abort."""
+    def abort_requests(self, request_ids: str | list[str], stats: IterationStats | None = None) -> list[str]:
+        """Drops the named parents (all their sequences) or sequences; returns the engine ids to abort. With
+        `stats` (and log_stats) each dropped sequence is recorded there as finished with reason "abort"."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         to_abort: list[str] = []
@@ -186,13 +187,18 @@ class OutputProcessor:
                 if seq is None:
                     continue
                 parent, seqs = seq.parent, [seq]
+            if not self.log_stats:
+                stats = None
             for seq in seqs:
                 self._finish(seq, _ABORT, None)
                 to_abort.append(seq.request_id)
+                if stats is not None and seq.stats is not None:
+                    stats.observe_finished(seq.stats, _ABORT, len(parent.prompt_token_ids),
+                                           parent.metrics.arrival_time)
             if whole:
                 parent.num_finished = parent.n  # sequences not added yet will never come
             if parent.finished:
-                self._close(parent, seqs, time.time(), None, None)
+                self._close(parent, seqs, time.time(), None, stats)
         return to_abort
 
     def _finish(self, seq: _Seq, reason: str, stop_reason: int | str | None) -> None:
