@@ -143,3 +143,39 @@ def test_structured_outputs_start_after_reasoning_unless_enable_in_reasoning(mak
     params = engine.calls[-1][1]
     assert params.structured_outputs is not None
     assert params._grammar_after_token_id == (None if in_reasoning else 1234)
+
+
+REQUIRED_OUT = ('[{"name": "get_weather", "parameters": {"city": "Pa}ris \\"[x]\\"", "days": 3}}, '
+                '{"name": "get_weather", "parameters": {"city": "Oslo {"}}]')
+
+
+def test_required_tool_calls_stream_each_call_when_its_item_closes():
+    from tokenmill.entrypoints.openai.chat_parsing import ForcedToolStream, parse_required_calls
+    cut = REQUIRED_OUT.index("}}, ") + 2                       # just past the first item's closing brace
+    st = ForcedToolStream(None)
+    # Braces and quotes inside strings do not close the item: nothing comes out before its last brace.
+    assert not any(st.feed(ch).tool_calls for ch in REQUIRED_OUT[:cut - 1])
+    one = st.feed(REQUIRED_OUT[cut - 1])
+    assert [(c["index"], c["type"], c["function"]["name"]) for c in one.tool_calls] == [(0, "function",
+                                                                                         "get_weather")]
+    assert one.tool_calls[0]["id"]
+    assert json.loads(one.tool_calls[0]["function"]["arguments"]) == {"city": 'Pa}ris "[x]"', "days": 3}
+    two = st.feed(REQUIRED_OUT[cut:])
+    assert [c["index"] for c in two.tool_calls] == [1]
+    assert json.loads(two.tool_calls[0]["function"]["arguments"]) == {"city": "Oslo {"}
+    assert not st.finish().tool_calls
+    # Cut short (max_tokens): the complete item is kept, whole and streamed alike.
+    short = REQUIRED_OUT[:cut + 20]
+    assert [json.loads(c["function"]["arguments"]) for c in parse_required_calls(short)] == [
+        {"city": 'Pa}ris "[x]"', "days": 3}]
+    assert len(ForcedToolStream(None).feed(short).tool_calls) == 1
+
+
+def test_required_tool_calls_whole_and_streamed(make_client, scripted):
+    msg, content, _, calls, finish = run_both(make_client, scripted, REQUIRED_OUT,
+                                              {"tools": TOOLS, "tool_choice": "required"})
+    assert msg["finish_reason"] == "tool_calls" and finish == "tool_calls"
+    whole = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["message"]["tool_calls"]]
+    assert whole == [("get_weather", {"city": 'Pa}ris "[x]"', "days": 3}), ("get_weather", {"city": "Oslo {"})]
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == whole
+    assert all(calls[i]["id"] for i in calls) and content == ""

@@ -2,6 +2,7 @@
 --tool-call-parser): whole responses and streams, with one code path so both give the same result."""
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,18 +103,57 @@ def forced_tool_schema(tools: list[dict] | None, tool_choice: Any,
     return fns[name].get("parameters") or {"type": "object"}, name
 
 
+class _ArrayItems:
+    """The complete top-level objects of a JSON array whose text arrives in pieces (strings and escapes aware)."""
+
+    def __init__(self) -> None:
+        self.text, self.depth, self.in_str, self.escaped, self.start = "", 0, False, False, -1
+
+    def feed(self, piece: str) -> list[str]:
+        done: list[str] = []
+        base = len(self.text)
+        self.text += piece
+        for i, ch in enumerate(piece, base):
+            if self.in_str:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2 and ch == "{":
+                    self.start = i
+            elif ch in "]}":
+                if self.depth == 2 and ch == "}" and self.start >= 0:
+                    done.append(self.text[self.start:i + 1])
+                    self.start = -1
+                self.depth -= 1
+        return done
+
+
 class ForcedToolStream:
     """Streaming for forced tool calls: a named call streams its arguments as they come; "required" (a JSON
-    list of calls) is emitted when the output is complete. Same feed/finish contract as ChoiceStream."""
+    list of calls) emits each call, whole, as soon as its list item is complete. Same feed/finish contract as
+    ChoiceStream."""
 
     def __init__(self, name: str | None) -> None:
-        self.name, self.id, self.buffer, self.started = name, make_tool_call_id(), "", False
+        self.name, self.id, self.started = name, make_tool_call_id(), False
+        self.items, self.count = _ArrayItems(), 0
         self.tools_called = True
 
     def feed(self, delta_text: str) -> StreamPiece:
         if self.name is None:
-            self.buffer += delta_text
-            return StreamPiece()
+            entries = []
+            for item in self.items.feed(delta_text):
+                for call in parse_required_calls(f"[{item}]"):
+                    entries.append({"index": self.count, "id": call["id"], "type": "function",
+                                    "function": call["function"]})
+                    self.count += 1
+            return StreamPiece(tool_calls=entries) if entries else StreamPiece()
         entry: dict[str, Any] = {"index": 0, "function": {"arguments": delta_text}}
         if not self.started:
             self.started = True
@@ -126,16 +166,20 @@ class ForcedToolStream:
     def finish(self) -> StreamPiece:
         if self.name is not None:
             return self.feed("") if not self.started else StreamPiece()
-        calls = parse_required_calls(self.buffer)
-        return StreamPiece(tool_calls=[{"index": i, "id": c["id"], "type": "function", "function": c["function"]}
-                                       for i, c in enumerate(calls)])
+        return StreamPiece()   # every complete call went out as its item closed; a cut-short item is dropped
 
 
 def parse_required_calls(text: str) -> list[dict[str, Any]]:
-    """The JSON list a "required" tool choice produced -> tool_calls entries (empty if it is cut short)."""
+    """The JSON list a "required" tool choice produced -> tool_calls entries. Output cut short (max_tokens) keeps
+    its complete items, as streaming does."""
     try:
         items = json.loads(text)
     except ValueError:
+        items = []
+        for item in _ArrayItems().feed(text):
+            with contextlib.suppress(ValueError):
+                items.append(json.loads(item))
+    if not isinstance(items, list):
         return []
     return [tool_call_json(ToolCall(name=i["name"], arguments=json.dumps(i.get("parameters", {}),
                                                                        ensure_ascii=False)))
