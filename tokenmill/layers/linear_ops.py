@@ -55,10 +55,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm, weight: to
     """(F.linear(norm(x + residual), W, b), x + residual); without a residual the second item is x itself."""
     cfg = _gemv_config(x, weight, "rmsnorm")
     if cfg is not None:
-        from tokenmill.kernels.triton_gemv import gemv
-        if residual is None:
-            return gemv(x, weight, bias, norm_weight=norm.weight, eps=norm.eps, config=cfg), x
-        return gemv(x, weight, bias, norm_weight=norm.weight, eps=norm.eps, residual=residual, config=cfg)
+        return _norm_gemv(x, residual, norm, weight, bias, cfg)
     if residual is None:
         return linear(norm(x), weight, bias), x
     h, residual = norm(x, residual)
@@ -75,15 +72,21 @@ def norm_linear_silu(x: torch.Tensor, residual: torch.Tensor | None, norm, weigh
     # _gemv_config looks only at x's rows and dtype and at the weight's shape: x stands in for down_proj's input.
     if not x.is_cuda or not envs.TOKENMILL_GEMV_SILU_EPILOGUE or _gemv_config(x, down_weight, None) is None:
         return None
-    from tokenmill.kernels.triton_gemv import gemv
     cfg = _gemv_config(x, weight, "rmsnorm")
     if cfg is not None:
-        if residual is None:
-            return gemv(x, weight, bias, norm_weight=norm.weight, eps=norm.eps, config=cfg, epilogue="silu_mul"), x
-        return gemv(x, weight, bias, norm_weight=norm.weight, eps=norm.eps, residual=residual, config=cfg,
-                    epilogue="silu_mul")
+        return _norm_gemv(x, residual, norm, weight, bias, cfg, epilogue="silu_mul")
     cfg = _gemv_config(x, weight, None)
     if cfg is None:
         return None
+    from tokenmill.kernels.triton_gemv import gemv
     h, residual = (norm(x), x) if residual is None else norm(x, residual)
     return gemv(h, weight, bias, config=cfg, epilogue="silu_mul"), residual
+
+
+def _norm_gemv(x, residual, norm, weight, bias, cfg, epilogue: str | None = None):
+    """The gemv with the RMSNorm (+ residual add) folded in: (y, x + residual), or (y, x) without a residual."""
+    from tokenmill.kernels.triton_gemv import gemv
+    kw = dict(norm_weight=norm.weight, eps=norm.eps, config=cfg, epilogue=epilogue)
+    if residual is None:
+        return gemv(x, weight, bias, **kw), x
+    return gemv(x, weight, bias, residual=residual, **kw)

@@ -59,9 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
             md.query_start_loc, md.seq_lens, md.block_table, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_size, scale=self.scale,
             num_splits=self._decode_splits(md, qkv.dtype, False), rotary_dim=rotary_emb.rotary_dim,
-            is_neox=rotary_emb.is_neox_style, q_norm_weight=None if q_norm is None else q_norm.weight,
-            k_norm_weight=None if k_norm is None else k_norm.weight,
-            eps=q_norm.eps if q_norm is not None else 1e-6, num_tokens=md.num_actual_tokens)
+            is_neox=rotary_emb.is_neox_style, num_tokens=md.num_actual_tokens)
 
     def forward(self, q, k, v, kv_cache, md: AttentionMetadata, k_scale=None, v_scale=None):
         fp8 = is_fp8(kv_cache.dtype)
