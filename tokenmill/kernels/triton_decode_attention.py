@@ -72,6 +72,15 @@ def _decode_stage1_kernel(
     o, m_i, l_i = _attend_span(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                block_table_ptr + b * stride_bt, kvh * stride_ch, d, d_mask, start, full_end, end,
                                qk_scale, stride_cb, stride_cs, BLOCK_G, HEAD_P2, BLOCK_SIZE, BLOCK_N, IEEE, FP8)
+    store_stage1(o, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, tok, b, split, head, g_mask, d, d_mask,
+                 stride_ot, stride_oh, stride_mb, stride_mh, stride_ms, HEAD_P2, DIRECT)
+
+
+@triton.jit
+def store_stage1(o, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, tok, b, split, head, g_mask, d, d_mask,
+                 stride_ot, stride_oh, stride_mb, stride_mh, stride_ms, HEAD_P2: tl.constexpr, DIRECT: tl.constexpr):
+    """A stage-1 program's result: the output rows themselves with one split (DIRECT), else the split's normalised
+    partial output and its log-sum-exp (base 2) for stage 2."""
     if DIRECT:
         tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])

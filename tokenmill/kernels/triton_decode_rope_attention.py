@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
-from tokenmill.kernels.triton_decode_attention import _LOG2E, _decode_stage2_kernel, _splits_p2, decode_config
+from tokenmill.kernels.triton_decode_attention import (_LOG2E, _decode_stage2_kernel, _splits_p2, decode_config,
+                                                       store_stage1)
 from tokenmill.kernels.triton_prefill_attention import softmax_tile
 
 
@@ -169,14 +170,8 @@ def _decode_rope_stage1_kernel(
             tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=d_mask[None, :])
             tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_mask[None, :])
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    if DIRECT:
-        tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-        base = b * stride_mb + head * stride_mh + split * stride_ms
-        tl.store(mid_o_ptr + base[:, None] + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(mid_lse_ptr + base // HEAD_P2, lse, mask=g_mask)
+    store_stage1(o, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, tok, b, split, head, g_mask, d, d_mask,
+                 stride_ot, stride_oh, stride_mb, stride_mh, stride_ms, HEAD_P2, DIRECT)
 
 
 def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
