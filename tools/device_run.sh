@@ -12,6 +12,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 mode=${1:-check}
 bench() { echo "=== $*"; python3 -m tokenmill.benchmarks."$@" 2>&1 | grep -vE "Processed prompts|^INFO .*(Loaded|Captured)"; }
+lat1() {  # lat1 MODEL LIMIT_S: the batch-1 latency bench of the targets (128 in, 256 out), JSON to $OUT/lat_MODEL.json
+  timeout "$2" python3 -m tokenmill.benchmarks.latency --model "$1" --batch-size 1 --input-len 128 --output-len 256 \
+    --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$1.json" 2>&1 | grep -E "decode|Error"
+}
+ab() {  # ab MODEL LIMIT_S: tools/graph_ab.py's batch-1 graph A/B, also to $OUT/ab_MODEL.txt
+  timeout "$2" python3 tools/graph_ab.py "$1" 2>&1 | grep -vE "^INFO|Loading|it/s" | tee "$OUT/ab_$1.txt"
+}
 tp2_test() {  # tp2_test DUMP_AFTER_S LIMIT_S: the TP=2 GPU equality test; py-spy dumps to tp2.txt if it stalls
   echo "=== tp2 equality"
   (sleep "$1"; for p in $(pgrep -f "pytest|worker_proc"); do echo "--- $p"; /tmp/site/bin/py-spy dump --pid $p 2>&1 \
@@ -429,27 +436,23 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     ;;
   s11g)  # the session's final code: bs1 latency of both models, then the GPU tests of kernels, layers and engine
     for m in llama-3-8b qwen3-0.6b; do
-      timeout 60 python3 -m tokenmill.benchmarks.latency --model $m --batch-size 1 --input-len 128 --output-len 256 \
-        --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$m.json" 2>&1 \
-        | grep -E "decode|Error"
+      lat1 $m 60
     done
     timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels tests/layers tests/gpu \
       tests/worker 2>&1 | tail -8
     ;;
   s11f)  # norm prologue on the dot path (spill-free tiles) and x one K step ahead: graph A/B per model
     for m in llama-3-8b qwen3-0.6b; do
-      timeout 200 python3 tools/graph_ab.py $m 2>&1 | grep -vE "^INFO|Loading|it/s" | tee "$OUT/ab_$m.txt"
+      ab $m 200
     done
     ;;
   s11e)  # SiLU in gate_up's epilogue: graph A/B per model, bs1 latency and the throughput workload on the defaults,
          # then the GPU tests of the changed kernels and the end-to-end GPU tests
     for m in llama-3-8b qwen3-0.6b; do
-      timeout 150 python3 tools/graph_ab.py $m 2>&1 | grep -vE "^INFO|Loading|it/s" | tee "$OUT/ab_$m.txt"
+      ab $m 150
     done
     for m in qwen3-0.6b llama-3-8b; do
-      timeout 60 python3 -m tokenmill.benchmarks.latency --model $m --batch-size 1 --input-len 128 --output-len 256 \
-        --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$m.json" 2>&1 \
-        | grep -E "decode|Error"
+      lat1 $m 60
     done
     timeout 100 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
       --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
@@ -460,19 +463,17 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
   s11d)  # decode attention from qkv, v2 (first K/V tile before the PDL wait, newest key in registers): graph A/B
          # with 4 / 8 warps against the separate rope kernel, then the GPU tests
     for m in qwen3-0.6b llama-3-8b; do
-      timeout 150 python3 tools/graph_ab.py $m 2>&1 | grep -vE "^INFO|Loading|it/s" | tee "$OUT/ab_$m.txt"
+      ab $m 150
     done
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_triton_decode_rope_attention.py \
       tests/gpu/test_gpu_e2e.py 2>&1 | tail -8
     ;;
   s11c)  # decode attention straight from qkv (rope/store folded into stage 1): graph A/B, bs1 latency, GPU tests
     for m in qwen3-0.6b llama-3-8b; do
-      timeout 150 python3 tools/graph_ab.py $m 2>&1 | grep -vE "^INFO|Loading|it/s" | tee "$OUT/ab_$m.txt"
+      ab $m 150
     done
     for m in qwen3-0.6b llama-3-8b; do
-      timeout 60 python3 -m tokenmill.benchmarks.latency --model $m --batch-size 1 --input-len 128 --output-len 256 \
-        --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$m.json" 2>&1 \
-        | grep -E "decode|Error"
+      lat1 $m 60
     done
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_triton_decode_rope_attention.py \
       tests/kernels/test_triton_attention.py tests/gpu/test_gpu_e2e.py 2>&1 | tail -8

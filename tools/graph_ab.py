@@ -34,11 +34,6 @@ def dot(n, k, s=1, w=4, st=3, x=False):
     return GemvConfig(n, k, s, w, st, use_dot=True, xprefetch=x)
 
 
-def warps(module: str, n: int):
-    """Patch `module`'s decode_config to n warps (bs1 shapes: block_n 64, 2 stages)."""
-    return {f"tokenmill.kernels.{module}.decode_config": lambda *a, **k: (64, n, 2)}
-
-
 UNFUSED = {"TOKENMILL_DECODE_ROPE_FUSED": "0"}
 # name -> (environment, {(M, N, K, prologue): config or None}[, {"module.attr": value} patches])
 GUN = (1, 28672, 4096, "rmsnorm")     # Llama gate_up with the RMSNorm folded in (no separate norm kernel)
@@ -58,6 +53,7 @@ VARIANTS = {
         "gun-d128x64s4w8": ({}, {GUN: dot(128, 64, w=8, st=4)}),
         "qkvn-d64x64s4": ({}, {QKVN: dot(64, 64, st=4)}),
         "qkvn-d32x128s3x": ({}, {QKVN: dot(32, 128, st=3, x=True)}),
+        "rope-unfused": (UNFUSED, {}),
     },
 }
 

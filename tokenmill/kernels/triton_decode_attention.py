@@ -29,6 +29,20 @@ from tokenmill.kernels.triton_prefill_attention import _attend_span
 _LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def row_meta(qsl_ptr, seq_lens_ptr, b):
+    """Row b's (first query token, query length, context length). Step metadata, written by no kernel of the
+    forward (host copies before it): the decode kernels read it before the PDL wait."""
+    q_start = tl.load(qsl_ptr + b)
+    return q_start, tl.load(qsl_ptr + b + 1) - q_start, tl.load(seq_lens_ptr + b)
+
+
+@triton.jit
+def split_len_of(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per split, a multiple of BLOCK_N, from the live context length: stage 1 and stage 2 must agree on it."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary per step: no recompiles while serving
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
@@ -44,14 +58,11 @@ def _decode_stage1_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # Step metadata is written by no kernel of the forward (host copies before it): read before the PDL wait.
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + b)
+    q_start, q_len, seq_len = row_meta(qsl_ptr, seq_lens_ptr, b)
     wait_then_release(PDL)
     if q_len != 1:
         return
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = split_len_of(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     if not DIRECT:
         if start >= seq_len:        # unused split: stage 2 does not read it
@@ -103,13 +114,11 @@ def _decode_stage2_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + b)      # metadata: read before the PDL wait, like stage 1
+    q_start, q_len, seq_len = row_meta(qsl_ptr, seq_lens_ptr, b)
     wait_then_release(PDL)
     if q_len != 1:
         return
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = split_len_of(seq_len, num_splits, BLOCK_N)
     used = tl.cdiv(seq_len, tl.maximum(split_len, 1))        # splits stage 1 wrote (0 when seq_len == 0)
     s = tl.arange(0, SPLITS_P2)
     s_mask = s < used

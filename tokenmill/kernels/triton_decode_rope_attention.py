@@ -21,8 +21,9 @@ import triton.language as tl
 
 from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
 from tokenmill.kernels.triton_decode_attention import (_LOG2E, _decode_stage2_kernel, _splits_p2, decode_config,
-                                                       store_stage1)
+                                                       row_meta, split_len_of, store_stage1)
 from tokenmill.kernels.triton_prefill_attention import softmax_tile
+from tokenmill.kernels.triton_qk_norm_rope_store import check_rope_args
 
 
 @triton.jit
@@ -107,13 +108,11 @@ def _decode_rope_stage1_kernel(
     # Before the PDL wait: everything that no kernel of this forward writes. That is the step metadata, the RoPE
     # table and norm weights, and the cached K/V of the older positions (stored by earlier steps; a pure decode
     # step writes only each row's newest slot), so the split's first K/V tile is in flight under the qkv product.
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + b)
+    q_start, q_len, seq_len = row_meta(qsl_ptr, seq_lens_ptr, b)
     tok = q_start.to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = split_len_of(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     old_end = tl.minimum(end, seq_len - 1)             # cached keys of this split; the newest key comes from qkv
@@ -185,21 +184,10 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mappi
     k/v into kv_cache [2, num_blocks, block_size, Hkv, D] (same dtype as qkv) at slot_mapping (negative: skipped).
     Row b of seq_lens / block_table owns token query_start_loc[b]; every row must have query_len 1, or 0 / 1 with
     seq_len 0 (padding, output zeros). Other arguments as qk_norm_rope_store and decode_attention take them."""
-    if rotary_dim is None:
-        rotary_dim = head_dim
-    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ValueError(f"decode_rope_attention: rotary_dim must be even and in (0, head_dim={head_dim}], got "
-                         f"{rotary_dim}")
-    if (q_norm_weight is None) != (k_norm_weight is None):
-        raise ValueError("decode_rope_attention: give both q_norm_weight and k_norm_weight, or neither")
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
-        raise ValueError(f"decode_rope_attention: qkv must be [T, {width}] with contiguous rows, got "
-                         f"{tuple(qkv.shape)}")
-    if kv_cache.dtype != qkv.dtype or kv_cache.dim() != 5 or kv_cache.shape[3:] != (num_kv_heads, head_dim) \
-            or kv_cache.stride(-1) != 1:
-        raise ValueError("decode_rope_attention: kv_cache must be [2, blocks, block_size, Hkv, D] of qkv's dtype "
-                         f"with a contiguous head dim, got {tuple(kv_cache.shape)} {kv_cache.dtype}")
+    rotary_dim = check_rope_args("decode_rope_attention", qkv, kv_cache, cos_cache, sin_cache, num_heads,
+                                 num_kv_heads, head_dim, rotary_dim, q_norm_weight, k_norm_weight)
+    if kv_cache.dtype != qkv.dtype:
+        raise ValueError(f"decode_rope_attention: kv_cache must have qkv's dtype {qkv.dtype}, got {kv_cache.dtype}")
     if num_heads % num_kv_heads:
         raise ValueError(f"decode_rope_attention: {num_heads} q heads do not group over {num_kv_heads} kv heads")
     t = qkv.shape[0] if num_tokens is None else num_tokens

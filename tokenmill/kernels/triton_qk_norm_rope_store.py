@@ -128,6 +128,37 @@ def _qk_norm_rope_store_kernel(
                     HAS_REST)
 
 
+def check_rope_args(who: str, qkv: torch.Tensor, kv_cache: torch.Tensor, cos_cache: torch.Tensor,
+                    sin_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                    rotary_dim: int | None, q_norm_weight: torch.Tensor | None,
+                    k_norm_weight: torch.Tensor | None) -> int:
+    """The argument checks of a kernel that rotates (and optionally normalises) q/k straight from a qkv row and
+    stores k/v into the paged cache; ValueError naming `who`. Returns the rotary dim (default head_dim)."""
+    if rotary_dim is None:
+        rotary_dim = head_dim
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"{who}: rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError(f"{who}: give both q_norm_weight and k_norm_weight, or neither")
+    for name, wt in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if wt is not None and (wt.shape != (head_dim,) or wt.stride(-1) != 1):
+            raise ValueError(f"{who}: {name} must be a contiguous [{head_dim}], got {tuple(wt.shape)}")
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"{who}: qkv must be [T, {width}] with contiguous rows, got {tuple(qkv.shape)} strides "
+                         f"{qkv.stride()}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (num_kv_heads, head_dim) \
+            or kv_cache.stride(-1) != 1:
+        raise ValueError(f"{who}: kv_cache must be [2, blocks, block_size, {num_kv_heads}, {head_dim}] with a "
+                         f"contiguous head dim, got {tuple(kv_cache.shape)}")
+    half = rotary_dim // 2
+    if cos_cache.shape[-1] != half or sin_cache.shape[-1] != half or cos_cache.stride(-1) != 1 \
+            or sin_cache.stride(-1) != 1:
+        raise ValueError(f"{who}: cos/sin caches must be [max_pos, {half}] with contiguous rows, got "
+                         f"{tuple(cos_cache.shape)} and {tuple(sin_cache.shape)}")
+    return rotary_dim
+
+
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                        kv_cache: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor, *,
                        num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int | None = None,
@@ -144,30 +175,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping:
     k_norm_weight [D] come together or not at all. q_out [T, Hq * D] is allocated when None and may be the q slice of
     qkv itself (in place). k_out [T, Hkv * D], when given, also receives the rotated k (e.g. the k slice of qkv, for
     a backend that stores K/V itself). No host sync; one program per (token, group of heads)."""
-    if rotary_dim is None:
-        rotary_dim = head_dim
-    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ValueError(f"qk_norm_rope_store: rotary_dim must be even and in (0, head_dim={head_dim}], got "
-                         f"{rotary_dim}")
-    if (q_norm_weight is None) != (k_norm_weight is None):
-        raise ValueError("qk_norm_rope_store: give both q_norm_weight and k_norm_weight, or neither")
-    for name, wt in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-        if wt is not None and (wt.shape != (head_dim,) or wt.stride(-1) != 1):
-            raise ValueError(f"qk_norm_rope_store: {name} must be a contiguous [{head_dim}], got "
-                             f"{tuple(wt.shape)}")
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(1) != 1:
-        raise ValueError(f"qk_norm_rope_store: qkv must be [T, {width}] with contiguous rows, got "
-                         f"{tuple(qkv.shape)} strides {qkv.stride()}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[3:] != (num_kv_heads, head_dim) \
-            or kv_cache.stride(-1) != 1:
-        raise ValueError(f"qk_norm_rope_store: kv_cache must be [2, blocks, block_size, {num_kv_heads}, "
-                         f"{head_dim}] with a contiguous head dim, got {tuple(kv_cache.shape)}")
-    half = rotary_dim // 2
-    if cos_cache.shape[-1] != half or sin_cache.shape[-1] != half or cos_cache.stride(-1) != 1 \
-            or sin_cache.stride(-1) != 1:
-        raise ValueError(f"qk_norm_rope_store: cos/sin caches must be [max_pos, {half}] with contiguous rows, got "
-                         f"{tuple(cos_cache.shape)} and {tuple(sin_cache.shape)}")
+    rotary_dim = check_rope_args("qk_norm_rope_store", qkv, kv_cache, cos_cache, sin_cache, num_heads, num_kv_heads,
+                                 head_dim, rotary_dim, q_norm_weight, k_norm_weight)
     t = qkv.shape[0] if num_tokens is None else num_tokens
     if not 0 <= t <= qkv.shape[0] or positions.shape[0] < t or slot_mapping.shape[0] < t:
         raise ValueError(f"qk_norm_rope_store: num_tokens={t} exceeds qkv rows {qkv.shape[0]}, positions "
@@ -197,7 +206,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping:
         num_heads, num_kv_heads, eps,
         qkv.stride(0), q_out.stride(0), k_out.stride(0) if k_out is not None else 0,
         cos_cache.stride(0), sin_cache.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
-        HEAD=head_dim, HEAD_P2=head_p2, HALF=half, HALF_P2=triton.next_power_of_2(half),
+        HEAD=head_dim, HEAD_P2=head_p2, HALF=rotary_dim // 2, HALF_P2=triton.next_power_of_2(rotary_dim // 2),
         REST_P2=triton.next_power_of_2(max(1, head_dim - rotary_dim)), BLOCK_H=block_h, BLOCK_SIZE=bs,
         IS_NEOX=is_neox, HAS_NORM=q_norm_weight is not None, HAS_REST=rotary_dim < head_dim,
         WRITE_K=k_out is not None,
