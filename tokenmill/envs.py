@@ -35,6 +35,11 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # while the previous one finishes and waits on the GPU for its inputs; weights are read before that wait.
     # 0 = plain stream order (an A/B switch; tokenmill/kernels/pdl.py).
     "TOKENMILL_PDL": _bool("TOKENMILL_PDL", True),
+    # Kinds of PDL kernel that let their successor launch before their own wait instead of after it (comma list of
+    # gemv, attention, norm, rope, act, sampling, or "all"; empty = none). Results never change: a successor still
+    # waits for this kernel to complete; only how early its programs may load weights does. The default was
+    # measured on an H200 (tokenmill/kernels/pdl.py).
+    "TOKENMILL_PDL_EARLY": _str("TOKENMILL_PDL_EARLY", "gemv"),
     # Pure decode steps on the Triton backend fold the q/k norm + RoPE + K/V store kernel into decode attention's
     # first stage (tokenmill/kernels/triton_decode_rope_attention.py). 0 = the separate kernel (an A/B switch).
     "TOKENMILL_DECODE_ROPE_FUSED": _bool("TOKENMILL_DECODE_ROPE_FUSED", True),

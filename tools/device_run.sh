@@ -12,12 +12,25 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 mode=${1:-check}
 bench() { echo "=== $*"; python3 -m tokenmill.benchmarks."$@" 2>&1 | grep -vE "Processed prompts|^INFO .*(Loaded|Captured)"; }
-lat1() {  # lat1 MODEL LIMIT_S: the batch-1 latency bench of the targets (128 in, 256 out), JSON to $OUT/lat_MODEL.json
+lat1() {  # lat1 MODEL LIMIT_S [TAG]: the batch-1 latency bench of the targets (128 in, 256 out), JSON to
+          # $OUT/lat_MODEL[_TAG].json
+  echo "--- lat1 $1 ${3:-} (TOKENMILL_PDL_EARLY=${TOKENMILL_PDL_EARLY:-})"
   timeout "$2" python3 -m tokenmill.benchmarks.latency --model "$1" --batch-size 1 --input-len 128 --output-len 256 \
-    --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$1.json" 2>&1 | grep -E "decode|Error"
+    --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_$1${3:+_$3}.json" 2>&1 \
+    | grep -E "decode|Error"
 }
-ab() {  # ab MODEL LIMIT_S: tools/graph_ab.py's batch-1 graph A/B, also to $OUT/ab_MODEL.txt
-  timeout "$2" python3 tools/graph_ab.py "$1" 2>&1 | grep -vE "^INFO|Loading|it/s" | tee "$OUT/ab_$1.txt"
+best_early() {  # best_early MODEL: the TOKENMILL_PDL_EARLY value of the fastest env-only early-* variant in ab's output
+  local name
+  name=$(awk '$1 ~ /^early-(small|gemv|all)$/ {print $2, $1}' "$OUT/ab_$1.txt" | sort -n | head -1 | cut -d' ' -f2)
+  case "$name" in
+    early-small) echo "attention,norm,rope,act" ;; early-gemv) echo gemv ;; early-all) echo all ;; *) echo "" ;;
+  esac
+}
+ab() {  # ab MODEL LIMIT_S [TAG [ARGS...]]: tools/graph_ab.py's batch-1 graph A/B, also to $OUT/ab_MODEL[_TAG].txt
+  local m=$1 lim=$2 tag=${3:-}
+  shift $(( $# < 3 ? $# : 3 ))
+  timeout "$lim" python3 tools/graph_ab.py "$m" "$@" 2>&1 | grep -vE "^INFO|Loading|it/s" \
+    | tee "$OUT/ab_$m${tag:+_$tag}.txt"
 }
 tp2_test() {  # tp2_test DUMP_AFTER_S LIMIT_S: the TP=2 GPU equality test; py-spy dumps to tp2.txt if it stalls
   echo "=== tp2 equality"
@@ -440,6 +453,47 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     done
     timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels tests/layers tests/gpu \
       tests/worker 2>&1 | tail -8
+    ;;
+  s12e)  # the session's final code: bs1 latency of both models, the throughput workloads, the GPU tests
+    lat1 qwen3-0.6b 50; lat1 llama-3-8b 60
+    timeout 110 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+      --output-json "$OUT/tp_qwen3.json" 2>&1 | grep -E "Throughput|Error"
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels tests/layers tests/gpu \
+      tests/worker 2>&1 | tail -6
+    timeout 130 python3 -m tokenmill.benchmarks.throughput --model llama-3-8b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+      --output-json "$OUT/tp_llama8b.json" 2>&1 | grep -E "Throughput|Error"
+    ;;
+  s12d)  # idle decode splits leave before the PDL wait; split counts for batch 1 at the targets' and a long context
+    ab qwen3-0.6b 170 ctx --context 256,1266
+    ab llama-3-8b 250 ctx --context 256,1266
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_decode_rope_attention.py 2>&1 | tail -4
+    ;;
+  s12c)  # the new defaults (early gemv triggers, Llama qkv / o_proj entries): graph A/B against the old ones and
+          # against other decode split counts at context 256, bs1 latency, the GPU tests of the kernels and end to end
+    ab qwen3-0.6b 100 c256 --context 256
+    ab llama-3-8b 150 c256 --context 256
+    lat1 qwen3-0.6b 50; lat1 llama-3-8b 60
+    timeout 190 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_triton_gemv.py \
+      tests/kernels/test_triton_attention.py tests/gpu/test_gpu_e2e.py 2>&1 | tail -6
+    ;;
+  s12b)  # at the latency targets' contexts (~256): Qwen3 fused decode with q/k norms, early gemv triggers, Llama
+          # product configs in the graph; then the fused-decode kernel tests
+    ab qwen3-0.6b 150 c256 --context 256
+    ab llama-3-8b 320 c256 --context 256
+    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+      tests/kernels -k "pdl_chain or rope_attention" 2>&1 | tail -4
+    ;;
+  s12a)  # early PDL triggers (TOKENMILL_PDL_EARLY): graph A/B per model, then bs1 latency without / with the best
+          # early set of each model, alternating
+    ab llama-3-8b 230
+    ab qwen3-0.6b 120
+    for m in qwen3-0.6b llama-3-8b; do
+      e=$(best_early $m); echo "best early set for $m: '$e'"
+      lat1 $m 55 base; TOKENMILL_PDL_EARLY=$e lat1 $m 55 early
+    done
     ;;
   s11f)  # norm prologue on the dot path (spill-free tiles) and x one K step ahead: graph A/B per model
     for m in llama-3-8b qwen3-0.6b; do

@@ -6,7 +6,7 @@ decode graph of one loaded model, with real decode inputs in its buffers, and ti
 variants alternate over several rounds so drift hits them alike. Also reports, for batch-1 decode as served (async
 scheduling), how much of each step the host was busy (wall minus the time it waited for the device).
 
-Usage: python3 tools/graph_ab.py qwen3-0.6b|llama-3-8b [--rounds 3] [--only NAME,NAME]
+Usage: python3 tools/graph_ab.py qwen3-0.6b|llama-3-8b [--rounds 3] [--only NAME,NAME] [--context TOKENS]
 """
 from __future__ import annotations
 
@@ -35,27 +35,48 @@ def dot(n, k, s=1, w=4, st=3, x=False):
 
 
 UNFUSED = {"TOKENMILL_DECODE_ROPE_FUSED": "0"}
+# Early PDL triggers (tokenmill/kernels/pdl.py): the short kernels between products, the products, or every kernel.
+EARLY = {"early-small": {"TOKENMILL_PDL_EARLY": "attention,norm,rope,act"},
+         "early-gemv": {"TOKENMILL_PDL_EARLY": "gemv"},
+         "early-all": {"TOKENMILL_PDL_EARLY": "all"}}
 # name -> (environment, {(M, N, K, prologue): config or None}[, {"module.attr": value} patches])
-GUN = (1, 28672, 4096, "rmsnorm")     # Llama gate_up with the RMSNorm folded in (no separate norm kernel)
-QKVN = (1, 6144, 4096, "rmsnorm")
+OPROJ = (1, 4096, 4096, None)         # Llama o_proj
+QKVN = (1, 6144, 4096, "rmsnorm")     # Llama qkv with the RMSNorm (+ residual) folded in
+DOWN = (1, 4096, 14336, None)         # Llama down_proj
+QKN_FUSED = {"tokenmill.attention.backends.triton_attn.TritonAttentionBackend.FUSED_WITH_QK_NORM": True}
+LATE = {"TOKENMILL_PDL_EARLY": ""}
+
+
+def splits(n):
+    """Decode attention with n splits whatever the batch and context (1: stage 1 writes the output, no stage 2)."""
+    return {"tokenmill.attention.backends.triton_attn.decode_num_splits": lambda *a, **k: n}
+
+
 VARIANTS = {
     "qwen3-0.6b": {
         "base": ({}, {}),
-        "gu-x": ({}, {(1, 6144, 1024, "rmsnorm"): fma(8, 512, a2=True, x=True)}),
-        "down-x": ({}, {(1, 1024, 3072, "silu_mul"): fma(4, 2048, w=8, pre=True, x=True)}),
+        **{f"splits{n}": ({}, {}, splits(n)) for n in (4, 16, 32)},
     },
     "llama-3-8b": {
         "base": ({}, {}),
-        "gun-d64x64s4": ({}, {GUN: dot(64, 64, st=4)}),
-        "gun-d64x64s4x": ({}, {GUN: dot(64, 64, st=4, x=True)}),
-        "gun-d32x128s3x": ({}, {GUN: dot(32, 128, st=3, x=True)}),
-        "gun-d64x128s3w8": ({}, {GUN: dot(64, 128, w=8, st=3)}),
-        "gun-d128x64s4w8": ({}, {GUN: dot(128, 64, w=8, st=4)}),
-        "qkvn-d64x64s4": ({}, {QKVN: dot(64, 64, st=4)}),
-        "qkvn-d32x128s3x": ({}, {QKVN: dot(32, 128, st=3, x=True)}),
-        "rope-unfused": (UNFUSED, {}),
+        **{f"splits{n}": ({}, {}, splits(n)) for n in (4, 16, 32)},
     },
 }
+
+
+def _owner(path: str):
+    """(object, attribute name) of "package.module[.Class].attr": the longest importable module prefix, then
+    attribute lookups."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:-1]:
+            obj = getattr(obj, name)
+        return obj, parts[-1]
+    raise ValueError(f"no importable module in {path!r}")
 
 
 @contextlib.contextmanager
@@ -63,8 +84,7 @@ def applied(env: dict, table: dict, patches: dict | None = None):
     patches = patches or {}
     targets = {}
     for path, value in patches.items():
-        mod, attr = path.rsplit(".", 1)
-        m = importlib.import_module(mod)
+        m, attr = _owner(path)
         targets[path] = (m, attr, getattr(m, attr))
         setattr(m, attr, value)
     old_env = {k: os.environ.get(k) for k in env}
@@ -138,6 +158,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=0, help="graph replays per timing (0: ~1.5 s worth)")
     ap.add_argument("--only", default="", help="comma-separated variant names (base is always run)")
+    ap.add_argument("--context", default="1266",
+                    help="tokens in the request's context when the graphs are timed, or a comma list (each >= 180, "
+                         "timed in increasing order in one process; the batch-1 latency targets decode at 128-384)")
     ap.add_argument("--host-seconds", type=float, default=0.0,
                     help="only run async batch-1 decode for this long (a window for py-spy), then exit")
     args = ap.parse_args()
@@ -153,7 +176,10 @@ def main() -> None:
     sp = SamplingParams(temperature=1.0, max_tokens=100000, ignore_eos=True, detokenize=False,
                         output_kind=RequestOutputKind.FINAL_ONLY)
     eng.add_request("r", {"prompt_token_ids": list(range(100, 228))}, sp)
-    for _ in range(130):                 # the bench's shape: 128 prompt tokens, then decode
+    contexts = sorted(int(c) for c in args.context.split(","))
+    warm = min(130, contexts[0] - 128 - 28)
+    host_steps = max(20, contexts[0] - 128 - warm - 8)
+    for _ in range(warm):                # the bench's shape: 128 prompt tokens, then decode
         eng.step()
     if args.host_seconds:
         # Stay inside max_model_len (2048): past it the request ends and the remaining steps are empty.
@@ -161,12 +187,21 @@ def main() -> None:
         wall, wait = host_busy(eng, core, steps)
         print(f"{steps} async batch-1 steps: wall {wall:.3f} ms, waiting on the device {wait:.3f} ms")
         return
-    wall, wait = host_busy(eng, core, 1000)
+    wall, wait = host_busy(eng, core, host_steps)
     print(f"async batch-1 step: wall {wall:.3f} ms, waiting on the device {wait:.3f} ms, host busy "
           f"{wall - wait:.3f} ms")
     core.async_scheduling = False
     eng.step()
-    torch.cuda.synchronize()
+    ctx = 128 + warm + 8 + host_steps + 1        # the request's context now, give or take a token
+    for c in contexts:
+        for _ in range(c - ctx):
+            eng.step()
+        ctx = max(ctx, c)
+        torch.cuda.synchronize()
+        time_variants(args, cg, variants, c)
+
+
+def time_variants(args, cg, variants: dict, context: int) -> None:
     reps = args.reps or max(50, int(1500 / max(0.1, time_graph(cg, 20))))
     results: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(args.rounds):
@@ -175,10 +210,11 @@ def main() -> None:
                 results[name].append(time_graph(cg, reps))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.4f}" for k, v in results.items()), flush=True)
     base = statistics.median(results["base"])
-    print(f"{args.model}: batch-1 decode graph, ms per replay (median of {args.rounds} rounds x {reps} replays)")
+    print(f"{args.model}: batch-1 decode graph at a context of ~{context} tokens, ms per replay (median of "
+          f"{args.rounds} rounds x {reps} replays)")
     for name, ts in results.items():
         med = statistics.median(ts)
-        print(f"  {name:16s} {med:.4f}  ({100 * (med / base - 1):+.2f}%)  [{', '.join(f'{t:.4f}' for t in ts)}]")
+        print(f"  {name:22s} {med:.4f}  ({100 * (med / base - 1):+.2f}%)  [{', '.join(f'{t:.4f}' for t in ts)}]")
 
 
 if __name__ == "__main__":

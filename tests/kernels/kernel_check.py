@@ -24,16 +24,19 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def check_pdl_chain(chain, monkeypatch, replays: int = 3) -> None:
     """`chain()` (a sequence of dependent kernel launches returning its last output) run with programmatic
     dependent launch and captured in a CUDA graph must be bit-identical to the same chain in plain stream order,
-    eagerly and on every replay (each replay starts from a zeroed output)."""
+    eagerly and on every replay (each replay starts from a zeroed output), with every kernel triggering its
+    successor after its wait and with every kernel triggering it before (TOKENMILL_PDL_EARLY=all)."""
     monkeypatch.setenv("TOKENMILL_PDL", "0")
     want = chain()
     monkeypatch.setenv("TOKENMILL_PDL", "1")
-    assert torch.equal(chain(), want)        # eager; also compiles and creates counters outside the capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got = chain()
-    for _ in range(replays):
-        got.zero_()
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got, want)
+    for early in ("", "all"):
+        monkeypatch.setenv("TOKENMILL_PDL_EARLY", early)
+        assert torch.equal(chain(), want)        # eager; also compiles and creates counters outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got = chain()
+        for _ in range(replays):
+            got.zero_()
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), f"TOKENMILL_PDL_EARLY={early!r}"

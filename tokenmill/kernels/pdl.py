@@ -6,13 +6,20 @@ Why: at decode batch sizes a step is a chain of ~200 short dependent kernels (a 
 depend on the predecessor (the products issue their first weight loads: weights never change during a forward),
 then block in `gdc_wait()` until the predecessor has completed and its writes are visible.
 
-The contract every PDL kernel keeps (see `wait_then_release` for the code):
+The contract every PDL kernel keeps (see `pdl_wait` for the code):
   * before `gdc_wait()` it only reads memory that no kernel of the step writes (weights; the step's metadata, such
     as positions, slots and sequence lengths, which host copies fill before the forward; the RoPE tables), and
     writes nothing. Loads there run under the previous kernel's tail: at batch 1 a kernel's time is mostly its
     chain of dependent memory round trips after the wait, so every load moved before it shortens the step;
-  * right after the wait it calls `gdc_launch_dependents()`, so its successor can start early but never runs
-    ahead of this kernel's own wait: at most two kernels of the chain overlap.
+  * it calls `gdc_launch_dependents()` right after the wait, or, for the kinds of kernel named in
+    TOKENMILL_PDL_EARLY, before it. The successor's own wait still blocks until this kernel has completed (the
+    trigger only decides when the successor's programs may become resident), so where the trigger sits never
+    changes results, only how far ahead the next kernel can run. Measured in the batch-1 decode graphs on an H200
+    (tools/graph_ab.py, session 12): early triggers in the products (the default, "gemv") -0.34% (Qwen3-0.6B) and
+    -0.06% (Llama-3-8B); in the short kernels between products (attention, norms, rope) +16% and +0.2%: the
+    next product's weight loads then run under those latency-bound kernels and slow them.
+  * a program that the step's metadata shows has nothing to do (an unused decode split) returns before the wait;
+    its exit counts as its trigger, and its SM slot is free at once.
 A kernel launched without PDL (cuBLAS, torch ops, NCCL) keeps plain stream order, and a PDL kernel after one of them
 still waits on it, so mixing is safe. The launches work inside CUDA-graph capture (programmatic graph edges).
 """
@@ -36,10 +43,13 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def wait_then_release(PDL: tl.constexpr):
-    """Block until the previous kernel in the stream has completed (its writes visible), then let the next kernel
-    launch. A no-op when the launch did not use PDL."""
-    if PDL:
+def pdl_wait(PDL: tl.constexpr):
+    """Block until the previous kernel in the stream has completed (its writes visible), and let the next kernel
+    launch: after the wait (PDL == 1) or before it (PDL == 2, an early trigger). A no-op when PDL is 0."""
+    if PDL == 2:
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:
         gdc_wait()
         gdc_launch_dependents()
 
@@ -57,8 +67,24 @@ def pdl_enabled(device: torch.device) -> bool:
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_kwargs(device: torch.device) -> dict:
-    """Extra keyword arguments for a kernel launch: the PDL constexpr and, when on, Triton's launch_pdl flag."""
+KINDS = ("gemv", "attention", "norm", "rope", "act", "sampling")
+
+
+@functools.lru_cache(maxsize=8)
+def _early_kinds(spec: str) -> frozenset[str]:
+    kinds = frozenset(k.strip() for k in spec.split(",") if k.strip())
+    if "all" in kinds:
+        return frozenset(KINDS)
+    unknown = kinds - set(KINDS)
+    if unknown:
+        raise ValueError(f"TOKENMILL_PDL_EARLY: unknown kernel kind(s) {sorted(unknown)}; choose from "
+                         f"{', '.join(KINDS)} or all")
+    return kinds
+
+
+def launch_kwargs(device: torch.device, kind: str) -> dict:
+    """Extra keyword arguments for a launch of a kernel of `kind` (one of KINDS): the PDL constexpr (0 off, 1
+    trigger after the wait, 2 before it) and, when on, Triton's launch_pdl flag."""
     if pdl_enabled(device):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+        return {"PDL": 2 if kind in _early_kinds(envs.TOKENMILL_PDL_EARLY) else 1, "launch_pdl": True}
+    return {"PDL": 0}

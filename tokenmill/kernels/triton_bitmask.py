@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
+from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 
 _BLOCK = 4096
 
@@ -22,7 +22,7 @@ _BLOCK = 4096
 @triton.jit
 def _apply_bitmask_kernel(logits_ptr, bitmask_ptr, V, stride_l, stride_b, BLOCK: tl.constexpr,
                           PDL: tl.constexpr = False):
-    wait_then_release(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_vocab = cols < V
@@ -45,7 +45,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: np.ndarray 
         if b:
             _apply_bitmask_kernel[(b, triton.cdiv(v, _BLOCK))](logits, bitmask, v, logits.stride(0),
                                                                bitmask.stride(0), BLOCK=_BLOCK, num_warps=4,
-                                                               **launch_kwargs(logits.device))
+                                                               **launch_kwargs(logits.device, "sampling"))
         return
     idx = torch.from_numpy(np.arange(b) if rows is None else np.asarray(rows, dtype=np.int64))
     if not len(idx):

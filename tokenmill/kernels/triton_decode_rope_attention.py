@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
+from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 from tokenmill.kernels.triton_decode_attention import (_LOG2E, _decode_stage2_kernel, _splits_p2, decode_config,
                                                        row_meta, split_len_of, store_stage1)
 from tokenmill.kernels.triton_prefill_attention import softmax_tile
@@ -117,6 +117,13 @@ def _decode_rope_stage1_kernel(
     end = tl.minimum(start + split_len, seq_len)
     old_end = tl.minimum(end, seq_len - 1)             # cached keys of this split; the newest key comes from qkv
     has_new = (start <= seq_len - 1) & (seq_len - 1 < end)
+    # Nothing to do (not a decode row, or a split past the context, which stage 2 does not read): leave before the
+    # PDL wait, freeing the SM slot at once.
+    if q_len != 1:
+        return
+    if not DIRECT:
+        if start >= seq_len:
+            return
     d = tl.arange(0, HEAD_P2)
     d_mask = d < HEAD
     bt_row = block_table_ptr + b * stride_bt
@@ -127,12 +134,7 @@ def _decode_rope_stage1_kernel(
                         BLOCK_SIZE)
     pd, c, s, qw, qwp, rot, first = _rope_operands(cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin, qw_ptr,
                                                    HEAD, HEAD_P2, HALF, IS_NEOX, HAS_NORM)
-    wait_then_release(PDL)
-    if q_len != 1:
-        return
-    if not DIRECT:
-        if start >= seq_len:        # unused split: stage 2 does not read it
-            return
+    pdl_wait(PDL)
     row = qkv_ptr + tok * stride_qkv
     g = tl.arange(0, BLOCK_G)
     head = kvh * G + g
@@ -213,7 +215,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mappi
         mid_lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=qkv.device)
         sm = mid_o.stride()[:3]
     kc, vc = kv_cache[0], kv_cache[1]
-    pdl = launch_kwargs(qkv.device)
+    pdl = launch_kwargs(qkv.device, "attention")
     _decode_rope_stage1_kernel[(num_rows, num_kv_heads, num_splits)](
         qkv, positions, slot_mapping, cos_cache, sin_cache,
         q_norm_weight if q_norm_weight is not None else qkv, k_norm_weight if k_norm_weight is not None else qkv,

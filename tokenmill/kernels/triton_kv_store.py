@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
+from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 from tokenmill.attention.kv_quant import fp8_max, is_fp8, require_scales
 
 
@@ -26,7 +26,7 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    wait_then_release(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -82,5 +82,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         kc.stride(0), kc.stride(1), kc.stride(2),
         BLOCK_SIZE=bs, HEAD=d, HEAD_P2=head_p2, BLOCK_H=block_h,
         FP8=fp8, FP8_MAX=fp8_max(kv_cache.dtype) if fp8 else 0.0,
-        num_warps=4 if block_h * head_p2 >= 1024 else 1, **launch_kwargs(k.device),
+        num_warps=4 if block_h * head_p2 >= 1024 else 1, **launch_kwargs(k.device, "rope"),
     )

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
+from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 
 
 # ----------------------------------------------------------------------------------------------------------- RMSNorm
@@ -21,10 +21,11 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)     # a weight: read before the PDL wait
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -33,7 +34,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / n_cols
     y = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -75,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(m,)](
             x2, r2, weight, out2, ro2, n, eps,
             x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
-            HAS_RES=residual is not None, BLOCK=block, num_warps=warps, **launch_kwargs(x.device),
+            HAS_RES=residual is not None, BLOCK=block, num_warps=warps, **launch_kwargs(x.device, "norm"),
         )
     out = x if inplace else out2.view(x.shape)
     if residual is None:
@@ -108,7 +108,7 @@ def _rope_kernel(
     HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr, HAS_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    wait_then_release(PDL)
+    pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -154,7 +154,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor |
         qv.shape[1], kv.shape[1] if k is not None else 0,
         qv.stride(0), qv.stride(1), kv.stride(0), kv.stride(1), cos_cache.stride(0), sin_cache.stride(0),
         HALF=half, HALF_P2=half_p2, BLOCK_H=block_h, IS_NEOX=is_neox, HAS_K=k is not None,
-        num_warps=4 if block_h * half_p2 >= 1024 else 1, **launch_kwargs(q.device),
+        num_warps=4 if block_h * half_p2 >= 1024 else 1, **launch_kwargs(q.device, "rope"),
     )
     return q, k
 
@@ -163,7 +163,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor |
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_o, BLOCK: tl.constexpr,
                          PDL: tl.constexpr = False):
-    wait_then_release(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -187,5 +187,5 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if m:
         _silu_and_mul_kernel[(m, triton.cdiv(d, block))](x2, o2, d, x2.stride(0), o2.stride(0), BLOCK=block,
                                                           num_warps=4 if block >= 512 else 1,
-                                                          **launch_kwargs(x.device))
+                                                          **launch_kwargs(x.device, "act"))
     return out

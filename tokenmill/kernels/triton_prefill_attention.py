@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
+from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 from tokenmill.attention.kv_quant import is_fp8, require_scales
 
 _LOG2E = 1.4426950408889634
@@ -120,7 +120,7 @@ def _prefill_attn_kernel(
     BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     IEEE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    wait_then_release(PDL)
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
 
@@ -226,5 +226,5 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         block_table.stride(0),
         BLOCK_SIZE=k_cache.shape[1], G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD=d, HEAD_P2=triton.next_power_of_2(d), IEEE=ieee, FP8=fp8,
-        num_warps=num_warps or cfg[2], num_stages=num_stages or cfg[3], **launch_kwargs(q.device),
+        num_warps=num_warps or cfg[2], num_stages=num_stages or cfg[3], **launch_kwargs(q.device, "attention"),
     )

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
+from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def _qk_norm_rope_store_kernel(
     dt = qkv_ptr.dtype.element_ty
     c = tl.load(cos_ptr + pos * stride_cos + i, mask=i_mask, other=0.0).to(dt).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * stride_sin + i, mask=i_mask, other=0.0).to(dt).to(tl.float32)[None, :]
-    wait_then_release(PDL)
+    pdl_wait(PDL)
     row = qkv_ptr + tok * stride_t
     hb = tl.arange(0, BLOCK_H)
     if grp >= n_qg + n_kg:
@@ -211,6 +211,6 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping:
         IS_NEOX=is_neox, HAS_NORM=q_norm_weight is not None, HAS_REST=rotary_dim < head_dim,
         WRITE_K=k_out is not None,
         num_warps=4 if block_h * head_p2 >= 1024 else 2 if block_h * head_p2 >= 256 else 1,
-        **launch_kwargs(qkv.device),
+        **launch_kwargs(qkv.device, "rope"),
     )
     return q_out

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.pdl import launch_kwargs, wait_then_release
+from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 from tokenmill.layers import sampling_rng as rng
 
 _BLOCK = 2048
@@ -48,7 +48,7 @@ def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, best_val_pt
                  n_chunks, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr,
                  BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_FLAG: tl.constexpr = False,
                  PDL: tl.constexpr = False):
-    wait_then_release(PDL)
+    pdl_wait(PDL)
     if HAS_FLAG:
         if tl.load(flag_ptr) == 0:
             return
@@ -81,7 +81,7 @@ def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, best_val_pt
 @triton.jit
 def _race_stage2(best_val_ptr, best_idx_ptr, out_ptr, flag_ptr, n_chunks, CHUNKS_P2: tl.constexpr,
                  HAS_FLAG: tl.constexpr = False, PDL: tl.constexpr = False):
-    wait_then_release(PDL)
+    pdl_wait(PDL)
     if HAS_FLAG:
         if tl.load(flag_ptr) == 0:
             return
@@ -114,7 +114,7 @@ def race_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
     if b == 0:
         return out
     has_temp, has_flag = temperature is not None, flag is not None
-    pdl = launch_kwargs(logits.device)
+    pdl = launch_kwargs(logits.device, "sampling")
     _race_stage1[(b, n_chunks)](logits, logits.stride(0), seeds, positions, temperature if has_temp else seeds,
                                 best_val, best_idx, flag if has_flag else seeds, v, n_chunks,
                                 SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS, SALT_COL=rng._SALT_COL,

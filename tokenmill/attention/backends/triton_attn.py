@@ -27,6 +27,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True  # pure-decode steps plan nothing on the host; captured mixed batches neither
     supports_prestored_kv = True  # forward(q, None, None, ...) when the K/V of the step are already in the cache
     FUSED_DECODE_MAX_ROWS = 16    # forward_decode_qkv: the small decode batches of the gemv regime
+    FUSED_WITH_QK_NORM = False    # forward_decode_qkv also for models with per-head q/k norms (see there)
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
         super().__init__(num_heads, head_size, num_kv_heads, scale)
@@ -51,7 +52,8 @@ class TritonAttentionBackend(AttentionBackend):
         Where it applies was measured, in the whole batch-1 decode graph on an H200 (tools/graph_ab.py, session 11):
         Llama-3-8B 1.6-1.7% faster than the separate rope/store kernel, Qwen3-0.6B (q/k norms) 0.6% slower, so
         models with q/k norms keep the separate kernel. Larger batches were not measured and keep it too."""
-        if md.captured_mixed or md.max_query_len > 1 or kv_cache.dtype != qkv.dtype or q_norm is not None \
+        if md.captured_mixed or md.max_query_len > 1 or kv_cache.dtype != qkv.dtype \
+                or (q_norm is not None and not self.FUSED_WITH_QK_NORM) \
                 or md.seq_lens.shape[0] > self.FUSED_DECODE_MAX_ROWS or not envs.TOKENMILL_DECODE_ROPE_FUSED:
             return None
         return decode_rope_attention(
@@ -59,7 +61,10 @@ class TritonAttentionBackend(AttentionBackend):
             md.query_start_loc, md.seq_lens, md.block_table, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_size, scale=self.scale,
             num_splits=self._decode_splits(md, qkv.dtype, False), rotary_dim=rotary_emb.rotary_dim,
-            is_neox=rotary_emb.is_neox_style, num_tokens=md.num_actual_tokens)
+            is_neox=rotary_emb.is_neox_style, num_tokens=md.num_actual_tokens,
+            q_norm_weight=None if q_norm is None else q_norm.weight,
+            k_norm_weight=None if k_norm is None else k_norm.weight,
+            eps=q_norm.eps if q_norm is not None else 1e-6)
 
     def forward(self, q, k, v, kv_cache, md: AttentionMetadata, k_scale=None, v_scale=None):
         fp8 = is_fp8(kv_cache.dtype)
