@@ -454,6 +454,18 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels tests/layers tests/gpu \
       tests/worker 2>&1 | tail -8
     ;;
+  s12f)  # Llama-3-8B batch-1 product configs in the graph at the targets' context, then each candidate against
+          # float64
+    ab llama-3-8b 200 c256 --context 256
+    timeout 60 python3 tools/check_variant_configs.py llama-3-8b 2>&1 | tail -18
+    ;;
+  s12h)  # (run as an inline command in session 12; the same steps) bs1 latency of both models on the final code
+    lat1 llama-3-8b 50; lat1 qwen3-0.6b 50
+    ;;
+  s12g)  # Llama gate_up dot 128 x 128, 8 warps: bs1 latency, the gemv GPU tests
+    lat1 llama-3-8b 60
+    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels/test_triton_gemv.py 2>&1 | tail -3
+    ;;
   s12e)  # the session's final code: bs1 latency of both models, the throughput workloads, the GPU tests
     lat1 qwen3-0.6b 50; lat1 llama-3-8b 60
     timeout 110 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \

@@ -52,6 +52,7 @@ def splits(n):
     return {"tokenmill.attention.backends.triton_attn.decode_num_splits": lambda *a, **k: n}
 
 
+GU = (1, 28672, 4096, None)           # Llama gate_up (SiLU-and-mul in its epilogue at batch 1)
 VARIANTS = {
     "qwen3-0.6b": {
         "base": ({}, {}),
@@ -59,7 +60,21 @@ VARIANTS = {
     },
     "llama-3-8b": {
         "base": ({}, {}),
-        **{f"splits{n}": ({}, {}, splits(n)) for n in (4, 16, 32)},
+        "qkvn-f16x256w8pa": ({}, {QKVN: fma(16, 256, w=8, pre=True, a2=True)}),
+        "qkvn-f16x512pa": ({}, {QKVN: fma(16, 512, pre=True, a2=True)}),
+        "qkvn-f32x256w8pa": ({}, {QKVN: fma(32, 256, w=8, pre=True, a2=True)}),
+        "o-f16x512w8pa": ({}, {OPROJ: fma(16, 512, w=8, pre=True, a2=True)}),
+        "o-f8x512w8pa": ({}, {OPROJ: fma(8, 512, w=8, pre=True, a2=True)}),
+        "o-f16x256w8pa": ({}, {OPROJ: fma(16, 256, w=8, pre=True, a2=True)}),
+        "gu-d64x256st4": ({}, {GU: dot(64, 256, st=4)}),
+        "gu-d64x128st4": ({}, {GU: dot(64, 128, st=4)}),
+        "gu-d128x128w8": ({}, {GU: dot(128, 128, w=8)}),
+        "gu-d32x256": ({}, {GU: dot(32, 256)}),
+        "gu-d64x256w8": ({}, {GU: dot(64, 256, w=8)}),
+        "gu-f16x512w8pa": ({}, {GU: fma(16, 512, w=8, pre=True, a2=True)}),
+        "down-f16x512w8pa": ({}, {DOWN: fma(16, 512, w=8, pre=True, a2=True)}),
+        "down-d64x256s4st4": ({}, {DOWN: dot(64, 256, s=4, st=4)}),
+        "down-d64x256s4w8": ({}, {DOWN: dot(64, 256, s=4, w=8)}),
     },
 }
 
