@@ -350,3 +350,19 @@ def test_decode_gpu_pdl_chain_in_graph(monkeypatch):
         return x
 
     check_pdl_chain(chain, monkeypatch)
+
+
+def test_decode_num_splits_aims_at_one_tile_per_split(monkeypatch):
+    """Small batches get a split per 64-key tile of max_seq_len (up to 32, and a power of two); large batches
+    still get only enough programs to fill the GPU about twice."""
+    from tokenmill.kernels import triton_decode_attention as tda
+    monkeypatch.setattr(tda, "_num_sms", lambda index: 132)
+    gpu = torch.device("cuda", 0)            # only its SM count is read, patched above
+    assert tda.decode_num_splits(1, 8, 2048, gpu) == 32
+    assert tda.decode_num_splits(1, 8, 300, gpu) == 8          # 5 tiles, rounded up to a power of two
+    assert tda.decode_num_splits(1, 8, 64, gpu) == 1
+    assert tda.decode_num_splits(1, 8, 2048, gpu, block_n=32) == 32
+    assert tda.decode_num_splits(1, 8, 2048, gpu, min_keys_per_split=256) == 8
+    assert tda.decode_num_splits(16, 8, 2048, gpu) == 4         # 3 wanted to fill 132 SMs twice
+    assert tda.decode_num_splits(256, 8, 2048, gpu) == 1
+    assert tda.decode_num_splits(0, 8, 2048, gpu) == 1
