@@ -34,17 +34,11 @@ def dot(n, k, s=1, w=4, st=3, x=False):
     return GemvConfig(n, k, s, w, st, use_dot=True, xprefetch=x)
 
 
-UNFUSED = {"TOKENMILL_DECODE_ROPE_FUSED": "0"}
-# Early PDL triggers (tokenmill/kernels/pdl.py): the short kernels between products, the products, or every kernel.
-EARLY = {"early-small": {"TOKENMILL_PDL_EARLY": "attention,norm,rope,act"},
-         "early-gemv": {"TOKENMILL_PDL_EARLY": "gemv"},
-         "early-all": {"TOKENMILL_PDL_EARLY": "all"}}
 # name -> (environment, {(M, N, K, prologue): config or None}[, {"module.attr": value} patches])
 OPROJ = (1, 4096, 4096, None)         # Llama o_proj
 QKVN = (1, 6144, 4096, "rmsnorm")     # Llama qkv with the RMSNorm (+ residual) folded in
+GU = (1, 28672, 4096, None)           # Llama gate_up (SiLU-and-mul in its epilogue at batch 1)
 DOWN = (1, 4096, 14336, None)         # Llama down_proj
-QKN_FUSED = {"tokenmill.attention.backends.triton_attn.TritonAttentionBackend.FUSED_WITH_QK_NORM": True}
-LATE = {"TOKENMILL_PDL_EARLY": ""}
 
 
 def splits(n):
@@ -52,7 +46,6 @@ def splits(n):
     return {"tokenmill.attention.backends.triton_attn.decode_num_splits": lambda *a, **k: n}
 
 
-GU = (1, 28672, 4096, None)           # Llama gate_up (SiLU-and-mul in its epilogue at batch 1)
 VARIANTS = {
     "qwen3-0.6b": {
         "base": ({}, {}),
