@@ -32,6 +32,17 @@ ab() {  # ab MODEL LIMIT_S [TAG [ARGS...]]: tools/graph_ab.py's batch-1 graph A/
   timeout "$lim" python3 tools/graph_ab.py "$m" "$@" 2>&1 | grep -vE "^INFO|Loading|it/s" \
     | tee "$OUT/ab_$m${tag:+_$tag}.txt"
 }
+cold_start() {  # Llama-3-8B dummy: process start to first token, CUDA graphs captured
+  echo "=== cold start llama-3-8b (process start to first token, graphs captured)"
+  local t0 t1
+  t0=$(date +%s.%N)
+  timeout 90 python3 -c "
+from tokenmill import LLM, SamplingParams
+from tokenmill.benchmarks.offline_common import shipped_model_dir
+llm = LLM(shipped_model_dir('llama-3-8b'), load_format='dummy', skip_tokenizer_init=True, max_model_len=2048)
+llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+" 2>&1 | grep -E "Captured|KV cache"; t1=$(date +%s.%N); echo "cold start: $(python3 -c "print(round($t1 - $t0, 1))") s"
+}
 tp2_test() {  # tp2_test DUMP_AFTER_S LIMIT_S: the TP=2 GPU equality test; py-spy dumps to tp2.txt if it stalls
   echo "=== tp2 equality"
   (sleep "$1"; for p in $(pgrep -f "pytest|worker_proc"); do echo "--- $p"; /tmp/site/bin/py-spy dump --pid $p 2>&1 \
@@ -88,14 +99,7 @@ case "$mode" in
     echo "=== structured outputs serve bench"; timeout 330 bash tools/device_so_bench.sh 2>&1 | tail -45
     echo "=== gpu tests"; timeout 170 python3 -m pytest -q -p no:cacheprovider --tb=line -rf tests/gpu tests/worker \
       --deselect "tests/gpu/test_gpu_e2e.py::test_greedy_matches_hf_on_cuda[float32-auto-llama]" 2>&1 | tail -14
-    echo "=== cold start llama-3-8b (process start to first token, graphs captured)"
-    t0=$(date +%s.%N)
-    timeout 90 python3 -c "
-from tokenmill import LLM, SamplingParams
-from tokenmill.benchmarks.offline_common import shipped_model_dir
-llm = LLM(shipped_model_dir('llama-3-8b'), load_format='dummy', skip_tokenizer_init=True, max_model_len=2048)
-llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-" 2>&1 | grep -E "Captured|KV cache" ; t1=$(date +%s.%N); echo "cold start: $(python3 -c "print(round($t1 - $t0, 1))") s"
+    cold_start
     timeout 100 python3 -m tokenmill.benchmarks.throughput --model llama-3-8b --num-prompts 256 --input-len 562 \
       --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
       --output-json "$OUT/tp_llama8b.json" 2>&1 | grep -E "Throughput|Total"
@@ -459,6 +463,20 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     ab llama-3-8b 200 c256 --context 256
     timeout 60 python3 tools/check_variant_configs.py llama-3-8b 2>&1 | tail -18
     ;;
+  confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
+            # prompts, same run), bs1 latency of both models, the Llama workload, cold start
+    lat1 llama-3-8b 50; lat1 qwen3-0.6b 50
+    for backend in tokenmill hf; do       # HF runs batches of 256 (--hf-max-batch-size), tokenmill up to 256 seqs
+      timeout 260 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+        --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --backend $backend \
+        $([ $backend = tokenmill ] && echo --max-num-seqs 256) --output-json "$OUT/tp_qwen3_$backend.json" 2>&1 \
+        | grep -E "Throughput|Error"
+    done
+    timeout 100 python3 -m tokenmill.benchmarks.throughput --model llama-3-8b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+      --output-json "$OUT/tp_llama8b.json" 2>&1 | grep -E "Throughput|Error"
+    cold_start
+    ;;
   s12h)  # (run as an inline command in session 12; the same steps) bs1 latency of both models on the final code
     lat1 llama-3-8b 50; lat1 qwen3-0.6b 50
     ;;
@@ -584,14 +602,7 @@ llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detok
     unset TOKENMILL_STEP_TIMING
     bench latency --model qwen3-0.6b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
       --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_qwen3.json"
-    echo "=== cold start llama-3-8b (process start to first token, graphs captured)"
-    t0=$(date +%s.%N)
-    python3 -c "
-from tokenmill import LLM, SamplingParams
-from tokenmill.benchmarks.offline_common import shipped_model_dir
-llm = LLM(shipped_model_dir('llama-3-8b'), load_format='dummy', skip_tokenizer_init=True, max_model_len=2048)
-llm.generate({'prompt_token_ids': [1, 2, 3]}, SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-" 2>&1 | grep -E "Captured|KV cache" ; t1=$(date +%s.%N); echo "cold start: $(python3 -c "print(round($t1 - $t0, 1))") s"
+    cold_start
     bench latency --model llama-3-8b --batch-size 1 --input-len 128 --output-len 256 --num-iters 3 \
       --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_llama8b.json"
     bench throughput --model llama-3-8b --num-prompts 256 --input-len 562 --output-len 562 \
