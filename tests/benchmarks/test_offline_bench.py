@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tokenmill.benchmarks import latency, throughput
 from tokenmill.benchmarks.offline_common import random_token_prompts, shipped_model_dir
 
@@ -26,3 +28,13 @@ def test_throughput_and_latency_run(tiny_model_factory, tmp_path, capsys):
     lat = latency.main(["--model", d, "--batch-size", "2", "--input-len", "8", "--output-len", "4", "--num-iters", "2",
                         "--num-iters-warmup", "1", "--max-model-len", "128"])
     assert len(lat["latencies"]) == 2 and lat["avg_latency"] > 0
+
+
+def test_throughput_hf_backend_runs_and_rejects_engine_flags(tiny_model_factory):
+    d = tiny_model_factory("llama")
+    common = ["--model", d, "--backend", "hf", "--num-prompts", "3", "--input-len", "8", "--output-len", "2",
+              "--max-model-len", "64"]
+    res = throughput.main(common)
+    assert res["backend"] == "hf" and res["total_output_tokens"] == 6 and res["output_tokens_per_second"] > 0
+    with pytest.raises(ValueError, match="--backend hf does not use --enforce-eager, --max-num-seqs"):
+        throughput.main(common + ["--max-num-seqs", "4", "--enforce-eager"])

@@ -39,12 +39,23 @@ def run_tokenmill(prompts, out_lens, engine_kwargs, temperature: float, detokeni
     return elapsed
 
 
+# The engine flags the HF baseline uses (which weights, in which dtype; the seed of its sampling); any other engine
+# flag is rejected with --backend hf rather than silently ignored. skip_tokenizer_init is set by the bench itself.
+_HF_FLAGS = ("model", "dtype", "load_format", "seed", "max_model_len", "skip_tokenizer_init")
+
+
 def run_hf(prompts, out_lens, engine_kwargs, batch_size: int, temperature: float) -> tuple[float, int]:
     """HF generate in batches of left-padded prompts. A batch runs to its longest requested output, and every
     token it generates is counted (generous to HF: it is credited for tokens nobody asked for)."""
+    unused = sorted(k for k in engine_kwargs if k not in _HF_FLAGS)
+    if unused:
+        raise ValueError(f"--backend hf does not use {', '.join('--' + k.replace('_', '-') for k in unused)}: "
+                         f"the HF baseline takes only --model, --dtype, --load-format, --seed and --max-model-len "
+                         f"besides the benchmark's own flags")
     import torch
     import transformers as tf
     from tokenmill.config.engine_args import create_engine_config
+    torch.manual_seed(engine_kwargs["seed"])
     cfg = create_engine_config(**{**engine_kwargs, "skip_tokenizer_init": True})
     mc = cfg.model_config
     device = cfg.device_config.torch_device
