@@ -35,7 +35,8 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from graph_timing import graph_us as _graph_us  # noqa: E402
 
-from tokenmill.kernels.triton_gemv import GemvConfig, _num_sms, default_config, gemv, launch_plan  # noqa: E402
+from tokenmill.kernels.gemv_config import GemvConfig, default_config  # noqa: E402
+from tokenmill.kernels.triton_gemv import _num_sms, gemv, launch_plan  # noqa: E402
 from tokenmill.kernels.triton_kv_store import store_kv  # noqa: E402
 from tokenmill.kernels.triton_norm_rope_act import rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
 from tokenmill.kernels.triton_qk_norm_rope_store import qk_norm_rope_store  # noqa: E402
@@ -366,7 +367,7 @@ def main() -> None:
               f"{_fmt(cb)}" + "".join(f"  ({_fmt(c)} {t:.2f})" for t, c in nxt))
         if tb < tg * 0.97 and err < 2e-2:
             tuned[(1 << (p.m - 1).bit_length(), p.n, p.k)] = cb
-    print("\n# paste into tokenmill/kernels/triton_gemv.py (TUNED) where the sweep beat the default by > 3% "
+    print("\n# paste into tokenmill/kernels/gemv_config.py (TUNED) where the sweep beat the default by > 3% "
           "(a +norm row overrides its plain shape: that is how the model calls it):")
     print("TUNED = {")
     for key, c in tuned.items():

@@ -21,8 +21,8 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.benchmarks.offline_common import shipped_model_dir
-from tokenmill.kernels import triton_gemv as tg
-from tokenmill.kernels.triton_gemv import GemvConfig
+from tokenmill.kernels import gemv_config
+from tokenmill.kernels.gemv_config import GemvConfig
 from tokenmill.sampling_params import RequestOutputKind
 
 
@@ -96,13 +96,13 @@ def applied(env: dict, table: dict, patches: dict | None = None):
         targets[path] = (m, attr, getattr(m, attr))
         setattr(m, attr, value)
     old_env = {k: os.environ.get(k) for k in env}
-    old_tab = {k: tg.MEASURED_FASTER.get(k) for k in table}
+    old_tab = {k: gemv_config.MEASURED_FASTER.get(k) for k in table}
     os.environ.update(env)
     for k, cfg in table.items():
         if cfg is None:
-            tg.MEASURED_FASTER.pop(k, None)
+            gemv_config.MEASURED_FASTER.pop(k, None)
         else:
-            tg.MEASURED_FASTER[k] = (cfg, 0.0, 0.0)
+            gemv_config.MEASURED_FASTER[k] = (cfg, 0.0, 0.0)
     try:
         yield
     finally:
@@ -113,9 +113,9 @@ def applied(env: dict, table: dict, patches: dict | None = None):
                 os.environ[k] = v
         for k, v in old_tab.items():
             if v is None:
-                tg.MEASURED_FASTER.pop(k, None)
+                gemv_config.MEASURED_FASTER.pop(k, None)
             else:
-                tg.MEASURED_FASTER[k] = v
+                gemv_config.MEASURED_FASTER[k] = v
         for m, attr, value in targets.values():
             setattr(m, attr, value)
 

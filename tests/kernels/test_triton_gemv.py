@@ -15,8 +15,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from tests.kernels.kernel_check import DEV, INTERPRETED, check_pdl_chain, rel_err  # noqa: E402
-from tokenmill.kernels import triton_gemv  # noqa: E402
-from tokenmill.kernels.triton_gemv import GemvConfig, default_config, gemv, use_gemv  # noqa: E402
+from tokenmill.kernels import gemv_config, triton_gemv  # noqa: E402
+from tokenmill.kernels.gemv_config import GemvConfig, default_config  # noqa: E402
+from tokenmill.kernels.triton_gemv import gemv, use_gemv  # noqa: E402
 
 # The output is rounded to the activation dtype once, so its error vs float64 is about one rounding; the interpreter
 # truncates fp32 -> bf16 (the GPU rounds to nearest), which doubles the bf16 figure; prologues add one or two
@@ -197,15 +198,15 @@ def test_gemv_gpu_prologues(dtype):
         _check(5, 3000, 2000, dtype, seed=240, config=cfg, norm=True, residual=True, bias=True)
     for m in (1, 3, 16):     # the SiLU epilogue at gate_up shapes, with the table's (or the default) configs
         _check(m, 28672, 4096, dtype, seed=250 + m, epilogue="silu_mul",
-               config=triton_gemv.prefer_gemv(m, 28672, 4096))
+               config=gemv_config.prefer_gemv(m, 28672, 4096))
         _check(m, 6144, 1024, dtype, seed=260 + m, epilogue="silu_mul", norm=True, residual=True,
-               config=triton_gemv.prefer_gemv(m, 6144, 1024, "rmsnorm"))
+               config=gemv_config.prefer_gemv(m, 6144, 1024, "rmsnorm"))
 
 
 @pytest.mark.gpu
 def test_gemv_gpu_measured_table():
     """Every entry of the measured table, at its own shape, row count and prologue, against float64."""
-    for i, ((m, n, k, pro), (cfg, _, _)) in enumerate(sorted(triton_gemv.MEASURED_FASTER.items(), key=str)):
+    for i, ((m, n, k, pro), (cfg, _, _)) in enumerate(sorted(gemv_config.MEASURED_FASTER.items(), key=str)):
         _check(m, n, k, torch.bfloat16, seed=300 + i, config=cfg, act="silu_mul" if pro == "silu_mul" else None,
                norm=pro == "rmsnorm", residual=pro == "rmsnorm")
 

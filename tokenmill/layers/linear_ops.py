@@ -21,13 +21,13 @@ _silu_and_mul = SiluAndMul()
 def _gemv_config(x: torch.Tensor, weight: torch.Tensor, prologue: str | None):
     if not x.is_cuda:
         return None
-    from tokenmill.kernels.triton_gemv import MAX_M, prefer_gemv, use_gemv
+    from tokenmill.kernels.gemv_config import default_config, prefer_gemv
+    from tokenmill.kernels.triton_gemv import MAX_M, use_gemv
     mode = envs.TOKENMILL_GEMV
     m = x.numel() // x.shape[-1]
     if mode == "never" or m > MAX_M or not use_gemv(x, weight):
         return None
     if mode == "always":
-        from tokenmill.kernels.triton_gemv import default_config
         return default_config(m, weight.shape[0], weight.shape[1])
     return prefer_gemv(m, weight.shape[0], weight.shape[1], prologue)
 
