@@ -43,9 +43,6 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Pure decode steps on the Triton backend fold the q/k norm + RoPE + K/V store kernel into decode attention's
     # first stage (tokenmill/kernels/triton_decode_rope_attention.py). 0 = the separate kernel (an A/B switch).
     "TOKENMILL_DECODE_ROPE_FUSED": _bool("TOKENMILL_DECODE_ROPE_FUSED", True),
-    # Split decode attention: the stage-1 program that finishes a (request, kv head) last merges its splits, so no
-    # second kernel runs (tokenmill/kernels/triton_decode_attention.py). 0 = the separate merge kernel (an A/B switch).
-    "TOKENMILL_DECODE_MERGE_IN_STAGE1": _bool("TOKENMILL_DECODE_MERGE_IN_STAGE1", True),
     # KV cache size on CPU when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given.
     "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _int("TOKENMILL_CPU_KVCACHE_SPACE_GIB", 1),
     # Number of torch intra-op threads on CPU (0 = torch's default).

@@ -463,12 +463,6 @@ case "$mode" in
     ab llama-3-8b 200 c256 --context 256
     timeout 60 python3 tools/check_variant_configs.py llama-3-8b 2>&1 | tail -18
     ;;
-  s13a)  # splits merged by the last stage-1 program: the GPU tests, then graph A/B against the stage-2 launch
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels tests/layers tests/gpu \
-      tests/worker 2>&1 | tail -6
-    ab qwen3-0.6b 120 merge --only base,merge-off,splits4 --context 256,1266
-    ab llama-3-8b 220 merge --only base,merge-off --context 256
-    ;;
   confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
             # prompts, same run), bs1 latency of both models, the Llama workload, cold start
     lat1 llama-3-8b 50; lat1 qwen3-0.6b 50

@@ -46,17 +46,13 @@ def splits(n):
     return {"tokenmill.attention.backends.triton_attn.decode_num_splits": lambda *a, **k: n}
 
 
-MERGE_OFF = {"TOKENMILL_DECODE_MERGE_IN_STAGE1": "0"}   # split decode attention merged by a stage-2 launch
-
 VARIANTS = {
     "qwen3-0.6b": {
         "base": ({}, {}),
-        "merge-off": (MERGE_OFF, {}),
         **{f"splits{n}": ({}, {}, splits(n)) for n in (4, 16, 32)},
     },
     "llama-3-8b": {
         "base": ({}, {}),
-        "merge-off": (MERGE_OFF, {}),
         "qkvn-f16x256w8pa": ({}, {QKVN: fma(16, 256, w=8, pre=True, a2=True)}),
         "qkvn-f16x512pa": ({}, {QKVN: fma(16, 512, pre=True, a2=True)}),
         "qkvn-f32x256w8pa": ({}, {QKVN: fma(32, 256, w=8, pre=True, a2=True)}),

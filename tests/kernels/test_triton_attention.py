@@ -246,31 +246,6 @@ def test_decode_splits(splits):
                   seed=40 + splits, splits=splits)
 
 
-@pytest.mark.parametrize("merge,tile", [("1", None), ("1", 64), ("0", None)])
-def test_decode_merge_in_stage1(monkeypatch, merge, tile):
-    """By default the last stage-1 program of each (request, kv head) merges the splits and stage 2 is not
-    launched; a shrunk merge tile makes that merge loop over one split at a time. TOKENMILL_DECODE_MERGE_IN_STAGE1=0
-    launches stage 2. Either way: the reference's output, zeros for padding rows, every arrival counter back at 0."""
-    from tokenmill.kernels import arrival
-    from tokenmill.kernels import triton_decode_attention as tda
-    monkeypatch.setenv("TOKENMILL_DECODE_MERGE_IN_STAGE1", merge)
-    if tile:
-        monkeypatch.setattr(tda, "_MERGE_TILE", tile)
-    launched = []
-    real = tda._decode_stage2_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(tda, "_decode_stage2_kernel", Spy())
-    check_backend([1] * 5, [0, 15, 16, 70, 200], hq=8, hkv=2, d=32, block_size=16, dtype=torch.float32, seed=77,
-                  splits=8, pad_rows=2)
-    assert bool(launched) == (merge == "0")
-    assert arrival._BUFFERS and not any(c.any() for c in arrival._BUFFERS.values()), "counters must end at 0"
-
-
 # ------------------------------------------------------------------------------------- kernels, poisoned outputs
 def test_prefill_kernel_small_tiles_and_odd_head():
     """Small tiles (several query tiles per request, many key tiles), G=3 (non power of two) and head size 96

@@ -32,12 +32,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("merge", ["1", "0"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 @torch.no_grad()
-def test_matches_separate_kernels(case, merge, monkeypatch):
-    """merge: TOKENMILL_DECODE_MERGE_IN_STAGE1 (the splits merged by the last stage-1 program, or by stage 2)."""
-    monkeypatch.setenv("TOKENMILL_DECODE_MERGE_IN_STAGE1", merge)
+def test_matches_separate_kernels(case):
     ctx, hq, hkv, d, rot, neox, norm, dtype, splits, pad = CASES[case]
     bs = 16
     md, cache, _, _, _ = make_batch([1] * len(ctx), ctx, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=dtype,
@@ -93,10 +90,10 @@ def test_rejects_bad_inputs():
     ([77, 513], 16, 8, 64, 64, False, True, torch.float16, 1, 2),
 ])
 @torch.no_grad()
-def test_matches_separate_kernels_gpu(case, monkeypatch):
+def test_matches_separate_kernels_gpu(case):
     """Compiled, at the benchmark models' head shapes (Qwen3-0.6B 16/8, Llama-3-8B 32/8) with long contexts."""
     CASES.append(case)
     try:
-        test_matches_separate_kernels(len(CASES) - 1, "1", monkeypatch)
+        test_matches_separate_kernels(len(CASES) - 1)
     finally:
         CASES.pop()

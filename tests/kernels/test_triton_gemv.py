@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from tests.kernels.kernel_check import DEV, INTERPRETED, check_pdl_chain, rel_err  # noqa: E402
-from tokenmill.kernels import arrival, gemv_config, triton_gemv  # noqa: E402
+from tokenmill.kernels import gemv_config, triton_gemv  # noqa: E402
 from tokenmill.kernels.gemv_config import GemvConfig, default_config  # noqa: E402
 from tokenmill.kernels.triton_gemv import gemv, use_gemv  # noqa: E402
 
@@ -93,7 +93,7 @@ def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=Fals
     assert torch.equal(x, x_before), "x is left alone"
     err = rel_err(y, ref)
     assert err < tol, f"rel err {err:.2e} (m={m} n={n} k={k} {config})"
-    for counters in arrival._BUFFERS.values():
+    for counters in triton_gemv._COUNTERS.values():
         assert not counters.any(), "split-K arrival counters must be reset to 0"
     return err
 
@@ -228,7 +228,7 @@ def test_gemv_gpu_cuda_graph_replays():
         g.replay()
         torch.cuda.synchronize()
         assert rel_err(y, F.linear(x.double(), w.double())) < TOL[dtype]
-    assert not any(c.any() for c in arrival._BUFFERS.values())
+    assert not any(c.any() for c in triton_gemv._COUNTERS.values())
 
 
 @pytest.mark.gpu
@@ -268,7 +268,7 @@ def test_gemv_gpu_pdl_chain_in_graph(monkeypatch):
         return x
 
     check_pdl_chain(chain, monkeypatch)
-    assert not any(c.any() for c in arrival._BUFFERS.values())
+    assert not any(c.any() for c in triton_gemv._COUNTERS.values())
 
 
 

@@ -3,10 +3,8 @@
 Flash-decoding: stage 1 runs a program per (request, kv head, split); it attends the G = Hq / Hkv query heads of that
 kv head (stacked as the M dim of a BLOCK_G >= 16 tile so tl.dot applies) to keys [split * L_s, (split + 1) * L_s) of
 the request, L_s = ceil(ceil(seq_len / num_splits) / BLOCK_N) * BLOCK_N computed in the kernel from the live
-seq_len, and writes the normalised partial output and its log-sum-exp (base 2). The merge of the used splits is
-done by the last stage-1 program of each (request, kv head) to finish (an arrival counter, kernels/arrival.py), or,
-with TOKENMILL_DECODE_MERGE_IN_STAGE1=0, by a stage-2 launch of a program per (request, q head). With
-num_splits == 1 stage 1 writes the output directly.
+seq_len, and writes the normalised partial output and its log-sum-exp (base 2). Stage 2 runs a program per
+(request, q head) and merges the used splits. With num_splits == 1 stage 1 writes the output directly.
 
 Everything the kernels need is read from device tensors (query_start_loc, seq_lens, block_table), so the launch is
 CUDA-graph friendly: the host only picks the grid (batch rows, num_splits). Rows whose query_len != 1 are skipped
@@ -24,9 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill import envs
 from tokenmill.attention.kv_quant import is_fp8, require_scales
-from tokenmill.kernels.arrival import arrival_counters
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 from tokenmill.kernels.triton_prefill_attention import _attend_span
 
@@ -50,14 +46,13 @@ def split_len_of(seq_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary per step: no recompiles while serving
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
-    cnt_ptr, k_scale_ptr, v_scale_ptr, qk_scale, num_splits,
+    k_scale_ptr, v_scale_ptr, qk_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_mb, stride_mh, stride_ms,
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-    MERGE: tl.constexpr = False, G_P2: tl.constexpr = 1, SPLITS_P2: tl.constexpr = 1, CHUNK: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0)
@@ -66,18 +61,12 @@ def _decode_stage1_kernel(
     q_start, q_len, seq_len = row_meta(qsl_ptr, seq_lens_ptr, b)
     split_len = split_len_of(seq_len, num_splits, BLOCK_N)
     start = split * split_len
-    tok = q_start.to(tl.int64)
-    d = tl.arange(0, HEAD_P2)
-    d_mask = d < HEAD
     # A program with nothing to do (not a decode row, or a split past the context, which stage 2 does not read)
     # leaves before the PDL wait: it frees its SM slot at once instead of after the previous kernel.
     if q_len != 1:
         return
     if not DIRECT:
         if start >= seq_len:
-            if MERGE:
-                zero_padding_row(out_ptr, tok, kvh, seq_len, split, d, d_mask, stride_ot, stride_oh, G, G_P2, HEAD_P2,
-                                 PDL)
             return
     pdl_wait(PDL)
     end = tl.minimum(start + split_len, seq_len)
@@ -85,6 +74,9 @@ def _decode_stage1_kernel(
     g = tl.arange(0, BLOCK_G)
     head = kvh * G + g
     g_mask = g < G
+    d = tl.arange(0, HEAD_P2)
+    d_mask = d < HEAD
+    tok = q_start.to(tl.int64)
     q = tl.load(q_ptr + tok * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (seq_len - 1)
@@ -95,63 +87,6 @@ def _decode_stage1_kernel(
                                qk_scale, stride_cb, stride_cs, BLOCK_G, HEAD_P2, BLOCK_SIZE, BLOCK_N, IEEE, FP8)
     store_stage1(o, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, tok, b, split, head, g_mask, d, d_mask,
                  stride_ot, stride_oh, stride_mb, stride_mh, stride_ms, HEAD_P2, DIRECT)
-    if MERGE:
-        merge_if_last(mid_o_ptr, mid_lse_ptr, out_ptr, cnt_ptr, tok, b, kvh, tl.cdiv(seq_len, split_len), d, d_mask,
-                      stride_ot, stride_oh, stride_mb, stride_mh, stride_ms, G, G_P2, HEAD_P2, SPLITS_P2, CHUNK)
-
-
-@triton.jit
-def zero_padding_row(out_ptr, tok, kvh, seq_len, split, d, d_mask, stride_ot, stride_oh,
-                     G: tl.constexpr, G_P2: tl.constexpr, HEAD_P2: tl.constexpr, PDL: tl.constexpr):
-    """With the merge in stage 1 no stage 2 writes the zeros of a padding row (query_len 1, seq_len 0): split 0 of
-    each kv head does, after the wait (the output buffer may still be read by an earlier kernel)."""
-    if (seq_len == 0) & (split == 0):
-        pdl_wait(PDL)
-        g = tl.arange(0, G_P2)
-        head = kvh * G + g
-        tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 tl.zeros([G_P2, HEAD_P2], dtype=out_ptr.dtype.element_ty), mask=(g < G)[:, None] & d_mask[None, :])
-
-
-@triton.jit
-def merge_if_last(mid_o_ptr, mid_lse_ptr, out_ptr, cnt_ptr, tok, b, kvh, used, d, d_mask,
-                  stride_ot, stride_oh, stride_mb, stride_mh, stride_ms,
-                  G: tl.constexpr, G_P2: tl.constexpr, HEAD_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
-                  CHUNK: tl.constexpr):
-    """Stage 2 done by the last of a (request, kv head)'s `used` stage-1 programs to finish (kernels/arrival.py):
-    saves the second launch and its wait, the cost that dominates at small batches. The same arithmetic as
-    _decode_stage2_kernel for the G heads of this kv head; the partial outputs are summed CHUNK splits at a time
-    to bound registers."""
-    # Every thread's partial store must precede the (single-thread) release of the arrival counter.
-    tl.debug_barrier()
-    cnt = cnt_ptr + b * tl.num_programs(1) + kvh
-    arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
-    if arrived == used - 1:
-        g = tl.arange(0, G_P2)
-        g_mask = g < G
-        hbase = b * stride_mb + (kvh * G + g) * stride_mh                     # [G_P2]
-        s = tl.arange(0, SPLITS_P2)
-        # mid_lse is mid_o without its last dim ([B, Hq, S] contiguous), so its offset is mid_o's / HEAD_P2.
-        # .cg: read from L2, where the other programs' partials are, never from a stale L1 line.
-        lse = tl.load(mid_lse_ptr + (hbase[:, None] + s[None, :] * stride_ms) // HEAD_P2,
-                      mask=g_mask[:, None] & (s < used)[None, :], other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse, 1)
-        m = tl.where(m > -1.0e30, m, 0.0)
-        den = tl.sum(tl.exp2(lse - m[:, None]), 1)
-        num = tl.zeros([G_P2, HEAD_P2], dtype=tl.float32)
-        for s0 in range(0, used, CHUNK):
-            c = s0 + tl.arange(0, CHUNK)
-            cm = g_mask[:, None] & (c < used)[None, :]
-            off = hbase[:, None] + c[None, :] * stride_ms                        # [G_P2, CHUNK]
-            w = tl.exp2(tl.load(mid_lse_ptr + off // HEAD_P2, mask=cm, other=float("-inf"), cache_modifier=".cg")
-                        - m[:, None])
-            o = tl.load(mid_o_ptr + off[:, :, None] + d[None, None, :], mask=cm[:, :, None] & d_mask[None, None, :],
-                        other=0.0, cache_modifier=".cg")
-            num += tl.sum(o * w[:, :, None], 1)
-        res = num / tl.where(den > 0.0, den, 1.0)[:, None]
-        tl.store(out_ptr + tok * stride_ot + (kvh * G + g)[:, None] * stride_oh + d[None, :],
-                 res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-        tl.atomic_xchg(cnt, 0)
 
 
 @triton.jit
@@ -213,26 +148,6 @@ def _splits_p2(num_splits: int) -> int:
     return MAX_SPLITS if num_splits <= MAX_SPLITS else triton.next_power_of_2(num_splits)
 
 
-_MAX_MERGE_GROUPS = 8192     # (request, kv head) arrival counters: larger split launches keep stage 2
-_MERGE_TILE = 4096           # fp32 elements of partial output the merging program holds per chunk
-
-
-def merge_plan(device: torch.device, num_rows: int, num_kv_heads: int, group: int, head_p2: int,
-               num_splits: int) -> tuple[torch.Tensor | None, dict]:
-    """(arrival counters, the stage-1 constexprs) for a split launch that merges in stage 1, or (None, {}) for the
-    two-kernel form: with TOKENMILL_DECODE_MERGE_IN_STAGE1=0, more (request, kv head) groups than counters, or a
-    graph captured before any eager call created the counters."""
-    cnt = None
-    if envs.TOKENMILL_DECODE_MERGE_IN_STAGE1 and num_splits > 1 and num_rows * num_kv_heads <= _MAX_MERGE_GROUPS:
-        cnt = arrival_counters(device, "decode_attention", _MAX_MERGE_GROUPS)
-    if cnt is None:
-        return None, {}
-    g_p2 = triton.next_power_of_2(group)
-    splits_p2 = _splits_p2(num_splits)
-    chunk = max(1, min(splits_p2, _MERGE_TILE // (g_p2 * head_p2)))
-    return cnt, dict(MERGE=True, G_P2=g_p2, SPLITS_P2=splits_p2, CHUNK=chunk)
-
-
 @functools.lru_cache(maxsize=8)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -285,8 +200,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Row b's token is q[query_start_loc[b]]; rows with query_len != 1 are left alone; query_len 1 with seq_len 0
     gives zeros. k_cache/v_cache [num_blocks, block_size, Hkv, D]; out [T, Hq, D] (may alias nothing in q). An fp8
     cache needs k_scale / v_scale (float32 device scalars): cached values are read as fp8 * scale.
-    Grid: (B, Hkv, num_splits), B = seq_lens.shape[0]; plus (B, Hq) for stage 2 where the merge is not in
-    stage 1 (merge_plan)."""
+    Grid: (B, Hkv, num_splits) then (B, Hq) when num_splits > 1, B = seq_lens.shape[0]."""
     num_rows = seq_lens.shape[0]
     if num_rows == 0:
         return
@@ -307,7 +221,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         require_scales(k_scale, v_scale)
     else:  # never read: any pointer will do
         k_scale = v_scale = seq_lens
-    cnt, merge = (None, {}) if direct else merge_plan(q.device, num_rows, hkv, g, head_p2, num_splits)
     if direct:
         mid_o = mid_lse = out          # unused
         sm = (0, 0, 0)
@@ -318,15 +231,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     common = dict(num_warps=num_warps or cfg[1], **launch_kwargs(q.device, "attention"))
     _decode_stage1_kernel[(num_rows, hkv, num_splits)](
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens, mid_o, mid_lse, out,
-        cnt if cnt is not None else seq_lens, k_scale, v_scale, scale * _LOG2E, num_splits,
+        k_scale, v_scale, scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         sm[0], sm[1], sm[2],
         BLOCK_SIZE=k_cache.shape[1], G=g, BLOCK_G=block_g, BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2,
-        DIRECT=direct, IEEE=ieee, FP8=fp8, num_stages=num_stages or cfg[2], **merge, **common,
+        DIRECT=direct, IEEE=ieee, FP8=fp8, num_stages=num_stages or cfg[2], **common,
     )
-    if not direct and cnt is None:
+    if not direct:
         _decode_stage2_kernel[(num_rows, hq)](
             mid_o, mid_lse, out, query_start_loc, seq_lens, num_splits,
             out.stride(0), out.stride(1), sm[0], sm[1], sm[2],

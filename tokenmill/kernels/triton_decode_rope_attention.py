@@ -6,8 +6,7 @@ kernels/pdl.py), and the separate norm/rope/store kernel (kernels/triton_qk_norm
 kernels per layer. Here each stage-1 program (request, kv head, split) rotates its own G query heads from the qkv
 row; the program whose split holds the newest position also rotates that kv head's new k, stores k and v into the
 cache, and then (after a CTA barrier, which orders its own global writes before its reads) attends over its split
-like kernels/triton_decode_attention.py, the new key included. The merge of splits (in the last stage-1 program,
-or a stage-2 launch) is that module's.
+like kernels/triton_decode_attention.py, the new key included. Stage 2 (the merge of splits) is that module's.
 
 Only pure decode steps (every row query_len 1, or CUDA-graph padding with seq_len 0 and a negative slot) take this
 path; prefill and mixed batches keep the separate store kernel. Rounding follows the separate kernel (RMSNorm as
@@ -22,8 +21,7 @@ import triton.language as tl
 
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 from tokenmill.kernels.triton_decode_attention import (_LOG2E, _decode_stage2_kernel, _splits_p2, decode_config,
-                                                       merge_if_last, merge_plan, row_meta, split_len_of,
-                                                       store_stage1, zero_padding_row)
+                                                       row_meta, split_len_of, store_stage1)
 from tokenmill.kernels.triton_prefill_attention import softmax_tile
 from tokenmill.kernels.triton_qk_norm_rope_store import check_rope_args
 
@@ -93,7 +91,7 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, pos, k_mask, d, 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_rope_stage1_kernel(
     qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-    k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, cnt_ptr,
+    k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
     qk_scale, eps, num_splits,
     stride_qkv, stride_ot, stride_oh, stride_cos, stride_sin,
     stride_cb, stride_cs, stride_ch,
@@ -102,7 +100,6 @@ def _decode_rope_stage1_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, HALF: tl.constexpr,
     IS_NEOX: tl.constexpr, HAS_NORM: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-    MERGE: tl.constexpr = False, G_P2: tl.constexpr = 1, SPLITS_P2: tl.constexpr = 1, CHUNK: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0)
@@ -122,16 +119,13 @@ def _decode_rope_stage1_kernel(
     has_new = (start <= seq_len - 1) & (seq_len - 1 < end)
     # Nothing to do (not a decode row, or a split past the context, which stage 2 does not read): leave before the
     # PDL wait, freeing the SM slot at once.
-    d = tl.arange(0, HEAD_P2)
-    d_mask = d < HEAD
     if q_len != 1:
         return
     if not DIRECT:
         if start >= seq_len:
-            if MERGE:
-                zero_padding_row(out_ptr, tok, kvh, seq_len, split, d, d_mask, stride_ot, stride_oh, G, G_P2, HEAD_P2,
-                                 PDL)
             return
+    d = tl.arange(0, HEAD_P2)
+    d_mask = d < HEAD
     bt_row = block_table_ptr + b * stride_bt
     kv_off = kvh * stride_ch
     pos0 = start + tl.arange(0, BLOCK_N)
@@ -179,9 +173,6 @@ def _decode_rope_stage1_kernel(
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     store_stage1(o, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, tok, b, split, head, g_mask, d, d_mask,
                  stride_ot, stride_oh, stride_mb, stride_mh, stride_ms, HEAD_P2, DIRECT)
-    if MERGE:
-        merge_if_last(mid_o_ptr, mid_lse_ptr, out_ptr, cnt_ptr, tok, b, kvh, tl.cdiv(seq_len, split_len), d, d_mask,
-                      stride_ot, stride_oh, stride_mb, stride_mh, stride_ms, G, G_P2, HEAD_P2, SPLITS_P2, CHUNK)
 
 
 def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -216,7 +207,6 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mappi
     head_p2 = triton.next_power_of_2(head_dim)
     direct = num_splits == 1
     out3 = out.view(t, num_heads, head_dim)
-    cnt, merge = (None, {}) if direct else merge_plan(qkv.device, num_rows, num_kv_heads, g, head_p2, num_splits)
     if direct:
         mid_o = mid_lse = out
         sm = (0, 0, 0)
@@ -229,7 +219,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mappi
     _decode_rope_stage1_kernel[(num_rows, num_kv_heads, num_splits)](
         qkv, positions, slot_mapping, cos_cache, sin_cache,
         q_norm_weight if q_norm_weight is not None else qkv, k_norm_weight if k_norm_weight is not None else qkv,
-        kc, vc, block_table, query_start_loc, seq_lens, mid_o, mid_lse, out3, cnt if cnt is not None else seq_lens,
+        kc, vc, block_table, query_start_loc, seq_lens, mid_o, mid_lse, out3,
         scale * _LOG2E, eps, num_splits,
         qkv.stride(0), out3.stride(0), out3.stride(1), cos_cache.stride(0), sin_cache.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -238,9 +228,9 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mappi
         HQ=num_heads, HKV=num_kv_heads, BLOCK_SIZE=kc.shape[1], G=g, BLOCK_G=max(16, triton.next_power_of_2(g)),
         BLOCK_N=block_n, HEAD=head_dim, HEAD_P2=head_p2, HALF=rotary_dim // 2, IS_NEOX=is_neox,
         HAS_NORM=q_norm_weight is not None, DIRECT=direct, IEEE=qkv.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages, **merge, **pdl,
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )
-    if not direct and cnt is None:
+    if not direct:
         _decode_stage2_kernel[(num_rows, num_heads)](
             mid_o, mid_lse, out3, query_start_loc, seq_lens, num_splits,
             out3.stride(0), out3.stride(1), sm[0], sm[1], sm[2],

@@ -44,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.arrival import arrival_counters
 from tokenmill.kernels.gemv_config import GemvConfig, default_config
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 
@@ -288,11 +287,18 @@ def _sm_count(dev: torch.device) -> int:
     return _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
 def _counters(device: torch.device) -> torch.Tensor:
-    buf = arrival_counters(device, "gemv", _MAX_SPLIT_TILES)
+    buf = _COUNTERS.get(device)
     if buf is None:
-        raise RuntimeError("triton_gemv: run gemv once outside CUDA-graph capture (warm-up) before capturing "
-                           "a graph that uses split-K.")
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A zeros() inside a capture would only run at replay: graphs replayed in another order would start
+            # from garbage counters.
+            raise RuntimeError("triton_gemv: run gemv once outside CUDA-graph capture (warm-up) before capturing "
+                               "a graph that uses split-K.")
+        buf = _COUNTERS[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     return buf
 
 
