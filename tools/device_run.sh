@@ -476,6 +476,18 @@ case "$mode" in
     timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels tests/layers tests/gpu \
       tests/worker 2>&1 | tail -6
     ;;
+  s13c)  # the Qwen3 workload at token budgets 8192 (default) and 16384, alternating, three runs each; Llama bs1
+    for i in 1 2 3; do
+      for mbt in default 16384; do
+        echo "--- qwen3 throughput run $i, max_num_batched_tokens $mbt"
+        timeout 70 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+          --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+          $([ $mbt != default ] && echo --max-num-batched-tokens $mbt) --output-json "$OUT/tp_qwen3_${mbt}_$i.json" \
+          2>&1 | grep -E "Throughput|Error"
+      done
+    done
+    lat1 llama-3-8b 50 s13c
+    ;;
   confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
             # prompts, same run), bs1 latency of both models, the Llama workload, cold start
     lat1 llama-3-8b 50; lat1 qwen3-0.6b 50
