@@ -488,6 +488,16 @@ case "$mode" in
     done
     lat1 llama-3-8b 50 s13c
     ;;
+  s13d)  # the offline LLM's 16384-token default on this GPU: the official throughput commands, unchanged
+    for i in 1 2; do
+      timeout 70 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+        --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+        --output-json "$OUT/tp_qwen3_$i.json" 2>&1 | grep -E "Throughput|Error|max_num_batched_tokens defaults"
+    done
+    timeout 100 python3 -m tokenmill.benchmarks.throughput --model llama-3-8b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
+      --output-json "$OUT/tp_llama8b.json" 2>&1 | grep -E "Throughput|Error"
+    ;;
   confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
             # prompts, same run), bs1 latency of both models, the Llama workload, cold start
     lat1 llama-3-8b 50; lat1 qwen3-0.6b 50

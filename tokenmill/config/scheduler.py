@@ -7,14 +7,28 @@ from tokenmill.config.utils import check_choices, check_range, config_field, not
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_NUM_SEQS = 256
+# vLLM's default for its offline `LLM` class on GPUs of 70+ GiB other than the A100 (H100, H200, MI300): larger
+# prefill chunks, so fewer eager mixed steps while a batch of prompts is admitted. Its server keeps 8192 there, as
+# ours does. On the H200, Qwen3-0.6B's nano-vllm workload: 25,623 against 24,656 output tok/s (means of four runs
+# each; docs/benchmarks.md, session 13).
+OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS = 16384
+_LARGE_GPU_BYTES = 70 * 2**30
+
+
+def offline_max_num_batched_tokens(total_bytes: int, device_name: str) -> int | None:
+    """The offline LLM's default per-step token budget on a GPU of this size and name; None: the common default."""
+    if total_bytes >= _LARGE_GPU_BYTES and "a100" not in device_name.lower():
+        return OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS
+    return None
 
 
 @dataclass
 class SchedulerConfig:
     """One token budget per step shared by prefill chunks and decodes."""
     max_num_batched_tokens: int | None = config_field(
-        None, help=f"Most tokens processed in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; at least "
-                   "max_model_len when chunked prefill is off).")
+        None, help=f"Most tokens processed in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; "
+                   f"{OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS} for the offline LLM class on one GPU of 70 GiB or "
+                   "more other than an A100, as in vLLM; at least max_model_len when chunked prefill is off).")
     max_num_seqs: int | None = config_field(None, help=f"Most requests in one step (default {DEFAULT_MAX_NUM_SEQS}).")
     max_num_partial_prefills: int = config_field(
         1, help="Most requests partially prefilled at once (the budget loop leaves at most one partial prefill per "

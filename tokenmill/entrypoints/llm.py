@@ -4,16 +4,45 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
+from tokenmill.config.scheduler import offline_max_num_batched_tokens
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.logger import init_logger
 from tokenmill.entrypoints.chat_utils import Conversation, render_chat
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
+logger = init_logger(__name__)
+
 if TYPE_CHECKING:
     from tokenmill.beam_search import BeamSearchOutput
     from tokenmill.sampling_params import BeamSearchParams
+
+
+_PARALLEL_SIZES = (("tensor_parallel_size", "tp"), ("pipeline_parallel_size", "pp"), ("data_parallel_size", "dp"))
+
+
+def offline_defaults(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine arguments with vLLM's offline-class defaults that depend on the GPU filled in where not given: the
+    per-step token budget (config/scheduler.py). Reads the device's size only where the in-process engine will use
+    CUDA anyway."""
+    if kwargs.get("max_num_batched_tokens") is not None or kwargs.get("enable_chunked_prefill") is False:
+        return kwargs
+    if kwargs.get("device", "auto") not in ("auto", "cuda") or not torch.cuda.is_available():
+        return kwargs
+    for name, short in _PARALLEL_SIZES:
+        size = kwargs.get(name, kwargs.get(short))
+        if size is not None and not (isinstance(size, int) and size <= 1):
+            return kwargs  # workers in other processes (or a bad value, which the config check reports)
+    props = torch.cuda.get_device_properties(0)
+    budget = offline_max_num_batched_tokens(props.total_memory, props.name)
+    if budget is None:
+        return kwargs
+    logger.info("max_num_batched_tokens defaults to %d for the offline LLM on this %s (%.0f GiB), as in vLLM",
+                budget, props.name, props.total_memory / 2**30)
+    return {**kwargs, "max_num_batched_tokens": budget}
 
 
 class LLM:
@@ -32,7 +61,8 @@ class LLM:
         # Engine-wide structured-output options, applied to each constrained request as the server does.
         self.structured_outputs_config = StructuredOutputsConfig.from_dict(structured_outputs_config)
         self.structured_outputs_config.check_supported()
-        self.llm_engine = LLMEngine.from_engine_args(log_stats=not disable_log_stats, model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(log_stats=not disable_log_stats, model=model,
+                                                     **offline_defaults(kwargs))
         self._counter = itertools.count()
 
     def get_tokenizer(self):
