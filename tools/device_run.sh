@@ -463,27 +463,26 @@ case "$mode" in
     ab llama-3-8b 200 c256 --context 256
     timeout 60 python3 tools/check_variant_configs.py llama-3-8b 2>&1 | tail -18
     ;;
-  s13b)  # the final code (confirm's): bs1 latency of both models, the Qwen3 workload at the default token budget
-          # (8192) and at 16384 (vLLM's LLM-class default on 70+ GiB GPUs), then the GPU tests
+  s13b)  # confirm's code: bs1 latency of both models, the Qwen3 workload at token budgets 8192 (then the default:
+          # session 13's files say "default") and 16384 (vLLM's LLM-class default on 70+ GiB GPUs), the GPU tests
     lat1 llama-3-8b 50 s13b; lat1 qwen3-0.6b 50 s13b
-    for mbt in default 16384; do
+    for mbt in 8192 16384; do
       echo "--- qwen3 throughput, max_num_batched_tokens $mbt"
       timeout 90 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
         --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
-        $([ $mbt != default ] && echo --max-num-batched-tokens $mbt) --output-json "$OUT/tp_qwen3_$mbt.json" 2>&1 \
-        | grep -E "Throughput|Error"
+        --max-num-batched-tokens $mbt --output-json "$OUT/tp_qwen3_$mbt.json" 2>&1 | grep -E "Throughput|Error"
     done
     timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels tests/layers tests/gpu \
       tests/worker 2>&1 | tail -6
     ;;
-  s13c)  # the Qwen3 workload at token budgets 8192 (default) and 16384, alternating, three runs each; Llama bs1
+  s13c)  # the Qwen3 workload at token budgets 8192 (session 13's files say "default") and 16384, alternating,
+          # three runs each; Llama bs1
     for i in 1 2 3; do
-      for mbt in default 16384; do
+      for mbt in 8192 16384; do
         echo "--- qwen3 throughput run $i, max_num_batched_tokens $mbt"
         timeout 70 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
           --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
-          $([ $mbt != default ] && echo --max-num-batched-tokens $mbt) --output-json "$OUT/tp_qwen3_${mbt}_$i.json" \
-          2>&1 | grep -E "Throughput|Error"
+          --max-num-batched-tokens $mbt --output-json "$OUT/tp_qwen3_${mbt}_$i.json" 2>&1 | grep -E "Throughput|Error"
       done
     done
     lat1 llama-3-8b 50 s13c

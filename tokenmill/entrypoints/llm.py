@@ -9,8 +9,8 @@ from tqdm.auto import tqdm
 
 from tokenmill.config.scheduler import offline_max_num_batched_tokens
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.logger import init_logger
 from tokenmill.entrypoints.chat_utils import Conversation, render_chat
+from tokenmill.logger import init_logger
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
