@@ -1,5 +1,5 @@
 """Checks every gemv config that tools/graph_ab.py's variants put in the table, at its own shape and prologue
-(and, for a plain gate_up entry, with the SiLU-and-mul epilogue it runs with at batch 1), against float64: the
+(and, for a gate_up entry, plain or with the norm, with the SiLU-and-mul epilogue it runs with at batch 1), against float64: the
 measured-table test's check for configs not yet in the table. Runs on the GPU machine.
 Usage: python3 tools/check_variant_configs.py MODEL"""
 from __future__ import annotations
@@ -25,8 +25,9 @@ def main() -> None:
             kw = dict(act="silu_mul" if pro == "silu_mul" else None, norm=pro == "rmsnorm",
                       residual=pro == "rmsnorm")
             _check(m, n, k, torch.bfloat16, seed=len(seen), config=cfg, **kw)
-            if pro is None and n == 28672:
-                _check(m, n, k, torch.bfloat16, seed=len(seen), config=cfg, epilogue="silu_mul")
+            if pro in (None, "rmsnorm") and n == 28672:
+                _check(m, n, k, torch.bfloat16, seed=len(seen), config=cfg, epilogue="silu_mul",
+                       norm=pro == "rmsnorm", residual=pro == "rmsnorm")
             print(f"ok {name}: {(m, n, k, pro)} {cfg}", flush=True)
 
 

@@ -38,6 +38,7 @@ def dot(n, k, s=1, w=4, st=3, x=False):
 OPROJ = (1, 4096, 4096, None)         # Llama o_proj
 QKVN = (1, 6144, 4096, "rmsnorm")     # Llama qkv with the RMSNorm (+ residual) folded in
 GU = (1, 28672, 4096, None)           # Llama gate_up (SiLU-and-mul in its epilogue at batch 1)
+GUN = (1, 28672, 4096, "rmsnorm")     # Llama gate_up with the RMSNorm (+ residual) folded in: no norm kernel
 DOWN = (1, 4096, 14336, None)         # Llama down_proj
 
 
@@ -65,6 +66,10 @@ VARIANTS = {
         "gu-d32x256": ({}, {GU: dot(32, 256)}),
         "gu-d64x256w8": ({}, {GU: dot(64, 256, w=8)}),
         "gu-f16x512w8pa": ({}, {GU: fma(16, 512, w=8, pre=True, a2=True)}),
+        # Session 11 measured gate_up + norm at dot 64 x 64 (xprefetch) +1.6%; these are at the session-12 config.
+        "gun-d128x128w8x": ({}, {GUN: dot(128, 128, w=8, x=True)}),
+        "gun-d128x128w8x-st4": ({}, {GUN: dot(128, 128, w=8, st=4, x=True)}),
+        "gun-d64x128w4x": ({}, {GUN: dot(64, 128, x=True)}),
         "down-f16x512w8pa": ({}, {DOWN: fma(16, 512, w=8, pre=True, a2=True)}),
         "down-d64x256s4st4": ({}, {DOWN: dot(64, 256, s=4, st=4)}),
         "down-d64x256s4w8": ({}, {DOWN: dot(64, 256, s=4, w=8)}),
