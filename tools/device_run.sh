@@ -498,9 +498,11 @@ case "$mode" in
       --output-json "$OUT/tp_llama8b.json" 2>&1 | grep -E "Throughput|Error"
     ;;
   gun)  # (prepared in session 13, not run yet) Llama gate_up with the RMSNorm folded in, so no norm kernel, at the
-        # session-12 gate_up configs: float64 check of every variant config, then the batch-1 graph A/B at ctx 256
+        # session-12 gate_up configs, and qkv + norm with the x prefetch: float64 check of every variant config,
+        # then the batch-1 graph A/B at ctx 256
     timeout 120 python3 tools/check_variant_configs.py llama-3-8b 2>&1 | tail -4
-    ab llama-3-8b 250 gun --only base,gun-d128x128w8x,gun-d128x128w8x-st4,gun-d64x128w4x --context 256
+    ab llama-3-8b 280 gun --only base,gun-d128x128w8x,gun-d128x128w8x-st4,gun-d64x128w4x,qkvn-f16x512w8pax \
+      --context 256
     ;;
   confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
             # prompts, same run), bs1 latency of both models, the Llama workload, cold start

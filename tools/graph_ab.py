@@ -70,6 +70,7 @@ VARIANTS = {
         "gun-d128x128w8x": ({}, {GUN: dot(128, 128, w=8, x=True)}),
         "gun-d128x128w8x-st4": ({}, {GUN: dot(128, 128, w=8, st=4, x=True)}),
         "gun-d64x128w4x": ({}, {GUN: dot(64, 128, x=True)}),
+        "qkvn-f16x512w8pax": ({}, {QKVN: fma(16, 512, w=8, pre=True, a2=True, x=True)}),   # the table's + x prefetch
         "down-f16x512w8pa": ({}, {DOWN: fma(16, 512, w=8, pre=True, a2=True)}),
         "down-d64x256s4st4": ({}, {DOWN: dot(64, 256, s=4, st=4)}),
         "down-d64x256s4w8": ({}, {DOWN: dot(64, 256, s=4, w=8)}),
