@@ -193,6 +193,19 @@ def destroy_distributed(state: ParallelState | None) -> None:
             logger.debug("destroy_process_group: %s", e)
 
 
+def drop_group_handles(state: ParallelState | None) -> None:
+    """After destroy_distributed: release the state's handles on its groups, so their C++ objects go now and join
+    their gloo run-loop threads (torch releases the GIL for that). Left to the interpreter's teardown, a run-loop
+    thread still releasing a finished collective's tensors needs the GIL while Python finalizes, and that aborts
+    the process ("terminate called without an active exception", seen under torchrun on a loaded 2-core machine).
+    Only for a rank whose peers have passed a barrier with it: closing the connections under a peer still in a
+    collective would fail that peer."""
+    if state is None:
+        return
+    state.tp_group = state.tp_cpu_group = state.pp_group = state.pp_cpu_group = state.world_cpu_group = None
+    state.tp_fast_all_reduce = None
+
+
 def _forget_nccl_world() -> None:
     """Leave an NCCL world this engine created without tearing its communicators down.
 

@@ -2,6 +2,7 @@
 started one process per rank, and each runs its own engine core)."""
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
@@ -71,7 +72,7 @@ class ExternalLauncherExecutor(UniProcExecutor):
 def _leave_world(state, link=None) -> None:
     """Every rank waits for the others before any tears its groups down, so none disconnects under a peer that is
     still using them (best effort: a dead peer makes the barrier fail, and we are leaving anyway)."""
-    from tokenmill.distributed import destroy_distributed
+    from tokenmill.distributed.parallel_state import destroy_distributed, drop_group_handles
     if state is not None and state.world_size > 1 and state.world_cpu_group is not None:
         import torch.distributed as dist
         try:
@@ -81,4 +82,8 @@ def _leave_world(state, link=None) -> None:
                     link.drain()
         except Exception:
             pass
+        # The gloo run-loop threads release each finished collective's tensors after its waiter returns, and that
+        # needs the GIL: let them have it now rather than at the interpreter's teardown.
+        time.sleep(0.05)
     destroy_distributed(state)
+    drop_group_handles(state)
