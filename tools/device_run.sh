@@ -32,6 +32,13 @@ ab() {  # ab MODEL LIMIT_S [TAG [ARGS...]]: tools/graph_ab.py's batch-1 graph A/
   timeout "$lim" python3 tools/graph_ab.py "$m" "$@" 2>&1 | grep -vE "^INFO|Loading|it/s" \
     | tee "$OUT/ab_$m${tag:+_$tag}.txt"
 }
+nano() {  # nano MODEL LIMIT_S NAME [ARGS...]: the nano-vllm workload (the #4 throughput command), JSON to $OUT/NAME.json
+  local m=$1 lim=$2 name=$3
+  shift 3
+  timeout "$lim" python3 -m tokenmill.benchmarks.throughput --model "$m" --num-prompts 256 --input-len 562 \
+    --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 "$@" \
+    --output-json "$OUT/$name.json" 2>&1 | grep -E "Throughput|Error|max_num_batched_tokens defaults"
+}
 cold_start() {  # Llama-3-8B dummy: process start to first token, CUDA graphs captured
   echo "=== cold start llama-3-8b (process start to first token, graphs captured)"
   local t0 t1
@@ -468,9 +475,7 @@ case "$mode" in
     lat1 llama-3-8b 50 s13b; lat1 qwen3-0.6b 50 s13b
     for mbt in 8192 16384; do
       echo "--- qwen3 throughput, max_num_batched_tokens $mbt"
-      timeout 90 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
-        --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
-        --max-num-batched-tokens $mbt --output-json "$OUT/tp_qwen3_$mbt.json" 2>&1 | grep -E "Throughput|Error"
+      nano qwen3-0.6b 90 tp_qwen3_$mbt --max-num-batched-tokens $mbt
     done
     timeout 290 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels tests/layers tests/gpu \
       tests/worker 2>&1 | tail -6
@@ -480,22 +485,14 @@ case "$mode" in
     for i in 1 2 3; do
       for mbt in 8192 16384; do
         echo "--- qwen3 throughput run $i, max_num_batched_tokens $mbt"
-        timeout 70 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
-          --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
-          --max-num-batched-tokens $mbt --output-json "$OUT/tp_qwen3_${mbt}_$i.json" 2>&1 | grep -E "Throughput|Error"
+        nano qwen3-0.6b 70 tp_qwen3_${mbt}_$i --max-num-batched-tokens $mbt
       done
     done
     lat1 llama-3-8b 50 s13c
     ;;
   s13d)  # the offline LLM's 16384-token default on this GPU: the official throughput commands, unchanged
-    for i in 1 2; do
-      timeout 70 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
-        --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
-        --output-json "$OUT/tp_qwen3_$i.json" 2>&1 | grep -E "Throughput|Error|max_num_batched_tokens defaults"
-    done
-    timeout 100 python3 -m tokenmill.benchmarks.throughput --model llama-3-8b --num-prompts 256 --input-len 562 \
-      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
-      --output-json "$OUT/tp_llama8b.json" 2>&1 | grep -E "Throughput|Error"
+    nano qwen3-0.6b 70 tp_qwen3_1; nano qwen3-0.6b 70 tp_qwen3_2
+    nano llama-3-8b 100 tp_llama8b
     ;;
   gun)  # (prepared in session 13, not run yet) Llama gate_up with the RMSNorm folded in, so no norm kernel, at the
         # session-12 gate_up configs, and qkv + norm with the x prefetch: float64 check of every variant config,
@@ -507,15 +504,12 @@ case "$mode" in
   confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
             # prompts, same run), bs1 latency of both models, the Llama workload, cold start
     lat1 llama-3-8b 50; lat1 qwen3-0.6b 50
-    for backend in tokenmill hf; do       # HF runs batches of 256 (--hf-max-batch-size), tokenmill up to 256 seqs
-      timeout 260 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
-        --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --backend $backend \
-        $([ $backend = tokenmill ] && echo --max-num-seqs 256) --output-json "$OUT/tp_qwen3_$backend.json" 2>&1 \
-        | grep -E "Throughput|Error"
-    done
-    timeout 100 python3 -m tokenmill.benchmarks.throughput --model llama-3-8b --num-prompts 256 --input-len 562 \
-      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --max-num-seqs 256 \
-      --output-json "$OUT/tp_llama8b.json" 2>&1 | grep -E "Throughput|Error"
+    nano qwen3-0.6b 100 tp_qwen3_tokenmill
+    # HF on the same prompts, batches of 256 (--hf-max-batch-size); it takes no --max-num-seqs
+    timeout 260 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --backend hf \
+      --output-json "$OUT/tp_qwen3_hf.json" 2>&1 | grep -E "Throughput|Error"
+    nano llama-3-8b 100 tp_llama8b
     cold_start
     ;;
   s12h)  # (run as an inline command in session 12; the same steps) bs1 latency of both models on the final code
