@@ -501,6 +501,18 @@ case "$mode" in
     ab llama-3-8b 280 gun --only base,gun-d128x128w8x,gun-d128x128w8x-st4,gun-d64x128w4x,qkvn-f16x512w8pax \
       --context 256
     ;;
+  s14a)  # mode gun, then batch-1 latency end to end (tools/lat_variant.py) of base and the fastest gun-* variant
+          # (with qkvn-f16x512w8pax too where that beat base), alternating
+    "$0" gun
+    best=$(awk '$1 ~ /^gun-/ {print $2, $1}' "$OUT/ab_llama-3-8b_gun.txt" | sort -n | head -1 | cut -d' ' -f2)
+    qx=$(awk '$1 == "qkvn-f16x512w8pax" && $3 ~ /^\(-/ {print "+qkvn-f16x512w8pax"}' "$OUT/ab_llama-3-8b_gun.txt")
+    echo "best gate_up + norm variant: ${best:-none}${qx}"
+    for v in "$best$qx" base "$best$qx" base; do
+      [ -n "$best" ] || break
+      timeout 60 python3 tools/lat_variant.py llama-3-8b "$v" --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 2>&1 | grep -E "^---|decode|Error"
+    done
+    ;;
   confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
             # prompts, same run), bs1 latency of both models, the Llama workload, cold start
     lat1 llama-3-8b 50; lat1 qwen3-0.6b 50
