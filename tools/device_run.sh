@@ -513,6 +513,13 @@ case "$mode" in
         --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 2>&1 | grep -E "^---|decode|Error"
     done
     ;;
+  s14b)  # the x prefetch on each batch-1 product of both models: float64 check, then the graph A/B at ctx 256 (base
+          # is the table with qkv + norm's x prefetch; qkvn-f16x512w8pa is the table before it)
+    timeout 100 python3 tools/check_variant_configs.py llama-3-8b 2>&1 | grep -cE "^ok"
+    timeout 60 python3 tools/check_variant_configs.py qwen3-0.6b 2>&1 | tail -3
+    ab llama-3-8b 200 x --only qkvn-f16x512w8pa,o-x,gu-x,down-x,lm-x --context 256
+    ab qwen3-0.6b 120 x --only gun-x,down-x,lm-x --context 256
+    ;;
   confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
             # prompts, same run), bs1 latency of both models, the Llama workload, cold start
     lat1 llama-3-8b 50; lat1 qwen3-0.6b 50

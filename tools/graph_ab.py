@@ -51,6 +51,11 @@ VARIANTS = {
     "qwen3-0.6b": {
         "base": ({}, {}),
         **{f"splits{n}": ({}, {}, splits(n)) for n in (4, 16, 32)},
+        # The table's batch-1 entries with the x prefetch added, where a program takes more than one K step
+        # (session 14)
+        "gun-x": ({}, {(1, 6144, 1024, "rmsnorm"): fma(8, 512, a2=True, x=True)}),
+        "down-x": ({}, {(1, 1024, 3072, "silu_mul"): fma(4, 2048, w=8, pre=True, x=True)}),
+        "lm-x": ({}, {(1, 151936, 1024, None): fma(16, 256, pre=True, a2=True, x=True)}),
     },
     "llama-3-8b": {
         "base": ({}, {}),
@@ -70,7 +75,13 @@ VARIANTS = {
         "gun-d128x128w8x": ({}, {GUN: dot(128, 128, w=8, x=True)}),
         "gun-d128x128w8x-st4": ({}, {GUN: dot(128, 128, w=8, st=4, x=True)}),
         "gun-d64x128w4x": ({}, {GUN: dot(64, 128, x=True)}),
-        "qkvn-f16x512w8pax": ({}, {QKVN: fma(16, 512, w=8, pre=True, a2=True, x=True)}),   # the table's + x prefetch
+        "qkvn-f16x512w8pax": ({}, {QKVN: fma(16, 512, w=8, pre=True, a2=True, x=True)}),   # the table's since s14
+        "qkvn-f16x512w8pa": ({}, {QKVN: fma(16, 512, w=8, pre=True, a2=True)}),            # the table's before s14
+        # The table's entries with the x prefetch added (session 14)
+        "o-x": ({}, {OPROJ: fma(8, 512, pre=True, a2=True, x=True)}),
+        "gu-x": ({}, {GU: dot(128, 128, w=8, x=True)}),
+        "down-x": ({}, {DOWN: dot(64, 256, s=4, x=True)}),
+        "lm-x": ({}, {(1, 128256, 4096, None): dot(64, 128, x=True)}),
         "down-f16x512w8pa": ({}, {DOWN: fma(16, 512, w=8, pre=True, a2=True)}),
         "down-d64x256s4st4": ({}, {DOWN: dot(64, 256, s=4, st=4)}),
         "down-d64x256s4w8": ({}, {DOWN: dot(64, 256, s=4, w=8)}),
