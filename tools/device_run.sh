@@ -520,6 +520,24 @@ case "$mode" in
     ab llama-3-8b 200 x --only qkvn-f16x512w8pa,o-x,gu-x,down-x,lm-x --context 256
     ab qwen3-0.6b 120 x --only gun-x,down-x,lm-x --context 256
     ;;
+  s14c)  # session 14's final code: the Qwen3 workload as the machine's first GPU work and again later; Llama-3-8B
+          # bs1 end to end, this table (base) against session 13's (old), alternating; Qwen3 bs1; the Llama
+          # workload; cold start; the GPU tests
+    nano qwen3-0.6b 100 tp_qwen3_first
+    i=0
+    for v in base o-old+gu-old+qkvn-f16x512w8pa base o-old+gu-old+qkvn-f16x512w8pa; do
+      i=$((i + 1))
+      timeout 60 python3 tools/lat_variant.py llama-3-8b "$v" --batch-size 1 --input-len 128 --output-len 256 \
+        --num-iters 3 --num-iters-warmup 1 --max-model-len 2048 --output-json "$OUT/lat_llama-3-8b_$i.json" 2>&1 \
+        | grep -E "^---|decode|Error"
+    done
+    lat1 qwen3-0.6b 50
+    nano qwen3-0.6b 100 tp_qwen3
+    nano llama-3-8b 110 tp_llama8b
+    cold_start
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels tests/layers tests/gpu \
+      tests/worker 2>&1 | tail -6
+    ;;
   confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
             # prompts, same run), bs1 latency of both models, the Llama workload, cold start
     lat1 llama-3-8b 50; lat1 qwen3-0.6b 50

@@ -82,6 +82,8 @@ VARIANTS = {
         "gu-x": ({}, {GU: dot(128, 128, w=8, x=True)}),
         "down-x": ({}, {DOWN: dot(64, 256, s=4, x=True)}),
         "lm-x": ({}, {(1, 128256, 4096, None): dot(64, 128, x=True)}),
+        "o-old": ({}, {OPROJ: fma(8, 512, pre=True, a2=True)}),         # the table's before s14
+        "gu-old": ({}, {GU: dot(128, 128, w=8)}),                        # the table's before s14
         "down-f16x512w8pa": ({}, {DOWN: fma(16, 512, w=8, pre=True, a2=True)}),
         "down-d64x256s4st4": ({}, {DOWN: dot(64, 256, s=4, st=4)}),
         "down-d64x256s4w8": ({}, {DOWN: dot(64, 256, s=4, w=8)}),

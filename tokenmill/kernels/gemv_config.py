@@ -64,8 +64,9 @@ MEASURED_FASTER: dict[tuple[int, int, int, str | None], tuple[GemvConfig, float,
     (8, 4096, 4096, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 13.3, 12.17),
     # Llama-3-8B's gate_up (at batch 1 with the SiLU-and-mul epilogue): dot 128 x 128 with 8 warps took the whole
     # batch-1 graph 2.3% lower than dot 64 x 256 with 4 (`tools/graph_ab.py llama-3-8b --context 256`, session 12).
-    # Not re-timed alone: the gemv figure is the old config's.
-    (1, 28672, 4096, None): (GemvConfig(128, 128, 1, 8, 3, use_dot=True), 59.54, 55.49),
+    # The x prefetch: -0.10% more (session 14, `tools/device_run.sh s14b`). Not re-timed alone: the gemv figure is
+    # the old config's.
+    (1, 28672, 4096, None): (GemvConfig(128, 128, 1, 8, 3, use_dot=True, xprefetch=True), 59.54, 55.49),
     # One rank of Llama-3-8B at tensor_parallel_size 2 (`bench_gemv.py --shapes llama8b-tp2 --ms 1`, session 5).
     (1, 3072, 4096, 'rmsnorm'): (GemvConfig(32, 128, 6, 4, 1, use_dot=False), 13.77, 12.08),
     (1, 3072, 4096, None): (GemvConfig(64, 128, 6, 4, 3, use_dot=True), 11.72, 10.38),
@@ -82,11 +83,12 @@ MEASURED_FASTER: dict[tuple[int, int, int, str | None], tuple[GemvConfig, float,
     # Llama-3-8B's qkv and o_proj were picked in the whole batch-1 graph, where they follow the short attention
     # kernels (`tools/graph_ab.py llama-3-8b --context 256`, session 12: -0.21% and -0.27% against the session-10
     # entries (8, 512) prefetch + acc2d and (8, 512) prefetch). qkv's x prefetch (the norm prologue's loads one K
-    # step ahead) took the graph another 0.88% lower (session 14, `tools/device_run.sh gun`). They were not
-    # re-timed alone: the gemv figures are the session-10 entries'.
+    # step ahead) took the graph another 0.88% lower, o_proj's 0.15% (session 14, `tools/device_run.sh gun` and
+    # `s14b`). They were not re-timed alone: the gemv figures are the session-10 entries'.
     (1, 6144, 4096, 'rmsnorm'): (GemvConfig(16, 512, 1, 8, 1, use_dot=False, prefetch=True, acc2d=True,
                                             xprefetch=True), 19.32, 16.76),
-    (1, 4096, 4096, None): (GemvConfig(8, 512, 1, 4, 1, use_dot=False, prefetch=True, acc2d=True), 13.24, 10.84),
+    (1, 4096, 4096, None): (GemvConfig(8, 512, 1, 4, 1, use_dot=False, prefetch=True, acc2d=True, xprefetch=True),
+                            13.24, 10.84),
     # Llama-3-8B's down_proj after the separate SiLU-and-mul kernel (the fused form measured 33.0-33.4 us) and its
     # lm_head.
     (1, 4096, 14336, None): (GemvConfig(64, 256, 4, 4, 3, use_dot=True), 32.08, 30.53),
