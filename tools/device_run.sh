@@ -538,6 +538,12 @@ case "$mode" in
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/kernels tests/layers tests/gpu \
       tests/worker 2>&1 | tail -6
     ;;
+  s14d)  # the sampling rows 16-byte aligned: the Qwen3 workload on a fresh Triton cache (twice), Triton compiles
+          # inside the timed run, Qwen3 bs1
+    for c in 1 2; do TRITON_CACHE_DIR=/tmp/tc_fresh$c nano qwen3-0.6b 100 tp_qwen3_fresh$c; done
+    timeout 150 python3 tools/profile_throughput.py qwen3-0.6b --no-profile 2>&1 | grep -E "output tok/s|compiled"
+    lat1 qwen3-0.6b 50
+    ;;
   confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
             # prompts, same run), bs1 latency of both models, the Llama workload, cold start
     lat1 llama-3-8b 50; lat1 qwen3-0.6b 50

@@ -188,3 +188,22 @@ def test_plain_race_inputs_only_for_plain_rows():
     st.remove_request(2)
     assert st.plain_race_inputs(np.array([2]), b.num_prompt, b.num_tokens) is None
     assert st.plain_race_inputs(np.array([0, 1]), b.num_prompt, b.num_tokens) is not None
+
+
+def test_packed_upload_rows_are_16_byte_aligned_at_every_batch_size():
+    """Triton specializes on 16-byte pointer alignment: with the seeds / positions / temperature rows aligned or
+    not by the batch's parity, the sampling kernel would compile a second variant mid-serving."""
+    packed, plain = (SamplingState(M, V, torch.device("cpu"), packed_upload=flag) for flag in (True, False))
+    b = Batch()
+    for r in range(M):
+        for st in (packed, plain):
+            st.add_request(r, params(temperature=0.5 + r / 100, top_p=0.9, top_k=3, presence_penalty=0.1))
+        b.set(r, [1, 2, 3], [4] * (r % 5))
+    for n in range(1, 8):
+        rows = list(range(n, 0, -1))
+        mp, mq = b.md(packed, rows), b.md(plain, rows)
+        for f in ("seeds", "positions", "top_k", "temperature", "top_p", "presence_penalties"):
+            tp, tq = getattr(mp, f), getattr(mq, f)
+            assert tp.data_ptr() % 16 == 0, (f, n)
+            assert tp.is_contiguous() and tp.shape == (n,), (f, n)
+            assert torch.equal(tp, tq), (f, n)
