@@ -502,9 +502,11 @@ case "$mode" in
       --context 256
     ;;
   s14a)  # mode gun, then batch-1 latency end to end (tools/lat_variant.py) of base and the fastest gun-* variant
-          # (with qkvn-f16x512w8pax too where that beat base), alternating
+          # that beat base (with qkvn-f16x512w8pax too where that beat base), alternating (as run in session 14
+          # it also took a gun-* variant that lost)
     "$0" gun
-    best=$(awk '$1 ~ /^gun-/ {print $2, $1}' "$OUT/ab_llama-3-8b_gun.txt" | sort -n | head -1 | cut -d' ' -f2)
+    best=$(awk '$1 ~ /^gun-/ && $3 ~ /^\(-/ {print $2, $1}' "$OUT/ab_llama-3-8b_gun.txt" | sort -n | head -1 \
+      | cut -d' ' -f2)   # only one that beat base
     qx=$(awk '$1 == "qkvn-f16x512w8pax" && $3 ~ /^\(-/ {print "+qkvn-f16x512w8pax"}' "$OUT/ab_llama-3-8b_gun.txt")
     echo "best gate_up + norm variant: ${best:-none}${qx}"
     for v in "$best$qx" base "$best$qx" base; do

@@ -77,7 +77,7 @@ VARIANTS = {
         "gun-d64x128w4x": ({}, {GUN: dot(64, 128, x=True)}),
         "qkvn-f16x512w8pax": ({}, {QKVN: fma(16, 512, w=8, pre=True, a2=True, x=True)}),   # the table's since s14
         "qkvn-f16x512w8pa": ({}, {QKVN: fma(16, 512, w=8, pre=True, a2=True)}),            # the table's before s14
-        # The table's entries with the x prefetch added (session 14)
+        # The x prefetch added to the table's entries (session 14; o-x and gu-x won and are the table's now)
         "o-x": ({}, {OPROJ: fma(8, 512, pre=True, a2=True, x=True)}),
         "gu-x": ({}, {GU: dot(128, 128, w=8, x=True)}),
         "down-x": ({}, {DOWN: dot(64, 256, s=4, x=True)}),

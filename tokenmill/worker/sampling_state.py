@@ -71,8 +71,9 @@ class SamplingState:
         # make_metadata, which the sampler of this step precedes in stream order).
         self._ring: PinnedRing | None = None
         self._dev_buf: torch.Tensor | None = None
-        # packed_upload: None = on CUDA (tests force it on the CPU to check the packed layout).
-        if packed_upload if packed_upload is not None else self.device.type == "cuda":
+        if packed_upload is None:   # tests force it on the CPU to check the packed layout
+            packed_upload = self.device.type == "cuda"
+        if packed_upload:
             nbytes = 3 * 8 * _padded(max_num_reqs, 2) + 6 * 4 * _padded(max_num_reqs, 4)
             self._ring = PinnedRing(nbytes)
             self._dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
