@@ -1,6 +1,6 @@
 """Checks every gemv config that tools/graph_ab.py's variants put in the table, at its own shape and prologue
-(and, for a gate_up entry, plain or with the norm, with the SiLU-and-mul epilogue it runs with at batch 1), against float64: the
-measured-table test's check for configs not yet in the table. Runs on the GPU machine.
+(and, for a gate_up entry, plain or with the norm, with the SiLU-and-mul epilogue it runs with at batch 1), against
+float64: the measured-table test's check for configs not yet in the table. Runs on the GPU machine.
 Usage: python3 tools/check_variant_configs.py MODEL"""
 from __future__ import annotations
 
