@@ -43,6 +43,10 @@ _VARIABLES: dict[str, Callable[[], Any]] = {
     # Pure decode steps on the Triton backend fold the q/k norm + RoPE + K/V store kernel into decode attention's
     # first stage (tokenmill/kernels/triton_decode_rope_attention.py). 0 = the separate kernel (an A/B switch).
     "TOKENMILL_DECODE_ROPE_FUSED": _bool("TOKENMILL_DECODE_ROPE_FUSED", True),
+    # Decode CUDA graphs of up to 16 rows read their inputs from, and write their drawn ids to, pinned host memory
+    # themselves, so no copy op runs between two replays (tokenmill/kernels/triton_step_inputs.py). 0 = copies
+    # queued around the graph (an A/B switch).
+    "TOKENMILL_GRAPH_HOST_IO": _bool("TOKENMILL_GRAPH_HOST_IO", True),
     # KV cache size on CPU when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given.
     "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _int("TOKENMILL_CPU_KVCACHE_SPACE_GIB", 1),
     # Number of torch intra-op threads on CPU (0 = torch's default).

@@ -546,6 +546,28 @@ case "$mode" in
     timeout 150 python3 tools/profile_throughput.py qwen3-0.6b --no-profile 2>&1 | grep -E "output tok/s|compiled"
     lat1 qwen3-0.6b 50
     ;;
+  s15a)  # where the batch-1 step's time goes between graph replays (profiled generate), both models
+    timeout 150 python3 tools/step_gaps.py qwen3-0.6b --trace "$OUT/trace_qwen3.json.gz" 2>&1 | grep -vE "^INFO"
+    timeout 150 python3 tools/step_gaps.py llama-3-8b 2>&1 | grep -vE "^INFO"
+    ;;
+  s15b)  # decode graphs reading / writing their step IO in pinned host memory: GPU tests, then bs1 latency with it
+          # off / on, alternating, both models; where the Llama step's time goes now
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/kernels/test_triton_step_inputs.py \
+      tests/kernels/test_triton_sampling.py tests/kernels/test_triton_placeholders.py tests/worker \
+      tests/gpu/test_gpu_e2e.py 2>&1 | tail -8
+    for r in 1 2; do TOKENMILL_GRAPH_HOST_IO=0 lat1 qwen3-0.6b 60 off$r; lat1 qwen3-0.6b 60 on$r; done
+    for r in 1 2; do TOKENMILL_GRAPH_HOST_IO=0 lat1 llama-3-8b 80 off$r; lat1 llama-3-8b 80 on$r; done
+    timeout 120 python3 tools/step_gaps.py llama-3-8b 2>&1 | grep -vE "^INFO"
+    ;;
+  s15c)  # final code (host IO on): the Qwen3 / Llama workloads, cold start, and the run(1) (prefill + first token)
+          # difference host IO on / off seen in s15b, alternating
+    for r in 1 2; do for m in 0 1; do TOKENMILL_GRAPH_HOST_IO=$m timeout 60 python3 tools/first_token_spread.py 2>&1 \
+      | grep -E "^IO=|Error"; done; done
+    nano qwen3-0.6b 100 tp_qwen3
+    nano llama-3-8b 100 tp_llama8b
+    cold_start
+    lat1 qwen3-0.6b 50 final
+    ;;
   confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
             # prompts, same run), bs1 latency of both models, the Llama workload, cold start
     lat1 llama-3-8b 50; lat1 qwen3-0.6b 50

@@ -73,3 +73,44 @@ def test_only_small_decode_graphs_sample(runner):
         n = SAMPLE_IN_GRAPH_MAX_SIZE + 1
         runner.load_inputs(np.arange(n), np.arange(n), np.arange(n), np.arange(n), np.zeros((n, 1), np.int32),
                            None, (np.arange(n), np.arange(n), np.ones(n, np.float32)))
+
+
+@pytest.fixture
+def io_runner():
+    cg = CudaGraphRunner(None, [], [1, 2, 4, 8, 16, 24], max_model_len=64, max_blocks_per_req=4,
+                         device=torch.device("cpu"), mixed_sizes=[(16, 8)], host_io=True)
+    cg.graphs = {s: None for s in cg.sizes}
+    return cg
+
+
+def test_small_decode_graphs_take_their_inputs_from_the_host_ring(io_runner):
+    """Decode graphs of up to SAMPLE_IN_GRAPH_MAX_SIZE rows: the step's inputs go to the next slot of the host
+    ring (the graph's first kernel copies them, tests/kernels/test_triton_step_inputs.py), padding rows inert."""
+    io = io_runner.host_io
+    race = (np.array([7, 8, 9]), np.array([1, 2, 3]), np.array([0.5, 1.0, 2.0], dtype=np.float32))
+    arena_before = io_runner._arena.clone()
+    size = io_runner.load_inputs(np.array([5, 6, 7]), np.array([10, 11, 12]), np.array([100, 101, 102]),
+                                 np.array([11, 12, 13]), np.array([[1, 2], [3, 4], [5, 6]], dtype=np.int32),
+                                 np.array([-1, 0, 1]), race)
+    assert size == 4 and io_runner.last_io_slot == 0
+    assert torch.equal(io_runner._arena, arena_before)       # no copy into the device buffers
+    v = io.ints[0, :, :4].tolist()
+    assert v[:7] == [[5, 6, 7, 0], [10, 11, 12, 0], [100, 101, 102, -1], [-1, 0, 1, -1], [7, 8, 9, 0],
+                     [1, 2, 3, 0], [11, 12, 13, 0]]
+    assert v[7][0] == 1 and io.temps[0, :4].tolist() == [0.5, 1.0, 2.0, 1.0]
+    assert io_runner.block_table[:3, :2].tolist() == [[1, 2], [3, 4], [5, 6]]   # the block table still copied
+    io_runner.load_inputs(np.array([9]), np.array([13]), np.array([103]), np.array([14]),
+                          np.array([[1, 2]], dtype=np.int32))
+    assert io_runner.last_io_slot == 1 and io.ints[1, 7, 0].item() == 0 and io.ints[1, 3, 0].item() == -1
+    for want in (2, 3, 0):
+        io_runner.load_inputs(np.array([9]), np.array([13]), np.array([103]), np.array([14]),
+                              np.array([[1, 2]], dtype=np.int32))
+        assert io_runner.last_io_slot == want
+
+
+def test_larger_decode_graphs_keep_the_device_copy(io_runner):
+    n = SAMPLE_IN_GRAPH_MAX_SIZE + 1
+    size = io_runner.load_inputs(np.arange(n) + 3, np.arange(n), np.arange(n), np.arange(n) + 1,
+                                 np.zeros((n, 1), np.int32))
+    assert size == 24 and io_runner.last_io_slot is None and io_runner.host_io.count == 0
+    assert io_runner.input_ids[:n].tolist() == list(range(3, n + 3))

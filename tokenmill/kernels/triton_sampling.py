@@ -79,8 +79,9 @@ def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, best_val_pt
 
 
 @triton.jit
-def _race_stage2(best_val_ptr, best_idx_ptr, out_ptr, flag_ptr, n_chunks, CHUNKS_P2: tl.constexpr,
-                 HAS_FLAG: tl.constexpr = False, PDL: tl.constexpr = False):
+def _race_stage2(best_val_ptr, best_idx_ptr, out_ptr, flag_ptr, n_chunks, host_ptr, host_slot_ptr, host_stride,
+                 CHUNKS_P2: tl.constexpr, HAS_FLAG: tl.constexpr = False, HAS_HOST: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     pdl_wait(PDL)
     if HAS_FLAG:
         if tl.load(flag_ptr) == 0:
@@ -93,15 +94,19 @@ def _race_stage2(best_val_ptr, best_idx_ptr, out_ptr, flag_ptr, n_chunks, CHUNKS
     best = tl.max(v, axis=0)
     tok = tl.min(tl.where(v == best, i, 2147483647), axis=0)
     tl.store(out_ptr + b, tok.to(tl.int64))
+    if HAS_HOST:  # also straight into pinned host memory: no copy op after the graph (triton_step_inputs.py)
+        tl.store(host_ptr + tl.load(host_slot_ptr) * host_stride + b, tok.to(tl.int64), cache_modifier=".wt")
 
 
 def race_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                 temperature: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                flag: torch.Tensor | None = None) -> torch.Tensor:
+                flag: torch.Tensor | None = None, host_out: torch.Tensor | None = None,
+                host_slot: torch.Tensor | None = None) -> torch.Tensor:
     """[B] int64 sampled ids; logits [B, V] (any float dtype, last dim contiguous), seeds/positions [B] int64,
     temperature [B] (optional): the logits are upcast to fp32 and divided by it first. out: a [B] int64 tensor to
     write into. flag: an int32 device scalar; when it holds 0 the kernels do nothing (out keeps its contents), so
-    a CUDA graph can carry the draw and skip it on steps that sample otherwise."""
+    a CUDA graph can carry the draw and skip it on steps that sample otherwise. host_out ([S, >= B] int64, pinned
+    host memory) with host_slot (an int64 device scalar s): the ids are also written to host_out[s, :B]."""
     b, v = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -119,6 +124,12 @@ def race_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tens
                                 best_val, best_idx, flag if has_flag else seeds, v, n_chunks,
                                 SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS, SALT_COL=rng._SALT_COL,
                                 BLOCK=_BLOCK, HAS_TEMP=has_temp, HAS_FLAG=has_flag, num_warps=8, **pdl)
+    has_host = host_out is not None
+    if has_host:
+        assert host_slot is not None and host_out.dtype == torch.int64 and host_out.shape[1] >= b
     _race_stage2[(b,)](best_val, best_idx, out, flag if has_flag else seeds, n_chunks,
-                       CHUNKS_P2=triton.next_power_of_2(n_chunks), HAS_FLAG=has_flag, num_warps=4, **pdl)
+                       host_out if has_host else out, host_slot if has_host else out,
+                       host_out.stride(0) if has_host else 0,
+                       CHUNKS_P2=triton.next_power_of_2(n_chunks), HAS_FLAG=has_flag, HAS_HOST=has_host,
+                       num_warps=4, **pdl)
     return out

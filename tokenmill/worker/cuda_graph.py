@@ -12,10 +12,12 @@ import bisect
 import numpy as np
 import torch
 
+from tokenmill import envs
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.forward_context import set_forward_context
 from tokenmill.kernels.triton_placeholders import fill_placeholders
 from tokenmill.kernels.triton_sampling import race_argmax
+from tokenmill.kernels.triton_step_inputs import HostStepIO
 from tokenmill.logger import init_logger
 from tokenmill.worker.transfer import PinnedRing
 
@@ -86,7 +88,11 @@ class CudaGraphRunner:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], capture_sizes: list[int],
                  max_model_len: int, max_blocks_per_req: int, device: torch.device,
-                 mixed_sizes: list[tuple[int, int]] | None = None, prev_sampled: torch.Tensor | None = None) -> None:
+                 mixed_sizes: list[tuple[int, int]] | None = None, prev_sampled: torch.Tensor | None = None,
+                 host_io: bool | None = None) -> None:
+        """host_io: decode graphs of up to SAMPLE_IN_GRAPH_MAX_SIZE rows read their inputs from, and write their
+        drawn ids to, pinned host memory themselves (HostStepIO), so no copy op runs between replays. Default:
+        on CUDA unless TOKENMILL_GRAPH_HOST_IO=0."""
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.sizes = sorted(capture_sizes)
         self.max_size = self.sizes[-1]
@@ -127,6 +133,10 @@ class CudaGraphRunner:
         self.logits: dict[int, torch.Tensor] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_logits: dict[int, torch.Tensor] = {}
+        if host_io is None:
+            host_io = device.type == "cuda" and envs.TOKENMILL_GRAPH_HOST_IO
+        self.host_io = HostStepIO(SAMPLE_IN_GRAPH_MAX_SIZE, device) if host_io else None
+        self.last_io_slot: int | None = None  # the host-IO slot of the decode graph loaded last (None: not one)
         self.mixed_replays = 0  # steps run through a mixed graph (tests, diagnostics)
         self.sampled_replays = 0  # decode steps whose tokens the graph drew itself (tests, diagnostics)
 
@@ -137,8 +147,15 @@ class CudaGraphRunner:
             block_table=self.block_table[:size], max_query_len=1, max_seq_len=self.max_model_len,
             query_start_loc_cpu=np.arange(size + 1), seq_lens_cpu=np.full(size, self.max_model_len))
 
+    def _uses_host_io(self, size: int) -> bool:
+        return self.host_io is not None and size <= self.host_io.width
+
     def _forward(self, size: int) -> torch.Tensor:
-        fill_placeholders(self.input_ids[:size], self.fix_src[:size], self.prev_sampled)
+        io = self.host_io if self._uses_host_io(size) else None
+        if io is not None:
+            io.load(size, self.vec, self.seq_lens, self.race_temp, self.race_flag, self.prev_sampled)
+        else:
+            fill_placeholders(self.input_ids[:size], self.fix_src[:size], self.prev_sampled)
         with set_forward_context(self._metadata(size), self.kv_caches):
             hidden = self.model(self.input_ids[:size], self.positions[:size])
             logits = self.model.compute_logits(hidden)
@@ -146,7 +163,8 @@ class CudaGraphRunner:
         # land in prev_sampled, where the host copies them from and the next step's graph reads them.
         if size <= SAMPLE_IN_GRAPH_MAX_SIZE:
             race_argmax(logits, self.race_seeds[:size], self.race_pos[:size], self.race_temp[:size],
-                        out=self.prev_sampled[:size], flag=self.race_flag)
+                        out=self.prev_sampled[:size], flag=self.race_flag,
+                        host_out=io.out if io is not None else None, host_slot=io.slot if io is not None else None)
         return logits
 
     def _mixed_metadata(self, size: int) -> AttentionMetadata:
@@ -180,9 +198,16 @@ class CudaGraphRunner:
             pool = g.pool()
             graphs[size] = g
         torch.cuda.synchronize()
+        self.sync_host_io()
         logger.info("Captured CUDA graphs for %d decode batch sizes (max %d) and %d mixed batch sizes (max %s "
                     "tokens)", len(self.sizes), self.max_size, len(self.mixed_token_sizes),
                     self.mixed_token_sizes[-1] if self.mixed_token_sizes else 0)
+
+    def sync_host_io(self) -> None:
+        """Set the device's host-IO step counter to the host's count. Needed after the small decode graphs ran
+        outside `load` + `replay` pairs (capture's warm-up runs, tools that replay a graph back to back)."""
+        if self.host_io is not None:
+            self.host_io.sync()
 
     def load(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, query_start_loc: np.ndarray,
              seq_lens: np.ndarray, block_table: np.ndarray, allow_mixed: bool = True,
@@ -262,6 +287,13 @@ class CudaGraphRunner:
         previous copy may still be queued); the block table only when it changed. race: as in `load`."""
         n = len(input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        if race is not None and size > SAMPLE_IN_GRAPH_MAX_SIZE:
+            raise ValueError(f"the decode graph of size {size} does not sample (see can_sample)")
+        self.last_io_slot = None
+        if self._uses_host_io(size):
+            self.last_io_slot = self._load_host_io(size, input_ids, positions, slots, seq_lens, fix_src, race)
+            self._load_block_table(block_table)
+            return size
         src, arr = self._staging.next()
         width = self.vec.shape[1]
         v = arr[:self._vec_bytes].view(np.int64).reshape(6, width)
@@ -272,8 +304,6 @@ class CudaGraphRunner:
         r = self.seq_lens.shape[0]
         tail[:n] = seq_lens
         tail[n:size] = 0
-        if race is not None and size > SAMPLE_IN_GRAPH_MAX_SIZE:
-            raise ValueError(f"the decode graph of size {size} does not sample (see can_sample)")
         if race is not None:
             v[4, :n], v[5, :n] = race[0], race[1]
             v[4:, n:size] = 0
@@ -286,6 +316,23 @@ class CudaGraphRunner:
         self._staging.queued()
         self._load_block_table(block_table)
         return size
+
+    def _load_host_io(self, size: int, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                      seq_lens: np.ndarray, fix_src: np.ndarray | None, race: tuple | None) -> int:
+        """Fill the next host-IO slot (the graph's first kernel copies it to the device buffers); its index."""
+        io = self.host_io
+        slot = io.next_slot()
+        n = len(input_ids)
+        v, t = io.ints_np[slot], io.temps_np[slot]
+        v[0, :n], v[1, :n], v[2, :n] = input_ids, positions, slots
+        v[3, :n] = -1 if fix_src is None else fix_src
+        v[6, :n] = seq_lens
+        v[:7, n:size] = ((0,), (0,), (-1,), (-1,), (0,), (0,), (0,))
+        if race is not None:
+            v[4, :n], v[5, :n], t[:n] = race
+        t[n:size] = 1.0
+        v[7, 0] = race is not None
+        return slot
 
     def replay(self, size: int, n: int) -> torch.Tensor:
         """Run the graph of `size` on the loaded inputs; the logits of the first n rows."""

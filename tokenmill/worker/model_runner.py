@@ -198,7 +198,7 @@ class ModelRunner:
         sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
         fixup = self._placeholder_fixup(input_ids, token_rows)
         prompt_lp: dict[str, LogprobsLists] = {}
-        graph, graph_sampled = None, False
+        graph, graph_sampled, io_slot = None, False, None
         if self.cuda_graphs is not None:
             # Prompt logprobs need every token's hidden state; a mixed graph returns only each request's last.
             wants_prompt_lp = bool(self.prompt_logprobs) and any(r in self.prompt_logprobs for r in req_ids)
@@ -214,6 +214,7 @@ class ModelRunner:
             graph = self.cuda_graphs.load(input_ids, rope_positions, slots, qsl, seq_lens, block_table,
                                           allow_mixed=not wants_prompt_lp, fix_src=fix_src, race=race)
             graph_sampled = race is not None and graph is not None and not graph[0]
+            io_slot = self.cuda_graphs.last_io_slot if graph is not None and not graph[0] else None
         if graph is not None:
             # The graph returns the logits of every request's last token (a chunk that does not end its prompt
             # samples nothing, so keep only the rows that do).
@@ -243,7 +244,7 @@ class ModelRunner:
             logits = None
             if len(sample_idx):
                 logits = self.model.compute_logits(hidden[to_device(cu[sample_idx] - 1, dev)])
-        self._step = _StepState(req_ids, rows, sample_idx, logits, prompt_lp, graph_sampled)
+        self._step = _StepState(req_ids, rows, sample_idx, logits, prompt_lp, graph_sampled, io_slot)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput | None) -> "AsyncRunnerOutput":
@@ -257,11 +258,15 @@ class ModelRunner:
         if self._last_output is not None:
             self._last_output.get()  # the previous step's tokens must be on the host (penalties read them)
         sampled, lp, srows, pos, gens = None, None, st.rows[st.sample_idx], None, None
+        ids_host = None  # pinned host memory the ids are (or will be) in
         if len(st.sample_idx):
             if st.graph_sampled and grammar is None:
-                # The decode graph drew them already (every row plain temperature sampling).
+                # The decode graph drew them already (every row plain temperature sampling), and with host IO
+                # also wrote them to pinned host memory.
                 sampled = self.cuda_graphs.prev_sampled[:len(srows)]
                 self.cuda_graphs.sampled_replays += 1
+                if st.io_slot is not None:
+                    ids_host = self.cuda_graphs.host_io.out[st.io_slot, :len(srows)]
             else:
                 if grammar is not None:
                     self._apply_grammar(grammar, st.req_ids, st.sample_idx, st.logits)
@@ -277,8 +282,7 @@ class ModelRunner:
             self._prev_sampled = sampled
             self._prev_index[srows] = np.arange(len(srows))
             self._prev_gen[srows] = gens
-        ids_host = None
-        if sampled is not None and self._ids_host:
+        if ids_host is None and sampled is not None and self._ids_host:
             self._ids_host_i = (self._ids_host_i + 1) % len(self._ids_host)
             ids_host = self._ids_host[self._ids_host_i][:len(srows)]
             ids_host.copy_(sampled, non_blocking=True)
@@ -341,12 +345,14 @@ class ModelRunner:
 
 
 class _StepState:
-    """What execute_model leaves for sample_tokens (graph_sampled: the decode graph drew the tokens)."""
-    __slots__ = ("req_ids", "rows", "sample_idx", "logits", "prompt_lp", "graph_sampled")
+    """What execute_model leaves for sample_tokens (graph_sampled: the decode graph drew the tokens; io_slot: the
+    host-IO slot that graph wrote them to, or None)."""
+    __slots__ = ("req_ids", "rows", "sample_idx", "logits", "prompt_lp", "graph_sampled", "io_slot")
 
-    def __init__(self, req_ids, rows, sample_idx, logits, prompt_lp, graph_sampled=False) -> None:
+    def __init__(self, req_ids, rows, sample_idx, logits, prompt_lp, graph_sampled=False, io_slot=None) -> None:
         self.req_ids, self.rows, self.sample_idx, self.logits, self.prompt_lp, self.graph_sampled = \
             req_ids, rows, sample_idx, logits, prompt_lp, graph_sampled
+        self.io_slot = io_slot
 
 
 class AsyncRunnerOutput:
