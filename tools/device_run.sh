@@ -568,6 +568,15 @@ case "$mode" in
     cold_start
     lat1 qwen3-0.6b 50 final
     ;;
+  s15d)  # the final code on a fresh host: every #4 target, HF last (the longest; cut first if the budget ends)
+    lat1 llama-3-8b 60 confirm; lat1 qwen3-0.6b 40 confirm
+    nano qwen3-0.6b 80 tp_qwen3_tokenmill_confirm
+    nano llama-3-8b 90 tp_llama8b_confirm
+    cold_start
+    timeout 200 python3 -m tokenmill.benchmarks.throughput --model qwen3-0.6b --num-prompts 256 --input-len 562 \
+      --output-len 562 --random-range-ratio 0.82 --max-model-len 2048 --backend hf \
+      --output-json "$OUT/tp_qwen3_hf_confirm.json" 2>&1 | grep -E "Throughput|Error"
+    ;;
   confirm)  # every #4 target on one host in one call: the Qwen3 workload on tokenmill and on HF transformers (same
             # prompts, same run), bs1 latency of both models, the Llama workload, cold start
     lat1 llama-3-8b 50; lat1 qwen3-0.6b 50

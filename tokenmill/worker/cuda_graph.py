@@ -83,7 +83,10 @@ class CudaGraphRunner:
     fits a mixed graph's token and request capacities (`mixed_size`) runs through it (`load_mixed`, `replay_mixed`),
     laid out by `pad_mixed_inputs`; it returns the logits of each request's last token. Inputs are copied into
     persistent device buffers (the graphs read only those), and the logits buffer of the graph is returned sliced
-    to the real batch (overwritten when that graph replays again).
+    to the real batch (overwritten when that graph replays again). With host IO, a decode graph of up to
+    SAMPLE_IN_GRAPH_MAX_SIZE rows does that copy itself, from the host ring slot `load` filled (`last_io_slot`),
+    and its draw also writes the ids to that slot's `host_io.out` row: every load of such a graph must be
+    followed by exactly one replay of it, else `sync_host_io()`.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], capture_sizes: list[int],
@@ -160,7 +163,8 @@ class CudaGraphRunner:
             hidden = self.model(self.input_ids[:size], self.positions[:size])
             logits = self.model.compute_logits(hidden)
         # The plain temperature draw, done by the graph when the step's flag says so (every row plain): the ids
-        # land in prev_sampled, where the host copies them from and the next step's graph reads them.
+        # land in prev_sampled, where the next step's graph reads them, and in the host ring (host IO) or a copy
+        # the runner queues.
         if size <= SAMPLE_IN_GRAPH_MAX_SIZE:
             race_argmax(logits, self.race_seeds[:size], self.race_pos[:size], self.race_temp[:size],
                         out=self.prev_sampled[:size], flag=self.race_flag,
