@@ -114,3 +114,13 @@ def test_larger_decode_graphs_keep_the_device_copy(io_runner):
                                  np.zeros((n, 1), np.int32))
     assert size == 24 and io_runner.last_io_slot is None and io_runner.host_io.count == 0
     assert io_runner.input_ids[:n].tolist() == list(range(3, n + 3))
+
+
+def test_a_mixed_batch_has_no_host_io_slot(io_runner):
+    io_runner.mixed_graphs = {16: None}
+    bt = np.array([[1, 2]], dtype=np.int32)
+    assert io_runner.load(np.array([4]), np.array([5]), np.array([6]), np.array([0, 1]), np.array([6]), bt) \
+        == (False, 1)
+    assert io_runner.last_io_slot == 0
+    assert io_runner.load(np.arange(3), np.arange(3), np.arange(3), np.array([0, 3]), np.array([3]), bt) == (True, 16)
+    assert io_runner.last_io_slot is None and io_runner.host_io.count == 1

@@ -10,8 +10,9 @@ The contract every PDL kernel keeps (see `pdl_wait` for the code):
   * before `gdc_wait()` it only reads memory that no kernel of the step writes (weights; the step's metadata, such
     as positions, slots and sequence lengths, which host copies or a small decode graph's first kernel fill before
     the forward: that kernel is a plain launch, so nothing after it starts before it has completed; the RoPE
-    tables), and writes nothing. Loads there run under the previous kernel's tail: at batch 1 a kernel's time is mostly its
-    chain of dependent memory round trips after the wait, so every load moved before it shortens the step;
+    tables), and writes nothing. Loads there run under the previous kernel's tail: at batch 1 a kernel's time is
+    mostly its chain of dependent memory round trips after the wait, so every load moved before it shortens the
+    step;
   * it calls `gdc_launch_dependents()` right after the wait, or, for the kinds of kernel named in
     TOKENMILL_PDL_EARLY, before it. The successor's own wait still blocks until this kernel has completed (the
     trigger only decides when the successor's programs may become resident), so where the trigger sits never

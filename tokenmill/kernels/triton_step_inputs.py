@@ -75,7 +75,7 @@ class HostStepIO:
         self.ints[:, 2:4] = -1                   # no KV slot, no placeholder: an untouched slot is inert
         self.temps = torch.ones((self.NUM_SLOTS, width), dtype=torch.float32, pin_memory=pin)
         self.out = torch.zeros((self.NUM_SLOTS, width), dtype=torch.long, pin_memory=pin)
-        self.ints_np, self.temps_np, self.out_np = self.ints.numpy(), self.temps.numpy(), self.out.numpy()
+        self.ints_np, self.temps_np = self.ints.numpy(), self.temps.numpy()
         self.counter = torch.zeros(1, dtype=torch.long, device=device)  # replays so far (device side)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)     # the slot of the replay in progress
         self.count = 0                                                  # replays so far (host side)

@@ -222,6 +222,7 @@ class CudaGraphRunner:
         also draw the plain temperature sample into prev_sampled. Returns the graph for `run` as (mixed, size), or
         None when no graph fits (the batch runs eagerly)."""
         num_reqs, num_tokens = len(seq_lens), len(input_ids)
+        self.last_io_slot = None
         if self.can_run(num_reqs, num_tokens):
             return False, self.load_inputs(input_ids, positions, slots, seq_lens, block_table, fix_src, race)
         size = self.mixed_size(num_reqs, num_tokens) if allow_mixed else None

@@ -214,7 +214,7 @@ class ModelRunner:
             graph = self.cuda_graphs.load(input_ids, rope_positions, slots, qsl, seq_lens, block_table,
                                           allow_mixed=not wants_prompt_lp, fix_src=fix_src, race=race)
             graph_sampled = race is not None and graph is not None and not graph[0]
-            io_slot = self.cuda_graphs.last_io_slot if graph is not None and not graph[0] else None
+            io_slot = self.cuda_graphs.last_io_slot if graph is not None else None
         if graph is not None:
             # The graph returns the logits of every request's last token (a chunk that does not end its prompt
             # samples nothing, so keep only the rows that do).
