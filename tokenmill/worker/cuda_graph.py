@@ -57,6 +57,23 @@ def pad_mixed_inputs(size: int, reqs: int, input_ids: np.ndarray, positions: np.
     return vec, ints, last
 
 
+_DECODE_PAD = np.array([[0], [0], [-1], [-1], [0], [0]], dtype=np.int64)  # no KV slot, no placeholder
+
+
+def _fill_decode_rows(v: np.ndarray, temps: np.ndarray, size: int, input_ids: np.ndarray, positions: np.ndarray,
+                      slots: np.ndarray, fix_src: np.ndarray | None, race: tuple | None) -> None:
+    """The first six int64 rows of a decode graph's inputs (ids, positions, KV slots, placeholder sources, draw
+    seeds, draw RNG positions) and its draw temperatures, in whichever staging holds them: the batch's rows, then
+    inert padding rows up to `size`. Without `race` the draw's rows keep stale values (its flag is off)."""
+    n = len(input_ids)
+    v[0, :n], v[1, :n], v[2, :n] = input_ids, positions, slots
+    v[3, :n] = -1 if fix_src is None else fix_src
+    if race is not None:
+        v[4, :n], v[5, :n], temps[:n] = race
+    v[:6, n:size] = _DECODE_PAD
+    temps[n:size] = 1.0
+
+
 def _pinned(a: np.ndarray) -> torch.Tensor:
     # Plain memory without CUDA: the input staging is also checked on the CPU (tests/worker).
     t = torch.empty(a.shape, dtype=torch.from_numpy(a[:0]).dtype, pin_memory=torch.cuda.is_available())
@@ -301,20 +318,12 @@ class CudaGraphRunner:
             return size
         src, arr = self._staging.next()
         width = self.vec.shape[1]
-        v = arr[:self._vec_bytes].view(np.int64).reshape(6, width)
-        v[0, :n], v[1, :n], v[2, :n] = input_ids, positions, slots
-        v[3, :n] = -1 if fix_src is None else fix_src
-        v[:4, n:size] = ((0,), (0,), (-1,), (-1,))
         tail = arr[self._vec_bytes:].view(np.int32)
         r = self.seq_lens.shape[0]
+        _fill_decode_rows(arr[:self._vec_bytes].view(np.int64).reshape(6, width), tail[r:r + width].view(np.float32),
+                          size, input_ids, positions, slots, fix_src, race)
         tail[:n] = seq_lens
         tail[n:size] = 0
-        if race is not None:
-            v[4, :n], v[5, :n] = race[0], race[1]
-            v[4:, n:size] = 0
-            temp = tail[r:r + width].view(np.float32)
-            temp[:n] = race[2]
-            temp[n:size] = 1.0
         tail[r + width] = race is not None
         # Whole buffer, whatever size: bytes past `size` reach only buffers this graph does not read.
         self._arena.copy_(src, non_blocking=True)
@@ -328,14 +337,10 @@ class CudaGraphRunner:
         io = self.host_io
         slot = io.next_slot()
         n = len(input_ids)
-        v, t = io.ints_np[slot], io.temps_np[slot]
-        v[0, :n], v[1, :n], v[2, :n] = input_ids, positions, slots
-        v[3, :n] = -1 if fix_src is None else fix_src
+        v = io.ints_np[slot]
+        _fill_decode_rows(v, io.temps_np[slot], size, input_ids, positions, slots, fix_src, race)
         v[6, :n] = seq_lens
-        v[:7, n:size] = ((0,), (0,), (-1,), (-1,), (0,), (0,), (0,))
-        if race is not None:
-            v[4, :n], v[5, :n], t[:n] = race
-        t[n:size] = 1.0
+        v[6, n:size] = 0
         v[7, 0] = race is not None
         return slot
 
