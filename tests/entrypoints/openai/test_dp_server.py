@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -61,10 +62,16 @@ def test_head_and_headless_node_serve_together(tmp_path, tiny_model_factory):
                                ("vllm:inter_token_latency_seconds_count", 8 * 11)):
                 got = metrics_by_engine(http, name)
                 assert set(got) == {"0", "1"} and sum(got.values()) == want, (name, got)
-            # Per-step metrics come from the engines' stats, which reach both API servers: one records them. The
-            # steps scheduled every uncached prompt token, then one per generated token but the last.
-            steps = metrics_by_engine(http, "vllm:iteration_tokens_total_sum")
-            computed = metrics_by_engine(http, "vllm:request_prefill_kv_computed_tokens_sum")
+            # Per-step metrics come from the engines' stats, which reach both API servers: one records them, and it
+            # may do so after the responses went out (seen once under a loaded full suite: all still 0), so poll.
+            # The steps scheduled every uncached prompt token, then one per generated token but the last.
+            deadline = time.monotonic() + 20
+            while True:
+                steps = metrics_by_engine(http, "vllm:iteration_tokens_total_sum")
+                computed = metrics_by_engine(http, "vllm:request_prefill_kv_computed_tokens_sum")
+                if sum(steps.values()) == sum(computed.values()) + 8 * 11 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
             assert sum(steps.values()) == sum(computed.values()) + 8 * 11, (steps, computed)
         out, _ = intruder.communicate(timeout=120)
         assert intruder.returncode == 1 and b"turned this node away: ranks [1] already run elsewhere" in out
