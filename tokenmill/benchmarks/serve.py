@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -31,7 +31,7 @@ import httpx
 import numpy as np
 
 from tokenmill.benchmarks import structured_dataset as sd
-from tokenmill.benchmarks.serve_metrics import (METRIC_HEADERS, compute_metrics, format_report,
+from tokenmill.benchmarks.serve_metrics import (METRIC_HEADERS, RequestOutput, compute_metrics, format_report,
                                                 format_split_report, split_metrics)
 
 DEFAULT_VOCAB_SIZE = 32000
@@ -206,20 +206,6 @@ def sample_random_requests(tokenizer, num_prompts: int, input_len: int, output_l
 
 
 # --------------------------------------------------------------------------------------------- requests
-@dataclass
-class RequestOutput:
-    success: bool = False
-    prompt_len: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    latency: float = 0.0
-    start_time: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    chunk_times: list[float] = field(default_factory=list)
-    generated_text: str = ""
-    error: str = ""
-
-
 def _build_payload(backend: str, model: str, req: SampleRequest, ignore_eos: bool,
                    sampling: dict[str, Any]) -> dict[str, Any]:
     payload: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}

@@ -1,4 +1,4 @@
-"""`bench serve` metrics: vLLM's aggregate result keys and result block, plus the structured-vs-free split.
+"""`bench serve` metrics: the per-request record, vLLM's aggregate result keys and result block, plus the structured-vs-free split.
 
 Contract: `compute_metrics` turns finished requests into vLLM's flat result keys (latencies in ms);
 `format_report` prints vLLM's block line for line; `split_metrics` / `format_split_report` give the same latency
@@ -7,12 +7,27 @@ median TPOTs (the number that says what a constraint costs per token).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from tokenmill.benchmarks.serve import RequestOutput
+
+@dataclass
+class RequestOutput:
+    """One request's measurement as `bench serve` records it: times in seconds from the request's start
+    (`ttft`, `latency`) or absolute perf_counter values (`start_time`, `chunk_times`); `itl` holds the gaps
+    between content chunks."""
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    start_time: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)
+    generated_text: str = ""
+    error: str = ""
 
 METRIC_HEADERS = {"ttft": ("TTFT", "Time to First Token"),
                   "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
