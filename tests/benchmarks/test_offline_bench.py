@@ -38,3 +38,49 @@ def test_throughput_hf_backend_runs_and_rejects_engine_flags(tiny_model_factory)
     assert res["backend"] == "hf" and res["total_output_tokens"] == 6 and res["output_tokens_per_second"] > 0
     with pytest.raises(ValueError, match="--backend hf does not use --enforce-eager, --max-num-seqs"):
         throughput.main(common + ["--max-num-seqs", "4", "--enforce-eager"])
+
+
+def _spy_generate(monkeypatch) -> list:
+    """Record what the real LLM.generate is asked for and returns (the engine still runs)."""
+    from tokenmill.entrypoints.llm import LLM
+    calls = []
+    real = LLM.generate
+
+    def spy(self, prompts, params=None, **kw):
+        outs = real(self, prompts, params, **kw)
+        calls.append((params, [list(o.outputs[0].token_ids) for o in outs]))
+        return outs
+    monkeypatch.setattr(LLM, "generate", spy)
+    return calls
+
+
+def test_throughput_sampling_flags_reach_the_engine(tiny_model_factory, monkeypatch):
+    d = tiny_model_factory("llama")
+    calls = _spy_generate(monkeypatch)
+    common = ["--model", d, "--num-prompts", "4", "--input-len", "12", "--output-len", "6", "--max-model-len", "128"]
+    greedy = throughput.main(common + ["--temperature", "0"])
+    assert greedy["temperature"] == 0 and calls[-1][0][0].temperature == 0
+    greedy_tokens = calls[-1][1]
+    top1 = throughput.main(common + ["--temperature", "0.6", "--top-k", "1"])
+    params, top1_tokens = calls[-1]
+    assert (params[0].temperature, params[0].top_k, top1["top_k"]) == (0.6, 1, 1)
+    assert top1_tokens == greedy_tokens  # keeping only the most likely token is greedy decoding
+    throughput.main(common + ["--temperature", "0.6", "--top-p", "0.95"])
+    params, sampled_tokens = calls[-1]
+    assert all((p.temperature, p.top_p, p.top_k) == (0.6, 0.95, 0) for p in params)
+    assert sampled_tokens != greedy_tokens  # random weights: a real draw leaves the argmax path
+
+
+def test_throughput_refuses_bad_sampling_values_before_loading():
+    # Refused by SamplingParams' own check, named by field, before the engine (or HF) starts.
+    with pytest.raises(ValueError, match="top_p"):
+        throughput.main(["--model", "qwen3-0.6b", "--top-p", "1.5", "--num-prompts", "1"])
+    with pytest.raises(ValueError, match="top_k"):
+        throughput.main(["--model", "qwen3-0.6b", "--top-k", "-2", "--num-prompts", "1", "--backend", "hf"])
+
+
+def test_throughput_hf_backend_takes_the_sampling_flags(tiny_model_factory):
+    d = tiny_model_factory("llama")
+    res = throughput.main(["--model", d, "--backend", "hf", "--num-prompts", "2", "--input-len", "8", "--output-len",
+                           "3", "--max-model-len", "64", "--temperature", "0.6", "--top-p", "0.95", "--top-k", "5"])
+    assert (res["temperature"], res["top_p"], res["top_k"]) == (0.6, 0.95, 5) and res["total_output_tokens"] == 6

@@ -17,18 +17,29 @@ def make_parser(prog: str = "tokenmill bench throughput") -> argparse.ArgumentPa
     p.add_argument("--backend", default="tokenmill", choices=["tokenmill", "vllm", "hf"],
                    help="tokenmill (alias vllm): this engine; hf: HF transformers generate on the same prompts.")
     p.add_argument("--hf-max-batch-size", type=int, default=256, help="Batch size for --backend hf.")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="Sampling temperature of every request (0: greedy; default 1.0, as vLLM's bench uses).")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1] (1: off).")
+    p.add_argument("--top-k", type=int, default=0, help="Keep the k most likely tokens (0 or -1: off).")
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
     p.add_argument("--disable-detokenize", action="store_true", help="Return token ids only.")
     return p
 
 
-def run_tokenmill(prompts, out_lens, engine_kwargs, temperature: float, detokenize: bool) -> float:
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling flags as SamplingParams fields, validated there (a bad value is refused before any model
+    loads, whichever backend runs)."""
+    from tokenmill import SamplingParams
+    kw = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    SamplingParams(**kw)
+    return kw
+
+
+def run_tokenmill(prompts, out_lens, engine_kwargs, sampling: dict, detokenize: bool) -> float:
     from tokenmill import LLM, SamplingParams
     llm = LLM(**engine_kwargs)
     detok = detokenize and llm.get_tokenizer() is not None
-    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, detokenize=detok)
-              for n in out_lens]
+    params = [SamplingParams(**sampling, max_tokens=n, ignore_eos=True, detokenize=detok) for n in out_lens]
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2], use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
@@ -44,7 +55,7 @@ def run_tokenmill(prompts, out_lens, engine_kwargs, temperature: float, detokeni
 _HF_FLAGS = ("model", "dtype", "load_format", "seed", "max_model_len", "skip_tokenizer_init")
 
 
-def run_hf(prompts, out_lens, engine_kwargs, batch_size: int, temperature: float) -> tuple[float, int]:
+def run_hf(prompts, out_lens, engine_kwargs, batch_size: int, sampling: dict) -> tuple[float, int]:
     """HF generate in batches of left-padded prompts. A batch runs to its longest requested output, and every
     token it generates is counted (generous to HF: it is credited for tokens nobody asked for)."""
     unused = sorted(k for k in engine_kwargs if k not in _HF_FLAGS)
@@ -66,6 +77,10 @@ def run_hf(prompts, out_lens, engine_kwargs, batch_size: int, temperature: float
         kw = {"gguf_file": mc.resolved.gguf_file} if mc.is_gguf else {}
         model = tf.AutoModelForCausalLM.from_pretrained(mc.resolved.path, dtype=dtype, **kw).to(device)
     model.eval()
+    temperature = sampling["temperature"]
+    # top_k=0 spelled out: HF's generation config would otherwise apply its default top-k of 50.
+    draw = ({"do_sample": True, "temperature": temperature, "top_p": sampling["top_p"],
+             "top_k": max(sampling["top_k"], 0)} if temperature > 0 else {"do_sample": False})
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     generated = 0
     start = time.perf_counter()
@@ -81,8 +96,7 @@ def run_hf(prompts, out_lens, engine_kwargs, batch_size: int, temperature: float
         generated += n * len(idx)
         with torch.no_grad():
             model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=n,
-                           min_new_tokens=n, do_sample=temperature > 0, temperature=temperature or None,
-                           pad_token_id=0)
+                           min_new_tokens=n, pad_token_id=0, **draw)
     return time.perf_counter() - start, generated
 
 
@@ -90,16 +104,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser = make_parser()
     args, engine_kwargs = split_engine_args(sys.argv[1:] if argv is None else argv, parser)
     engine_kwargs.setdefault("seed", args.seed)
+    sampling = sampling_kwargs(args)
     from tokenmill.config.engine_args import create_engine_config
     vocab = create_engine_config(**{**engine_kwargs, "skip_tokenizer_init": True}).model_config.vocab_size
     prompts, out_lens = random_token_prompts(args.num_prompts, args.input_len, args.output_len,
                                              args.random_range_ratio, vocab, args.seed)
     n_in, n_out = sum(map(len, prompts)), sum(out_lens)
     if args.backend == "hf":
-        elapsed, n_out = run_hf(prompts, out_lens, engine_kwargs, args.hf_max_batch_size, args.temperature)
+        elapsed, n_out = run_hf(prompts, out_lens, engine_kwargs, args.hf_max_batch_size, sampling)
     else:
-        elapsed = run_tokenmill(prompts, out_lens, engine_kwargs, args.temperature, not args.disable_detokenize)
-    result = {"backend": args.backend, "elapsed_time": elapsed, "num_requests": len(prompts),
+        elapsed = run_tokenmill(prompts, out_lens, engine_kwargs, sampling, not args.disable_detokenize)
+    result = {"backend": args.backend, **sampling, "elapsed_time": elapsed, "num_requests": len(prompts),
               "total_input_tokens": n_in, "total_output_tokens": n_out,
               "requests_per_second": len(prompts) / elapsed, "tokens_per_second": (n_in + n_out) / elapsed,
               "output_tokens_per_second": n_out / elapsed}
