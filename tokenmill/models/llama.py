@@ -10,16 +10,15 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from tokenmill.attention.kv_quant import kv_scale_targets, load_kv_scale
 from tokenmill.attention.layer import Attention
 from tokenmill.distributed import get_parallel_state
-from tokenmill.distributed.pp import (IntermediateTensors, PPMissingLayer, is_pp_missing, missing_prefixes,
-                                      pp_layer_range)
+from tokenmill.distributed.pp import IntermediateTensors, PPMissingLayer, pp_layer_range
 from tokenmill.layers.layernorm import RMSNorm
-from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                     default_weight_loader)
+from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.layers.rotary import RotaryEmbedding, compute_inv_freq, long_inv_freq, longrope_switch
 from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.models.weight_mapping import LLAMA_STACKED, WeightMapping, load_weights
 
 
 def make_rotary(cfg, max_model_len: int) -> RotaryEmbedding:
@@ -36,19 +35,22 @@ def make_rotary(cfg, max_model_len: int) -> RotaryEmbedding:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, backend_cls: type,
-                 biases: tuple[bool, bool], qk_norm: bool) -> None:
+                 biases: tuple[bool, bool], qk_norm: bool, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
         hidden = cfg.hidden_size
         qkv_bias, o_bias = biases
         total_heads = cfg.num_attention_heads
         total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(cfg, "head_dim", None) or hidden // total_heads
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias,
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         # This rank's heads (all of them with one rank): the layer decides the split.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias,
+                                        quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.rotary_emb = rotary_emb
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -78,11 +80,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Unsupported hidden_act {act!r} (only silu).")
@@ -101,10 +105,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, backend_cls: type,
-                 biases: tuple[bool, bool], qk_norm: bool) -> None:
+                 biases: tuple[bool, bool], qk_norm: bool, quant_config: QuantizationConfig | None,
+                 prefix: str) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, backend_cls, biases, qk_norm)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, backend_cls, biases, qk_norm, quant_config,
+                                        f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -120,7 +126,7 @@ class LlamaModel(nn.Module):
     other than the last returns its own."""
 
     def __init__(self, cfg, max_model_len: int, backend_cls: type, biases: tuple[bool, bool],
-                 qk_norm: bool) -> None:
+                 qk_norm: bool, quant_config: QuantizationConfig | None = None, prefix: str = "model") -> None:
         super().__init__()
         pp = get_parallel_state()
         self.is_first, self.is_last = pp.pp_rank == 0, pp.pp_rank == pp.pp_size - 1
@@ -129,7 +135,8 @@ class LlamaModel(nn.Module):
             else PPMissingLayer()
         self.rotary = rotary = make_rotary(cfg, max_model_len)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary, backend_cls, biases, qk_norm) if self.start <= i < self.end
+            LlamaDecoderLayer(cfg, i, rotary, backend_cls, biases, qk_norm, quant_config, f"{prefix}.layers.{i}")
+            if self.start <= i < self.end
             else PPMissingLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else PPMissingLayer()
         self._own_layers = tuple(self.layers[self.start:self.end])  # a plain tuple: no per-step slicing
@@ -152,17 +159,14 @@ class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. `forward` returns final hidden states; `compute_logits` projects selected rows."""
 
     qk_norm = False
-    # checkpoint name fragment -> (fused parameter name fragment, shard id)
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    weight_mapping = WeightMapping(stacked=LLAMA_STACKED, skipped=(r"rotary_emb\.inv_freq$",))
 
-    def __init__(self, hf_config, max_model_len: int, backend_cls: type) -> None:
+    def __init__(self, hf_config, max_model_len: int, backend_cls: type,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = hf_config
         self.model = LlamaModel(hf_config, max_model_len, backend_cls, self.attention_biases(hf_config),
-                                self.qk_norm)
+                                self.qk_norm, quant_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # LongRoPE with two tables: (prompt length past which a request uses the long one, its position offset).
         rope = self.model.rotary
@@ -191,46 +195,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into parameters; returns the parameter names that were loaded. KV-cache scales
-        (k_scale / v_scale / kv_scale, see attention/kv_quant.py) go into the Attention layers' scale buffers."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        other_stages = missing_prefixes(self)
-        # A tied head on a stage without the embedding is filled from the embedding's tensor.
-        head_from_embedding = self.tie_word_embeddings and self.lm_head is not self.model.embed_tokens \
-            and not is_pp_missing(self.lm_head)
-        buffers = dict(self.named_buffers())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if head_from_embedding and name == "model.embed_tokens.weight":
-                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor.to(self.lm_head.weight.dtype))
-                loaded.add("lm_head.weight")
-            if name.startswith(other_stages):
-                continue  # another pipeline stage's tensor
-            targets = kv_scale_targets(name)
-            if targets is not None:
-                for target in targets:
-                    if target not in buffers:
-                        raise ValueError(f"Checkpoint tensor {name!r} looks like a KV-cache scale but "
-                                         f"{type(self).__name__} has no {target!r}.")
-                    load_kv_scale(buffers[target], tensor, name)
-                continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue  # the embedding is the head
-            shard = None
-            for ckpt, (fused, shard_id) in self.packed_modules_mapping.items():
-                if f".{ckpt}." in name:
-                    name, shard = name.replace(f".{ckpt}.", f".{fused}."), shard_id
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in "
-                                 f"{type(self).__name__}; is this the right architecture?")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor.to(param.dtype), shard)
-            loaded.add(name)
-        return loaded
+        """Copy checkpoint tensors into parameters (see models/weight_mapping.py); the names loaded."""
+        return load_weights(self, weights, self.weight_mapping, self.tie_word_embeddings)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -252,4 +218,4 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     the checkpoint (`qkv_proj`, `gate_up_proj`, split by the layers' loaders), partial rotary and LongRoPE scaling
     from the config, no biases."""
 
-    packed_modules_mapping: dict = {}
+    weight_mapping = WeightMapping(skipped=(r"rotary_emb\.inv_freq$",))

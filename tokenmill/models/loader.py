@@ -7,8 +7,10 @@ import torch
 from torch import nn
 
 from tokenmill.config import TokenmillConfig
+from tokenmill.layers.quantization import get_quant_config
 from tokenmill.logger import init_logger
 from tokenmill.models.registry import get_model_class
+from tokenmill.models.weight_mapping import process_weights_after_loading
 
 logger = init_logger(__name__)
 
@@ -40,8 +42,9 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
     cls = get_model_class(mc.architecture)
     _check_sliding_window(config)
     dtype = mc.get_torch_dtype(device)
+    quant_config = get_quant_config(mc)
     with _default_dtype(dtype), torch.device(device):
-        model = cls(mc.hf_config, mc.max_model_len, backend_cls)
+        model = cls(mc.hf_config, mc.max_model_len, backend_cls, quant_config=quant_config)
     model.eval()
     fmt = lc.load_format
     if fmt == "dummy":
@@ -63,6 +66,8 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
         missing = expected - loaded
         if missing:
             raise ValueError(f"The checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:5]}.")
+    with torch.no_grad():
+        process_weights_after_loading(model)
     logger.info("Loaded %s (%s, %.1f M parameters, %s) on %s", mc.architecture, fmt,
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
     return model
