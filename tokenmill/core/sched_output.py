@@ -59,14 +59,18 @@ class GrammarOutput:
 class ModelRunnerOutput:
     """The result of one step.
 
-    sampled_token_ids[i] belongs to req_ids[i]; it is empty for a request whose prefill chunk did not reach the end
-    of its known tokens (nothing is sampled then). logprobs rows follow req_ids too (rows of requests that sampled
-    nothing or did not ask are ignored). prompt_logprobs holds, per request that asked, the chunk computed this step.
+    sampled_token_ids[i] belongs to req_ids[i]: the tokens it sampled this step, in order (one per step today; k + 1
+    when k draft tokens are verified), empty for a request whose prefill chunk did not reach the end of its known
+    tokens. logprobs has one row per sampled token, request after request in req_ids order (the rows of request i
+    are rows sum(len(t) for t in sampled_token_ids[:i]) onwards); rows of requests that did not ask are ignored.
+    prompt_logprobs holds, per request that asked, the chunk computed this step. pooler_output[i] (a pooling model
+    only, else None) is request i's pooled hidden state once its prompt is done, else None.
     """
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    pooler_output: list[Any] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -262,11 +262,16 @@ class Scheduler:
 
     # ----- results -----
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Apply one step's sampled tokens. A request may receive several tokens at once (k + 1 when k draft tokens
+        were verified): they are taken one at a time with the stop conditions checked after each, so the output
+        ends exactly where one-token steps would end it, and tokens past a stop are dropped."""
         outputs, self._rejected = self._rejected, []
         seq, freed_at = sched.step_seq, self._freed_at
         if freed_at:  # later steps are all newer than `seq`: older entries cannot matter any more
             self._freed_at = freed_at = {r: s for r, s in freed_at.items() if s >= seq}
-        for row, (rid, token_ids) in enumerate(zip(out.req_ids, out.sampled_token_ids)):
+        lp_row = 0  # logprobs rows follow the sampled tokens, request after request
+        for rid, token_ids in zip(out.req_ids, out.sampled_token_ids):
+            first_row, lp_row = lp_row, lp_row + len(token_ids)
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING or freed_at.get(rid, -1) >= seq:
                 continue  # aborted or preempted while the step ran, or the id now names a newer request
@@ -277,15 +282,12 @@ class Scheduler:
                 if prompt_lp is not None:
                     outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_lp))
                 continue
-            active_before = req.grammar_start is not None
-            req.append_output_token_ids(token_ids)
-            if req.grammar is not None and active_before:
-                self.structured.accept(req, token_ids)  # (tokens up to a reasoning end are not constrained)
-            stopped = self._check_stop(req)
+            token_ids, stopped = self._append_until_stop(req, token_ids)
             new_lp = None
             if out.logprobs is not None and req.sampling_params.logprobs is not None:
-                new_lp = LogprobsLists([out.logprobs.token_ids[row]], [out.logprobs.logprobs[row]],
-                                       [out.logprobs.ranks[row]])
+                rows = slice(first_row, first_row + len(token_ids))
+                lp = out.logprobs
+                new_lp = LogprobsLists(lp.token_ids[rows], lp.logprobs[rows], lp.ranks[rows])
             start = None
             if req.num_output_tokens == len(token_ids):  # its first tokens: say how it started, once
                 start = RequestStartStats(req.queued_ts, req.scheduled_ts, req.num_recomputed_tokens)
@@ -297,6 +299,25 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req)
         return EngineCoreOutputs(outputs=outputs)
+
+    def _append_until_stop(self, req: Request, token_ids: list[int]) -> tuple[list[int], bool]:
+        """Append a step's tokens to `req` up to and including the first that stops it (the grammar, when one is
+        active, accepts each kept token); returns (the tokens kept, whether it stopped)."""
+        if len(token_ids) == 1:
+            active = req.grammar is not None and req.grammar_start is not None
+            req.append_output_token_ids(token_ids)
+            if active:
+                self.structured.accept(req, token_ids)  # (tokens up to a reasoning end are not constrained)
+            return token_ids, self._check_stop(req)
+        for k in range(len(token_ids)):
+            one = token_ids[k:k + 1]
+            active = req.grammar is not None and req.grammar_start is not None
+            req.append_output_token_ids(one)
+            if active:
+                self.structured.accept(req, one)
+            if self._check_stop(req):
+                return token_ids[:k + 1], True
+        return token_ids, False
 
     def _check_stop(self, req: Request) -> bool:
         params = req.sampling_params

@@ -400,15 +400,8 @@ class AsyncRunnerOutput:
             b.token_ids[self._srows[valid], self._pos[valid]] = np.asarray(ids, dtype=np.int32)[valid]
             for j, i in enumerate(st.sample_idx):
                 sampled[i] = [ids[j]]
-            if self._lp is not None:
-                lp = self._lp.tolists()
-                # Scatter rows back to batch order; rows that sampled nothing get empty placeholders.
-                full_ids: list[list[int]] = [[] for _ in st.req_ids]
-                full_lp: list[list[float]] = [[] for _ in st.req_ids]
-                full_rank = [0] * len(st.req_ids)
-                for j, i in enumerate(st.sample_idx):
-                    full_ids[i], full_lp[i], full_rank[i] = lp.token_ids[j], lp.logprobs[j], lp.ranks[j]
-                logprobs = LogprobsLists(full_ids, full_lp, full_rank)
+            if self._lp is not None:  # one row per sampled token, in request order: already the output's layout
+                logprobs = self._lp.tolists()
         self._result = ModelRunnerOutput(req_ids=st.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                          prompt_logprobs=st.prompt_lp)
         self._runner = self._st = self._ids = self._lp = None
