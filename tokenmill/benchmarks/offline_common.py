@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,16 @@ def split_engine_args(argv: list[str], bench_parser: argparse.ArgumentParser) ->
             engine_kwargs["model"]):
         engine_kwargs["skip_tokenizer_init"] = True
     return args, engine_kwargs
+
+
+def require_cuda(prog: str, num_gpus: int = 1) -> None:
+    """Exit with status 2 and a one-line reason unless this machine has at least num_gpus CUDA devices."""
+    import torch
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < num_gpus:
+        print(f"{prog}: needs {num_gpus} CUDA GPU{'s' if num_gpus > 1 else ''}; this machine has {have}",
+              file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _has_tokenizer(model: str) -> bool:
@@ -66,6 +77,22 @@ def add_dataset_args(p: argparse.ArgumentParser, input_len: int, output_len: int
                    help="Lengths are uniform in [len*(1-r), len*(1+r)].")
     p.add_argument("--num-prompts", type=int, default=num_prompts)
     p.add_argument("--seed", type=int, default=0)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="Sampling temperature of every request (0: greedy; default 1.0, as vLLM's bench uses).")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1] (1: off).")
+    p.add_argument("--top-k", type=int, default=0, help="Keep the k most likely tokens (0 or -1: off).")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling flags as SamplingParams fields, validated there: a bad value is refused (ValueError naming
+    the field) before any model loads."""
+    from tokenmill import SamplingParams
+    kw = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    SamplingParams(**kw)
+    return kw
 
 
 def summarize(values: list[float], percentiles=(10, 25, 50, 75, 90, 99)) -> dict[str, Any]:

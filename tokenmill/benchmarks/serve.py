@@ -472,15 +472,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _cli(argv: list[str] | None = None) -> dict[str, Any]:
+def run_cli(argv: list[str] | None = None) -> int:
+    """`tokenmill bench serve ARGS`: 0 when the benchmark ran, 1 (with the reason on stderr) when it could not."""
     parser = argparse.ArgumentParser(prog="tokenmill bench serve", description=__doc__.splitlines()[0])
     add_cli_args(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        return main(args)
-    except (ValueError, RuntimeError) as e:
-        parser.error(str(e))
+        main(args)
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"tokenmill bench serve: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    _cli()
+    sys.exit(run_cli())

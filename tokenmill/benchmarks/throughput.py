@@ -8,7 +8,8 @@ import argparse
 import sys
 import time
 
-from tokenmill.benchmarks.offline_common import write_json, add_dataset_args, random_token_prompts, split_engine_args
+from tokenmill.benchmarks.offline_common import (add_dataset_args, add_sampling_args, random_token_prompts,
+                                                 sampling_kwargs, split_engine_args, write_json)
 
 
 def make_parser(prog: str = "tokenmill bench throughput") -> argparse.ArgumentParser:
@@ -17,22 +18,10 @@ def make_parser(prog: str = "tokenmill bench throughput") -> argparse.ArgumentPa
     p.add_argument("--backend", default="tokenmill", choices=["tokenmill", "vllm", "hf"],
                    help="tokenmill (alias vllm): this engine; hf: HF transformers generate on the same prompts.")
     p.add_argument("--hf-max-batch-size", type=int, default=256, help="Batch size for --backend hf.")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="Sampling temperature of every request (0: greedy; default 1.0, as vLLM's bench uses).")
-    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1] (1: off).")
-    p.add_argument("--top-k", type=int, default=0, help="Keep the k most likely tokens (0 or -1: off).")
+    add_sampling_args(p)
     p.add_argument("--output-json", default=None, help="Write the results here as JSON.")
     p.add_argument("--disable-detokenize", action="store_true", help="Return token ids only.")
     return p
-
-
-def sampling_kwargs(args: argparse.Namespace) -> dict:
-    """The sampling flags as SamplingParams fields, validated there (a bad value is refused before any model
-    loads, whichever backend runs)."""
-    from tokenmill import SamplingParams
-    kw = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
-    SamplingParams(**kw)
-    return kw
 
 
 def run_tokenmill(prompts, out_lens, engine_kwargs, sampling: dict, detokenize: bool) -> float:

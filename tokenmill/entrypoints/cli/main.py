@@ -1,13 +1,24 @@
-"""The `tokenmill` command: `tokenmill serve [MODEL] [vLLM flags]`, `tokenmill bench serve|throughput|latency`."""
+"""The `tokenmill` command: `tokenmill serve [MODEL] [vLLM flags]`, `tokenmill bench NAME [flags]`."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 import tokenmill
 
-_OFFLINE_BENCH = {"throughput": "Offline throughput on random prompts (also --backend hf).",
-                  "latency": "Offline latency of one batch, repeated, with percentiles."}
+# `tokenmill bench NAME` runs "module:function" under tokenmill.benchmarks with the rest of the command line
+# (a list of strings). The function parses its own flags (`tokenmill bench NAME --help`) and returns an exit
+# status or a result (exit status 0). A new benchmark is one line here.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "serve": ("serve:run_cli", "Online benchmark against a running OpenAI-compatible server."),
+    "throughput": ("throughput:main", "Offline throughput on random prompts (also --backend hf)."),
+    "latency": ("latency:main", "Offline latency of one batch, repeated, with percentiles."),
+    "profile": ("workload_profile:main", "Where an offline workload's time goes: engine phases, steps by batch size, "
+                                "host functions, kernels."),
+    "step-gaps": ("step_gaps:main", "CUDA: device idle time between batch-1 decode graph replays."),
+    "all-reduce": ("all_reduce:main", "CUDA, 2+ GPUs: all-reduce latency, NCCL vs the symmetric-memory kernel."),
+}
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -16,7 +27,7 @@ def _top_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{serve,bench}")
     sub.add_parser("serve", help="Start the OpenAI-compatible API server (see `tokenmill serve --help`).",
                    add_help=False)
-    sub.add_parser("bench", help="Benchmarks: serve, throughput, latency (see `tokenmill bench --help`).",
+    sub.add_parser("bench", help=f"Benchmarks: {', '.join(BENCHMARKS)} (see `tokenmill bench --help`).",
                    add_help=False)
     return p
 
@@ -28,36 +39,35 @@ def serve(argv: list[str]) -> None:
     run_server(engine_kwargs, frontend)
 
 
-def bench(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="tokenmill bench", description="Benchmark a server or the engine.")
-    sub = p.add_subparsers(dest="bench_command", metavar="{serve,throughput,latency}")
-    serve_p = sub.add_parser("serve", help="Online benchmark against a running OpenAI-compatible server.")
-    for name, help in _OFFLINE_BENCH.items():
+def _bench_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenmill bench", description="Benchmark a server or the engine.",
+                                epilog="`tokenmill bench NAME --help` lists a benchmark's own flags.")
+    sub = p.add_subparsers(dest="bench_command", metavar="{" + ",".join(BENCHMARKS) + "}")
+    for name, (_, help) in BENCHMARKS.items():
         sub.add_parser(name, help=help, add_help=False)
-    if argv and argv[0] in _OFFLINE_BENCH:
-        # These take every engine flag of `tokenmill serve` besides their own, so they parse their own argv.
-        import importlib
-        module = importlib.import_module(f"tokenmill.benchmarks.{argv[0]}")
-        sys.argv[0] = f"tokenmill bench {argv[0]}"
-        module.main(argv[1:])
-        return 0
-    if argv and argv[0] == "serve":
-        try:
-            from tokenmill.benchmarks import serve as bench_serve
-        except ImportError as e:
-            print(f"tokenmill bench serve is not available: {e}", file=sys.stderr)
-            return 2
-        bench_serve.add_cli_args(serve_p)
-        args = p.parse_args(argv)
-        try:
-            result = bench_serve.main(args)
-        except (RuntimeError, ValueError, OSError) as e:
-            print(f"tokenmill bench serve: {e}", file=sys.stderr)
-            return 1
-        return result if isinstance(result, int) else 0
-    p.parse_args(argv)
-    p.print_help()
-    return 2
+    return p
+
+
+def bench(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHMARKS:
+        p = _bench_parser()
+        p.parse_args(argv)  # exits: --help, or an unknown name
+        p.print_help()
+        return 2
+    name = argv[0]
+    module_name, func_name = BENCHMARKS[name][0].split(":")
+    try:
+        module = importlib.import_module(f"tokenmill.benchmarks.{module_name}")
+    except ImportError as e:
+        print(f"tokenmill bench {name} is not available: {e}", file=sys.stderr)
+        return 2
+    sys.argv[0] = f"tokenmill bench {name}"
+    try:
+        result = getattr(module, func_name)(argv[1:])
+    except ValueError as e:  # a flag value the benchmark refused
+        print(f"tokenmill bench {name}: {e}", file=sys.stderr)
+        return 2
+    return result if isinstance(result, int) else 0
 
 
 def main(argv: list[str] | None = None) -> None:
