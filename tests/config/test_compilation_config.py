@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.config.compilation import CompilationConfig
+from tokenmill.config.compilation import CompilationConfig, default_capture_sizes, mixed_capture_sizes
 
 
 def test_cudagraph_mode_choices():
@@ -19,6 +19,14 @@ def test_mixed_capture_sizes_follow_mode_and_limits():
     assert CompilationConfig(max_cudagraph_capture_size=64).mixed_capture_sizes(8192, 256)[-1] == (64, 64)
     assert CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY").mixed_capture_sizes(8192, 256) == []
     assert not CompilationConfig(cudagraph_mode="NONE").graphs_enabled
+
+
+def test_capture_size_tables():
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert default_capture_sizes(300)[-4:] == [256, 272, 288, 300]
+    assert mixed_capture_sizes(100, 48) == [(16, 16), (32, 32), (64, 48)]
+    assert CompilationConfig(max_cudagraph_capture_size=20).capture_sizes(256) == default_capture_sizes(20)
+    assert CompilationConfig(cudagraph_capture_sizes=[4, 64, 1]).capture_sizes(32) == [1, 4]
 
 
 def test_graph_output_rows_count_every_captured_graph():

@@ -146,13 +146,12 @@ def test_backend_captured_mixed_layout(case):
 
 
 def test_pad_mixed_inputs():
-    from tokenmill.worker.cuda_graph import mixed_capture_sizes, pad_mixed_inputs
+    from tokenmill.worker.cuda_graph import pad_mixed_inputs
     qsl, lens = np.array([0, 3, 4, 9]), np.array([10, 5, 5])
     vec, ints, last = pad_mixed_inputs(12, 5, np.arange(9) + 100, np.arange(9), np.arange(9) + 50, qsl, lens)
     assert vec.shape == (3, 12) and list(vec[2, 9:]) == [-1, -1, -1] and list(vec[0, :9]) == list(range(100, 109))
     assert list(ints[:6]) == [0, 3, 4, 9, 9, 9] and list(ints[6:]) == [10, 5, 5, 0, 0]
     assert list(last) == [2, 3, 8, 0, 0]
-    assert mixed_capture_sizes(100, 48) == [(16, 16), (32, 32), (64, 48)]
 
 
 # ------------------------------------------------------------------------------------------------------- KV store

@@ -15,6 +15,23 @@ COMPILE_MODES = (0, 1, 2, 3, "NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE",
 _GRAPH_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
 # -O levels -> cudagraph_mode when it is not set explicitly (vLLM's levels trade start-up time for speed).
 _LEVEL_MODES = {0: "NONE", 1: "FULL_DECODE_ONLY", 2: None, 3: None}
+# Token capacities of the mixed-batch graphs (batches that also hold prefill chunks).
+MIXED_TOKEN_SIZES = (16, 32, 64, 128, 256, 512)
+
+
+def default_capture_sizes(max_size: int) -> list[int]:
+    """Decode graph batch sizes: 1, 2, 4, 8, then steps of 8 up to 256 and of 16 beyond, capped at max_size."""
+    sizes = [s for s in (1, 2, 4) if s <= max_size]
+    sizes += list(range(8, min(max_size, 256) + 1, 8))
+    sizes += list(range(272, max_size + 1, 16))
+    if max_size not in sizes:
+        sizes.append(max_size)
+    return sorted(set(sizes))
+
+
+def mixed_capture_sizes(max_tokens: int, max_reqs: int) -> list[tuple[int, int]]:
+    """(token capacity, request capacity) of each mixed graph: powers of two from 16 up to max_tokens."""
+    return [(t, min(t, max_reqs)) for t in MIXED_TOKEN_SIZES if t <= max_tokens]
 
 
 @dataclass
@@ -99,14 +116,12 @@ class CompilationConfig:
 
     def mixed_capture_sizes(self, max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
         """(tokens, requests) capacities of the mixed-batch graphs; none in FULL_DECODE_ONLY mode."""
-        from tokenmill.worker.cuda_graph import mixed_capture_sizes
         if self.cudagraph_mode in ("NONE", "FULL_DECODE_ONLY"):
             return []
         limit = min(self.max_cudagraph_capture_size or 512, max_num_batched_tokens)
         return mixed_capture_sizes(limit, min(max_num_seqs, self.max_cudagraph_capture_size or 512))
 
     def capture_sizes(self, max_num_seqs: int) -> list[int]:
-        from tokenmill.worker.cuda_graph import default_capture_sizes
         limit = min(self.max_cudagraph_capture_size or 512, max_num_seqs)
         if self.cudagraph_capture_sizes is not None:
             return sorted({s for s in self.cudagraph_capture_sizes if s <= limit}) or [1]
