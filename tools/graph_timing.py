@@ -1,6 +1,6 @@
 """Timing of decode-sized kernels the way a decode step runs them: captured back to back in one CUDA graph (launch
 overhead excluded, programmatic dependent launch as configured), median of several replays. Used by
-tools/bench_gemv.py and tools/tune_attention.py on the GPU machine."""
+tools/bench_gemv.py on the GPU machine."""
 from __future__ import annotations
 
 import statistics
