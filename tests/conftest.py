@@ -36,6 +36,16 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
 
 
+@pytest.fixture(scope="session")
+def think_tokenizer(smollm2_tokenizer):
+    """The SmolLM2 tokenizer plus `<think>` and `</think>` as tokens, as reasoning models' tokenizers have them
+    (the reasoning parsers refuse a tokenizer without them)."""
+    import copy
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_tokens(["<think>", "</think>"])
+    return tok
+
+
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-5)
 

@@ -148,3 +148,37 @@ def test_registry_names():
     assert reasoning_parsers.get("deepseek_r1") is DeepSeekR1ReasoningParser
     with pytest.raises(ValueError, match="available: .*deepseek_r1.*qwen3"):
         reasoning_parsers.get("nope")
+
+
+# ---- the tokenizer must have the parser's tags (checked when the server builds the parser) ---------------------
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_parser_refuses_a_tokenizer_without_think_tokens(name, smollm2_tokenizer):
+    with pytest.raises(ValueError, match=rf"--reasoning-parser {name}: the tokenizer has no '<think>' or "
+                                         r"'</think>' token"):
+        reasoning_parsers.get(name)(smollm2_tokenizer)
+
+
+def test_parser_names_only_the_missing_token(smollm2_tokenizer):
+    import copy
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_tokens(["</think>"])
+    with pytest.raises(ValueError, match="has no '<think>' token") as e:
+        DeepSeekR1ReasoningParser(tok)
+    assert "'</think>'" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_parser_accepts_a_tokenizer_with_think_tokens(name, think_tokenizer):
+    parser = reasoning_parsers.get(name)(think_tokenizer)
+    assert parser.end_token_id() == think_tokenizer.convert_tokens_to_ids("</think>")
+    assert parser.extract("a</think>b", prompt_opens_reasoning=True) == ("a", "b")
+
+
+def test_server_start_up_refuses_the_embedded_model_with_deepseek_r1(smollm2_tokenizer):
+    """What `tokenmill serve --reasoning-parser deepseek_r1` builds at start-up for the embedded SmolLM2."""
+    from tokenmill.config.frontend import FrontendConfig
+    from tokenmill.entrypoints.openai.chat_parsing import ChatParsing
+    with pytest.raises(ValueError, match="deepseek_r1.*no '<think>' or '</think>' token"):
+        ChatParsing(smollm2_tokenizer, FrontendConfig(reasoning_parser="deepseek_r1"))
+    assert ChatParsing(smollm2_tokenizer, FrontendConfig()).reasoning is None

@@ -39,9 +39,10 @@ class ScriptedEngine:
 
 
 @pytest.fixture
-def scripted(fake_engine, smollm2_tokenizer):
+def scripted(fake_engine, think_tokenizer):
+    """Scripted engines over a tokenizer with <think> / </think> tokens (the reasoning parsers require them)."""
     cls = type("Scripted", (ScriptedEngine, type(fake_engine)), {})
-    return lambda text: cls(smollm2_tokenizer, text)
+    return lambda text: cls(think_tokenizer, text)
 
 
 def run_both(make_client, scripted, text, body, **frontend):
@@ -114,6 +115,13 @@ def test_unknown_parser_fails_at_start(make_client, scripted):
         make_client(scripted("x"), reasoning_parser="nope")
 
 
+def test_parser_whose_tags_the_tokenizer_lacks_fails_at_start(make_client):
+    # The default fake engine carries the embedded SmolLM2's tokenizer, which has no think tokens.
+    with pytest.raises(ValueError, match="--reasoning-parser deepseek_r1: the tokenizer has no '<think>' or "
+                                         "'</think>' token"):
+        make_client(reasoning_parser="deepseek_r1")
+
+
 def test_null_fields_and_tool_loop_messages(make_client):
     """Clients that send every field as null, and the usual tool loop (assistant content null + tool result)."""
     c, _ = make_client()
@@ -129,12 +137,11 @@ def test_null_fields_and_tool_loop_messages(make_client):
 
 
 @pytest.mark.parametrize("in_reasoning", [False, True])
-def test_structured_outputs_start_after_reasoning_unless_enable_in_reasoning(make_client, scripted, monkeypatch,
+def test_structured_outputs_start_after_reasoning_unless_enable_in_reasoning(make_client, scripted, think_tokenizer,
                                                                              in_reasoning):
     """With a reasoning parser the grammar constrains only the answer (it starts after the end-of-reasoning token);
     --structured-outputs-config enable_in_reasoning makes it constrain the reasoning too, as in vLLM."""
-    from tokenmill.parsers.reasoning import ReasoningParser
-    monkeypatch.setattr(ReasoningParser, "end_token_id", lambda self: 1234)  # SmolLM2 has no </think> token
+    end_id = think_tokenizer.convert_tokens_to_ids("</think>")
     engine = scripted("{}")
     c, _ = make_client(engine, reasoning_parser="deepseek_r1",
                        structured_outputs_config={"enable_in_reasoning": in_reasoning})
@@ -142,7 +149,7 @@ def test_structured_outputs_start_after_reasoning_unless_enable_in_reasoning(mak
     assert r.status_code == 200, r.text
     params = engine.calls[-1][1]
     assert params.structured_outputs is not None
-    assert params._grammar_after_token_id == (None if in_reasoning else 1234)
+    assert params._grammar_after_token_id == (None if in_reasoning else end_id)
 
 
 REQUIRED_OUT = ('[{"name": "get_weather", "parameters": {"city": "Pa}ris \\"[x]\\"", "days": 3}}, '

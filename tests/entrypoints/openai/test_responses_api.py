@@ -188,9 +188,9 @@ def test_stream_with_sdk(make_client, smollm2_tokenizer):
     assert final.output_text == text and final.status == "completed"
 
 
-def test_reasoning_item_whole_and_streamed(make_client, smollm2_tokenizer):
+def test_reasoning_item_whole_and_streamed(make_client, think_tokenizer):
     script = "Let me think about Paris.\nIt is in France.</think>\n\nThe capital of France is Paris."
-    engine = type("Scripted", (ScriptedEngine, FakeEngine), {})(smollm2_tokenizer, script)
+    engine = type("Scripted", (ScriptedEngine, FakeEngine), {})(think_tokenizer, script)
     c, _ = make_client(engine, reasoning_parser="deepseek_r1")
     resp = Response.model_validate(c.post("/v1/responses", json={"input": "Where is Paris?"}).json())
     reasoning, message = resp.output

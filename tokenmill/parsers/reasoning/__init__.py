@@ -40,10 +40,29 @@ class ReasoningStream(abc.ABC):
 class ReasoningParser(abc.ABC):
     """Built once per server from the tokenizer. `prompt_opens_reasoning` says whether the rendered prompt already
     ends inside a reasoning block (e.g. a chat template that appends `<think>\\n`), so the output starts as reasoning
-    without an opening tag; `enabled=False` (thinking disabled through chat_template_kwargs) means all content."""
+    without an opening tag; `enabled=False` (thinking disabled through chat_template_kwargs) means all content.
+
+    A parser lists the tags a model marks its reasoning with in `required_tokens`; construction raises ValueError
+    when the tokenizer's vocabulary lacks one of them (as vLLM's parsers do): such a model never writes the tags
+    the parser looks for. A tokenizer of None (skip_tokenizer_init, unit tests of the text rules) is not checked.
+    """
+
+    #: The name the parser is registered under (--reasoning-parser NAME), for error messages.
+    name: str = ""
+    #: Tokens the tokenizer must have, each as one vocabulary entry.
+    required_tokens: tuple[str, ...] = ()
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        if tokenizer is not None and self.required_tokens:
+            vocab = tokenizer.get_vocab()
+            missing = [t for t in self.required_tokens if t not in vocab]
+            if missing:
+                raise ValueError(
+                    f"--reasoning-parser {self.name or type(self).__name__}: the tokenizer has no "
+                    f"{' or '.join(map(repr, missing))} token, so this model does not mark its reasoning the way the "
+                    "parser expects (its whole output could be reported as reasoning). Choose the parser made for "
+                    "this model, or leave --reasoning-parser unset.")
 
     @abc.abstractmethod
     def extract(self, text: str, prompt_opens_reasoning: bool = False, enabled: bool = True) -> tuple[str | None, str | None]:

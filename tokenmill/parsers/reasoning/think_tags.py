@@ -17,7 +17,8 @@ Rules shared by both parsers (whole and streamed output give exactly the same re
       `<think>`). Otherwise the output is reasoning only when it starts with `<think>` (after optional newlines);
       an output that starts with anything else is all content and tags in it are not interpreted. A `<think>`
       without `</think>` (max_tokens hit mid-thought) makes the rest all reasoning.
-- Tags are matched in the text, not token ids, so any tokenizer works (the tokenizer may be None).
+- Tags are matched in the text, not token ids. The tokenizer must still have `<think>` and `</think>` as tokens
+  (ReasoningParser refuses it otherwise); None skips that check.
 
 Streaming holds back only a possible partial tag at the end of the buffer (e.g. "</thi"), never more.
 """
@@ -114,6 +115,7 @@ class _ThinkTagReasoningParser(ReasoningParser):
 
     #: True: the output is reasoning from its first character (DeepSeek-R1's template opens the block).
     always_starts_in_reasoning: bool = False
+    required_tokens = (THINK_START, THINK_END)
 
     def _initial_mode(self, prompt_opens_reasoning: bool, enabled: bool) -> str:
         if not enabled:
@@ -149,6 +151,7 @@ class DeepSeekR1ReasoningParser(_ThinkTagReasoningParser):
     without `</think>` it is all reasoning (content None). Content is what follows `</think>`, leading newlines
     stripped. `enabled=False` makes it all content."""
 
+    name = "deepseek_r1"
     always_starts_in_reasoning = True
 
 
@@ -157,4 +160,5 @@ class Qwen3ReasoningParser(_ThinkTagReasoningParser):
     block, everything up to `</think>`); no opening tag means all content; an unclosed block is all reasoning.
     `enabled=False` (enable_thinking false: the template put an empty think block in the prompt) is all content."""
 
+    name = "qwen3"
     always_starts_in_reasoning = False
