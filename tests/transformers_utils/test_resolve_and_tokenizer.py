@@ -18,6 +18,7 @@ from tokenmill.transformers_utils.config import (
     get_hf_config,
     get_max_model_len,
     get_rope_params,
+    longrope_switch,
 )
 from tokenmill.transformers_utils.default_model import DEFAULT_MODEL_NAME, default_model_path
 from tokenmill.transformers_utils.resolve import ResolvedModel, resolve_model
@@ -192,6 +193,16 @@ def test_rope_params_per_layer_type():
     )
     assert get_rope_params(cfg)["rope_type"] == "linear"
     assert get_rope_params(cfg, "sliding_attention")["rope_theta"] == 1e4
+
+
+def test_longrope_switch_is_the_pretraining_length_only_past_it():
+    def phi3(**kw):
+        scaling = {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
+        return types.SimpleNamespace(max_position_embeddings=256, rope_scaling=scaling, **kw)
+    assert longrope_switch(phi3(original_max_position_embeddings=64), 256) == 64
+    assert longrope_switch(phi3(original_max_position_embeddings=64), 64) is None  # never past it: short table only
+    assert longrope_switch(phi3(), 512) == 256  # no original length: max_position_embeddings is the pretrained one
+    assert longrope_switch(types.SimpleNamespace(max_position_embeddings=64), 4096) is None  # not LongRoPE
 
 
 def test_max_model_len_keys():

@@ -20,7 +20,7 @@ def _long_rope_prompt_len(config: TokenmillConfig) -> int | None:
     hf_config = getattr(config.model_config, "hf_config", None)
     if hf_config is None:
         return None
-    from tokenmill.layers.rotary import longrope_switch
+    from tokenmill.transformers_utils.config import longrope_switch
     return longrope_switch(hf_config, config.model_config.max_model_len)
 
 

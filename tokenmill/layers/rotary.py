@@ -34,26 +34,8 @@ def compute_inv_freq(hf_config, head_dim: int, max_model_len: int) -> tuple[torc
     return inv_freq.float(), float(scaling), rotary_dim
 
 
-def longrope_switch(hf_config, max_model_len: int) -> int | None:
-    """For LongRoPE, the pretraining length past which HF uses the long factors, when max_model_len exceeds it;
-    None otherwise (one table, the short factors, is then exact).
-
-    HF picks the factors per sequence: short while it is no longer than that length, long beyond (recomputing its
-    cache when it crosses). tokenmill keeps both tables, stacked; a request whose prompt is longer than the
-    pretraining length reads the long half (`RotaryEmbedding.long_offset` added to its positions, see the model
-    runner), every other request the short half. That is exactly HF for both, except for a sequence that crosses the
-    length while it generates (HF recomputes it with the long factors; here it keeps the short ones)."""
-    from tokenmill.transformers_utils.config import get_rope_params
-    params = get_rope_params(hf_config)
-    if params.get("rope_type") != "longrope":
-        return None
-    original = int(params.get("original_max_position_embeddings")
-                   or getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
-    return original if max_model_len > original else None
-
-
 def long_inv_freq(hf_config, max_model_len: int) -> torch.Tensor:
-    """The LongRoPE inverse frequencies with the long factors (see longrope_switch)."""
+    """The LongRoPE inverse frequencies with the long factors (see transformers_utils.config.longrope_switch)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, torch.device("cpu"), seq_len=max_model_len)
     return inv_freq.float()

@@ -16,9 +16,10 @@ from tokenmill.distributed.pp import IntermediateTensors, PPMissingLayer, pp_lay
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.quantization.base import QuantizationConfig
-from tokenmill.layers.rotary import RotaryEmbedding, compute_inv_freq, long_inv_freq, longrope_switch
+from tokenmill.layers.rotary import RotaryEmbedding, compute_inv_freq, long_inv_freq
 from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.models.weight_mapping import LLAMA_STACKED, WeightMapping, load_weights
+from tokenmill.transformers_utils.config import longrope_switch
 
 
 def make_rotary(cfg, max_model_len: int) -> RotaryEmbedding:

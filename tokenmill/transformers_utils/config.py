@@ -229,6 +229,24 @@ def get_rope_params(config, layer_type: str | None = None) -> dict[str, Any]:
     return out
 
 
+def longrope_switch(hf_config, max_model_len: int) -> int | None:
+    """For LongRoPE, the pretraining length past which HF uses the long factors, when max_model_len exceeds it;
+    None otherwise (one table, the short factors, is then exact).
+
+    HF picks the factors per sequence: short while it is no longer than that length, long beyond (recomputing its
+    cache when it crosses). tokenmill keeps both tables, stacked; a request whose prompt is longer than the
+    pretraining length reads the long half (`RotaryEmbedding.long_offset` added to its positions, see the model
+    runner), every other request the short half. That is exactly HF for both, except for a sequence that crosses the
+    length while it generates (HF recomputes it with the long factors; here it keeps the short ones). The scheduler
+    reads it too: the two kinds of prompts cannot share cached blocks."""
+    params = get_rope_params(hf_config)
+    if params.get("rope_type") != "longrope":
+        return None
+    original = int(params.get("original_max_position_embeddings")
+                   or getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
+    return original if max_model_len > original else None
+
+
 # --------------------------------------------------------------------------------------------------------- max length
 def get_max_model_len(config) -> int:
     """The longest sequence the model supports, as vLLM derives it.
