@@ -8,11 +8,13 @@ import argparse
 import sys
 import time
 
-from tokenmill.benchmarks.offline_common import write_json, random_token_prompts, split_engine_args, summarize
+from tokenmill.benchmarks.offline_common import (ENGINE_FLAGS_EPILOG, random_token_prompts, split_engine_args,
+                                                 summarize, write_json)
 
 
 def make_parser(prog: str = "tokenmill bench latency") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, epilog="Every engine flag of `tokenmill serve` is accepted too (e.g. --load-format dummy, --dtype, --max-num-seqs, --enforce-eager).", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, epilog=ENGINE_FLAGS_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+ENGINE_FLAGS_EPILOG = ("Every engine flag of `tokenmill serve` is accepted too (e.g. --load-format dummy, --dtype, "
+                       "--max-model-len, --max-num-seqs, --enforce-eager).")
 _SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model_configs")
 
 

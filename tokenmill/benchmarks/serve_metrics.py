@@ -1,4 +1,5 @@
-"""`bench serve` metrics: the per-request record, vLLM's aggregate result keys and result block, plus the structured-vs-free split.
+"""`bench serve` metrics: the per-request record, vLLM's aggregate result keys and result block, plus the
+structured-vs-free split.
 
 Contract: `compute_metrics` turns finished requests into vLLM's flat result keys (latencies in ms);
 `format_report` prints vLLM's block line for line; `split_metrics` / `format_split_report` give the same latency

@@ -8,12 +8,13 @@ import argparse
 import sys
 import time
 
-from tokenmill.benchmarks.offline_common import (add_dataset_args, add_sampling_args, random_token_prompts,
-                                                 sampling_kwargs, split_engine_args, write_json)
+from tokenmill.benchmarks.offline_common import (ENGINE_FLAGS_EPILOG, add_dataset_args, add_sampling_args,
+                                                 random_token_prompts, sampling_kwargs, split_engine_args, write_json)
 
 
 def make_parser(prog: str = "tokenmill bench throughput") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, epilog="Every engine flag of `tokenmill serve` is accepted too (e.g. --load-format dummy, --dtype, --max-num-seqs, --enforce-eager).", formatter_class=argparse.RawDescriptionHelpFormatter, add_help=True)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, epilog=ENGINE_FLAGS_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataset_args(p, input_len=1024, output_len=128, num_prompts=1000)
     p.add_argument("--backend", default="tokenmill", choices=["tokenmill", "vllm", "hf"],
                    help="tokenmill (alias vllm): this engine; hf: HF transformers generate on the same prompts.")

@@ -23,14 +23,13 @@ import os
 import sys
 import time
 
-from tokenmill.benchmarks.offline_common import (add_dataset_args, add_sampling_args, random_token_prompts,
-                                                 sampling_kwargs, split_engine_args, write_json)
+from tokenmill.benchmarks.offline_common import (ENGINE_FLAGS_EPILOG, add_dataset_args, add_sampling_args,
+                                                 random_token_prompts, sampling_kwargs, split_engine_args, write_json)
 
 
 def make_parser(prog: str = "tokenmill bench profile") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Every engine flag of `tokenmill serve` is accepted too (e.g. --load-format "
-                                       "dummy, --max-model-len, --max-num-seqs, --enforce-eager).")
+                                epilog=ENGINE_FLAGS_EPILOG)
     add_dataset_args(p, input_len=562, output_len=562, num_prompts=256)
     p.set_defaults(random_range_ratio=0.82)
     add_sampling_args(p)
