@@ -31,6 +31,15 @@ def test_bench_dispatches_and_reports_refused_values(tiny_model_factory, capsys)
     assert "tokenmill bench throughput:" in capsys.readouterr().err
 
 
+def test_bench_serve_through_the_command(fake, capsys):
+    common = ["serve", "--port", str(fake.port), "--num-prompts", "4", "--random-input-len", "8",
+              "--random-output-len", "3", "--disable-tqdm"]
+    assert bench(common) == 0
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+    assert bench(common + ["--random-range-ratio", "1.5"]) == 1
+    assert capsys.readouterr().err.startswith("tokenmill bench serve: ")
+
+
 def test_profile_reports_phases_steps_and_ops(tiny_model_factory, tmp_path, capsys):
     d = tiny_model_factory("llama")
     out = tmp_path / "profile.json"
