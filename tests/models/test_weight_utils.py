@@ -9,15 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.models.weight_utils import (
-    _read_gguf_metadata_slow,
-    dummy_weight_init,
-    iter_gguf_weights,
-    iter_safetensors_weights,
-    read_gguf_metadata,
-    unpermute_qk_rows,
-)
+from tokenmill.models.weight_utils import (dummy_weight_init, iter_gguf_weights, iter_safetensors_weights,
+                                           unpermute_qk_rows)
 from tokenmill.transformers_utils.default_model import default_model_path
+from tokenmill.transformers_utils.gguf import _read_gguf_metadata_slow, read_gguf_metadata
 from tokenmill.transformers_utils.resolve import resolve_model
 
 try:

@@ -15,6 +15,7 @@ from typing import Iterator
 import torch
 
 from tokenmill.logger import init_logger
+from tokenmill.transformers_utils.gguf import gguf_field
 
 logger = init_logger(__name__)
 
@@ -152,90 +153,11 @@ def unpermute_qk_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, half, 2, *rest).transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_metadata(gguf_path: str, keys: set[str] | frozenset[str] | None = None) -> dict:
-    """The GGUF header's key/value metadata (only `keys` when given), read directly from the file.
-
-    gguf.GGUFReader decodes every field, which takes ~2 s for a 49k-token vocabulary; this walks the header and
-    skips what is not asked for (~50 ms). Array values come back as lists. Falls back to GGUFReader for files this
-    reader does not understand (GGUF v1, big-endian).
-    """
-    import mmap
-    import struct
-
-    with open(gguf_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] not in (2, 3):
-            return _read_gguf_metadata_slow(gguf_path, keys)
-        n_kv = struct.unpack_from("<Q", buf, 16)[0]
-        off = 24
-        out = {}
-
-        def read_string(off: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from("<Q", buf, off)
-            return buf[off + 8 : off + 8 + n].decode("utf-8", errors="replace"), off + 8 + n
-
-        def read_value(vtype: int, off: int, want: bool):
-            if vtype == _GGUF_STRING:
-                if want:
-                    return read_string(off)
-                return None, off + 8 + struct.unpack_from("<Q", buf, off)[0]
-            if vtype in _GGUF_SCALARS:
-                fmt = _GGUF_SCALARS[vtype]
-                return (struct.unpack_from(fmt, buf, off)[0] if want else None), off + struct.calcsize(fmt)
-            if vtype == _GGUF_ARRAY:
-                etype, count = struct.unpack_from("<IQ", buf, off)
-                off += 12
-                if etype in _GGUF_SCALARS and not want:
-                    return None, off + count * struct.calcsize(_GGUF_SCALARS[etype])
-                items = []
-                for _ in range(count):
-                    item, off = read_value(etype, off, want)
-                    items.append(item)
-                return (items if want else None), off
-            raise ValueError(f"unknown GGUF value type {vtype}")
-
-        for _ in range(n_kv):
-            key, off = read_string(off)
-            (vtype,) = struct.unpack_from("<I", buf, off)
-            value, off = read_value(vtype, off + 4, keys is None or key in keys)
-            if keys is None or key in keys:
-                out[key] = value
-        return out
-
-
-def _read_gguf_metadata_slow(gguf_path: str, keys) -> dict:
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_path)
-    return {
-        k: _gguf_field(reader, k)
-        for k in reader.fields
-        if not k.startswith("GGUF.") and (keys is None or k in keys)  # GGUF.*: the reader's own header fields
-    }
-
-
-def _gguf_field(reader, key: str):
-    """One metadata value from a gguf.GGUFReader, as a Python scalar, str or list."""
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-
-    def decode(part, vtype):
-        return bytes(part).decode("utf-8", errors="replace") if vtype.name == "STRING" else part[0].item()
-
-    if field.types and field.types[0].name == "ARRAY":
-        return [decode(field.parts[i], field.types[-1]) for i in field.data]
-    return decode(field.parts[field.data[0]], field.types[0])
-
-
 def _head_counts(config, reader, arch: str) -> tuple[int, int]:
     n_head = getattr(config, "num_attention_heads", None) if config is not None else None
     n_kv = getattr(config, "num_key_value_heads", None) if config is not None else None
-    n_head = n_head or _gguf_field(reader, f"{arch}.attention.head_count")
-    n_kv = n_kv or _gguf_field(reader, f"{arch}.attention.head_count_kv") or n_head
+    n_head = n_head or gguf_field(reader, f"{arch}.attention.head_count")
+    n_kv = n_kv or gguf_field(reader, f"{arch}.attention.head_count_kv") or n_head
     if not n_head:
         raise ValueError("cannot un-permute q/k: the number of attention heads is in neither the config nor the GGUF")
     return int(n_head), int(n_kv)
@@ -253,7 +175,7 @@ def iter_gguf_weights(gguf_path: str, config, use_tqdm: bool = True) -> Iterator
     import numpy as np
 
     reader = gguf.GGUFReader(gguf_path)
-    arch = _gguf_field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} ({gguf_path}) is not supported; supported: "

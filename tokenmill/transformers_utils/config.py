@@ -80,7 +80,7 @@ def _fix_gguf_config(config, gguf_path: str) -> None:
     """Correct what transformers' GGUF metadata mapping misses. llama.cpp writes `{arch}.attention.key_length` when
     the HF config had an explicit head_dim, but transformers (5.17-5.24) maps it for few architectures (not qwen2/
     qwen3), leaving the config class's default head_dim (128 for Qwen3) in place."""
-    from tokenmill.models.weight_utils import read_gguf_metadata
+    from tokenmill.transformers_utils.gguf import read_gguf_metadata
 
     metadata = read_gguf_metadata(gguf_path)
     arch = metadata.get("general.architecture")

@@ -39,7 +39,7 @@ def _check_mode(tokenizer_mode: str) -> None:
 def _gguf_special_tokens(gguf_path: str, tok) -> dict[str, str]:
     """The special tokens the GGUF metadata names, as {attribute: token text} (texts looked up in `tok`, whose
     vocabulary is the GGUF's token list)."""
-    from tokenmill.models.weight_utils import read_gguf_metadata
+    from tokenmill.transformers_utils.gguf import read_gguf_metadata
 
     metadata = read_gguf_metadata(gguf_path, frozenset(_GGUF_SPECIAL_TOKENS))
     out = {}
