@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+from tokenmill import envs
 from tokenmill import gc_utils
 
 
@@ -29,15 +30,14 @@ def test_frozen_cycles_survive_collections_until_the_next_freeze():
 
 
 def test_gc_debug_logs_slow_collections(monkeypatch):
-    monkeypatch.setenv("TOKENMILL_GC_DEBUG", "1")
-    monkeypatch.setenv("TOKENMILL_GC_DEBUG_MS", "0")
     monkeypatch.setattr(gc_utils, "_debug_installed", False)
     seen = []
     monkeypatch.setattr(gc_utils.logger, "info", lambda msg, *args: seen.append(msg % args))
     before = list(gc.callbacks)
     try:
-        gc_utils.install_gc_debug()
-        gc_utils.install_gc_debug()  # once per process
+        with envs.override(TOKENMILL_GC_DEBUG=True, TOKENMILL_GC_DEBUG_MS=0):
+            gc_utils.install_gc_debug()
+            gc_utils.install_gc_debug()  # once per process
         assert len(gc.callbacks) == len(before) + 1
         gc.collect()
     finally:

@@ -1,94 +1,174 @@
-"""Every TOKENMILL_* environment variable, typed, in one place. Read lazily so tests can monkeypatch os.environ."""
+"""Every environment variable tokenmill reads, typed, in one place, each read once per process.
+
+`envs.NAME` parses os.environ["NAME"] (or takes the default) on its first access and keeps that value for the life
+of the process: a later change of os.environ is not seen here. Processes started later (spawned engine cores, worker
+and API-server processes) read their own environment again, so code that sets a variable for its children writes
+os.environ before starting them; it does not read the value back through this module.
+
+A malformed value (a non-integer for an integer variable, an unknown choice, a boolean that is neither of 1/0,
+true/false, yes/no, on/off) raises ValueError naming the variable on that first access.
+
+Tests change values with `envs.override(NAME=value, ...)`: a context manager taking typed values (checked against the
+variable's type and choices) that restores the previous state on exit. `envs.reset(*names)` forgets cached values
+(every one without names), so the next access reads os.environ again.
+"""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
-from typing import Any, Callable
+from typing import Any, Iterator
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
 
 
-def _bool(name: str, default: bool) -> Callable[[], bool]:
-    return lambda: os.environ.get(name, str(int(default))).strip().lower() in ("1", "true", "yes", "on")
+@dataclasses.dataclass(frozen=True)
+class _Var:
+    """One variable: its type (bool, int or str; str variables may default to None), default and allowed values."""
+
+    kind: type
+    default: Any
+    choices: tuple[str, ...] | None = None
+    # Triton's own reading of a boolean (true only for 1 / true / on, anything else false), for its variables.
+    lenient: bool = False
+
+    def parse(self, name: str, raw: str | None) -> Any:
+        if raw is None:
+            return self.default
+        if self.kind is bool:
+            low = raw.strip().lower()
+            if self.lenient:
+                return low in ("1", "true", "on")
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError(f"{name}={raw!r}: expected a boolean (1/0, true/false, yes/no, on/off)")
+        if self.kind is int:
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"{name}={raw!r}: expected an integer") from None
+        return self.check(name, raw)
+
+    def check(self, name: str, value: Any) -> Any:
+        """`value` as an override of `name`: of the variable's type (None only where that is the default)."""
+        ok = (value is None and self.default is None) or (
+            isinstance(value, self.kind) and (self.kind is bool or not isinstance(value, bool)))
+        if not ok:
+            article = "an" if self.kind is int else "a"
+            raise TypeError(f"envs.override: {name} takes {article} {self.kind.__name__}, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{name}={value!r}: choose one of {', '.join(self.choices)}")
+        return value
 
 
-def _str(name: str, default: str | None) -> Callable[[], str | None]:
-    return lambda: os.environ.get(name, default)
+def _str(default: str | None = None, choices: tuple[str, ...] | None = None) -> _Var:
+    return _Var(str, default, choices)
 
 
-def _int(name: str, default: int) -> Callable[[], int]:
-    return lambda: int(os.environ.get(name, str(default)))
-
-
-_VARIABLES: dict[str, Callable[[], Any]] = {
-    # Where converted tokenizers and other derived artefacts are cached.
-    "TOKENMILL_CACHE_DIR": _str("TOKENMILL_CACHE_DIR", os.path.expanduser("~/.cache/tokenmill")),
+_VARIABLES: dict[str, _Var] = {
+    # Where converted tokenizers and other derived artefacts are cached ("" = no cache).
+    "TOKENMILL_CACHE_DIR": _str(os.path.expanduser("~/.cache/tokenmill")),
     # Log level of the `tokenmill` logger.
-    "TOKENMILL_LOGGING_LEVEL": _str("TOKENMILL_LOGGING_LEVEL", "INFO"),
+    "TOKENMILL_LOGGING_LEVEL": _str("INFO"),
     # Default attention backend name (see tokenmill/attention/registry.py); empty = pick by device.
-    "TOKENMILL_ATTENTION_BACKEND": _str("TOKENMILL_ATTENTION_BACKEND", ""),
-    # Small-batch decode GEMV (tokenmill/layers/linear_ops.py): "auto" = only where measured faster than cuBLAS,
-    # "always" = every eligible product (tests use it to cover the fused path on tiny shapes), "never" = cuBLAS.
-    "TOKENMILL_GEMV": _str("TOKENMILL_GEMV", "auto"),
-    # Small-batch decode: the SiLU-and-mul after gate_up_proj in the gemv's epilogue, where the gemv takes both
-    # gate_up_proj and a plain down_proj (tokenmill/layers/linear_ops.py). 0 = the SiLU in down_proj's prologue or
-    # a separate kernel (an A/B switch).
-    "TOKENMILL_GEMV_SILU_EPILOGUE": _bool("TOKENMILL_GEMV_SILU_EPILOGUE", True),
-    # Programmatic dependent launch between the Triton kernels of a step (Hopper and newer): each kernel starts
-    # while the previous one finishes and waits on the GPU for its inputs; weights are read before that wait.
-    # 0 = plain stream order (an A/B switch; tokenmill/kernels/pdl.py).
-    "TOKENMILL_PDL": _bool("TOKENMILL_PDL", True),
-    # Kinds of PDL kernel that let their successor launch before their own wait instead of after it (comma list of
-    # gemv, attention, norm, rope, act, sampling, or "all"; empty = none). Results never change: a successor still
-    # waits for this kernel to complete; only how early its programs may load weights does. The default was
-    # measured on an H200 (tokenmill/kernels/pdl.py).
-    "TOKENMILL_PDL_EARLY": _str("TOKENMILL_PDL_EARLY", "gemv"),
-    # Pure decode steps on the Triton backend fold the q/k norm + RoPE + K/V store kernel into decode attention's
-    # first stage (tokenmill/kernels/triton_decode_rope_attention.py). 0 = the separate kernel (an A/B switch).
-    "TOKENMILL_DECODE_ROPE_FUSED": _bool("TOKENMILL_DECODE_ROPE_FUSED", True),
-    # Decode CUDA graphs of up to 16 rows read their inputs from, and write their drawn ids to, pinned host memory
-    # themselves, so no copy op runs between two replays (tokenmill/kernels/triton_step_inputs.py). 0 = copies
-    # queued around the graph (an A/B switch).
-    "TOKENMILL_GRAPH_HOST_IO": _bool("TOKENMILL_GRAPH_HOST_IO", True),
+    "TOKENMILL_ATTENTION_BACKEND": _str(""),
+    # Small-batch decode GEMV (tokenmill/kernels/gemv_config.py): "auto" = the products the device's measured
+    # table (tokenmill/kernels/configs/) gives to the gemv, "never" = cuBLAS for every product (the baseline to
+    # compare a table against), "always" = every eligible product (at most 16 rows) on the gemv, with the table's
+    # config or the default one (tests use it to cover the fused paths on tiny shapes).
+    "TOKENMILL_GEMV": _str("auto", ("auto", "always", "never")),
     # KV cache size on CPU when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given.
-    "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _int("TOKENMILL_CPU_KVCACHE_SPACE_GIB", 1),
+    "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _Var(int, 1),
     # Number of torch intra-op threads on CPU (0 = torch's default).
-    "TOKENMILL_CPU_NUM_THREADS": _int("TOKENMILL_CPU_NUM_THREADS", 0),
+    "TOKENMILL_CPU_NUM_THREADS": _Var(int, 0),
     # Accumulate per-phase step times (schedule / execute / update / graph vs eager) for benchmarks.
-    "TOKENMILL_STEP_TIMING": _bool("TOKENMILL_STEP_TIMING", False),
+    "TOKENMILL_STEP_TIMING": _Var(bool, False),
     # Log engine steps slower than this many milliseconds, with their phases and batch (0 = off; sets
     # TOKENMILL_STEP_TIMING's phase accounting on in the engine core).
-    "TOKENMILL_SLOW_STEP_MS": _int("TOKENMILL_SLOW_STEP_MS", 0),
+    "TOKENMILL_SLOW_STEP_MS": _Var(int, 0),
     # Log API-server event-loop stalls longer than this many milliseconds (0 = off).
-    "TOKENMILL_LOOP_LAG_MS": _int("TOKENMILL_LOOP_LAG_MS", 0),
+    "TOKENMILL_LOOP_LAG_MS": _Var(int, 0),
     # Log garbage collections slower than TOKENMILL_GC_DEBUG_MS milliseconds (see tokenmill/gc_utils.py).
-    "TOKENMILL_GC_DEBUG": _bool("TOKENMILL_GC_DEBUG", False),
-    "TOKENMILL_GC_DEBUG_MS": _int("TOKENMILL_GC_DEBUG_MS", 5),
-    # API key for the server when --api-key is not given.
-    "TOKENMILL_API_KEY": _str("TOKENMILL_API_KEY", None),
+    "TOKENMILL_GC_DEBUG": _Var(bool, False),
+    "TOKENMILL_GC_DEBUG_MS": _Var(int, 5),
+    # API key for the server when --api-key is not given; VLLM_API_KEY is vLLM's name for it, read second.
+    "TOKENMILL_API_KEY": _str(),
+    "VLLM_API_KEY": _str(),
+    # The key `tokenmill bench serve` sends when --api-key is not given (as the OpenAI clients read it).
+    "OPENAI_API_KEY": _str(),
     # Set by torchrun for --distributed-executor-backend external_launcher (read only; None when absent).
-    "RANK": _str("RANK", None),
-    "LOCAL_RANK": _str("LOCAL_RANK", None),
-    "WORLD_SIZE": _str("WORLD_SIZE", None),
-    "MASTER_ADDR": _str("MASTER_ADDR", None),
-    "MASTER_PORT": _str("MASTER_PORT", None),
+    "RANK": _str(),
+    "LOCAL_RANK": _str(),
+    "WORLD_SIZE": _str(),
+    "MASTER_ADDR": _str(),
+    "MASTER_PORT": _str(),
     # Which GPUs torch may see (named in the error when a run asks for more ranks than devices).
-    "CUDA_VISIBLE_DEVICES": _str("CUDA_VISIBLE_DEVICES", None),
-    # NCCL's NVLink multicast switch; tokenmill sets it to 0 for its ranks unless the user set it.
-    "NCCL_NVLS_ENABLE": _str("NCCL_NVLS_ENABLE", None),
-    # torch symmetric memory's NVLink multicast switch; tokenmill sets it to 1 (off) unless the user set it.
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": _str("TORCH_SYMM_MEM_DISABLE_MULTICAST", None),
+    "CUDA_VISIBLE_DEVICES": _str(),
+    # NCCL's NVLink multicast switch as the user set it (None: unset); tokenmill sets it to 0 for its ranks then.
+    "NCCL_NVLS_ENABLE": _str(),
+    # torch symmetric memory's NVLink multicast switch as the user set it; tokenmill sets it to 1 (off) if unset.
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": _str(),
     # prometheus_client's multiprocess directory; set by tokenmill when several API server processes share the
     # metrics (--api-server-count > 1).
-    "PROMETHEUS_MULTIPROC_DIR": _str("PROMETHEUS_MULTIPROC_DIR", None),
+    "PROMETHEUS_MULTIPROC_DIR": _str(),
+    # Triton's CPU interpreter, as Triton reads it: the kernels take their interpreter-only branches.
+    "TRITON_INTERPRET": _Var(bool, False, lenient=True),
+    # The locale variables, in the order that picks the language of `--help` (tokenmill/config/help_zh.py).
+    "LANGUAGE": _str(),
+    "LC_ALL": _str(),
+    "LC_MESSAGES": _str(),
+    "LANG": _str(),
 }
 
 NCCL_NVLS_ENABLE_NAME = "NCCL_NVLS_ENABLE"
 TORCH_SYMM_MEM_DISABLE_MULTICAST_NAME = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
+_UNSET = object()
 
 
 def __getattr__(name: str) -> Any:
-    if name in _VARIABLES:
-        return _VARIABLES[name]()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    var = _VARIABLES.get(name)
+    if var is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = var.parse(name, os.environ.get(name))
+    globals()[name] = value     # later reads are plain module attribute lookups
+    return value
 
 
 def __dir__() -> list[str]:
-    return list(_VARIABLES)
+    return sorted(set(_VARIABLES) | {"override", "reset", "NCCL_NVLS_ENABLE_NAME",
+                                     "TORCH_SYMM_MEM_DISABLE_MULTICAST_NAME"})
+
+
+def _known(names) -> None:
+    unknown = sorted(set(names) - set(_VARIABLES))
+    if unknown:
+        raise AttributeError(f"tokenmill.envs has no variable(s) {unknown}")
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Within the block, `envs.NAME` is the given (typed) value; on exit each name is as before (cached or not)."""
+    _known(values)
+    checked = {name: _VARIABLES[name].check(name, v) for name, v in values.items()}
+    g = globals()
+    saved = {name: g.get(name, _UNSET) for name in checked}
+    g.update(checked)
+    try:
+        yield
+    finally:
+        for name, v in saved.items():
+            if v is _UNSET:
+                g.pop(name, None)
+            else:
+                g[name] = v
+
+
+def reset(*names: str) -> None:
+    """Forget the cached values of `names` (all variables when none are given): the next access re-reads them."""
+    _known(names)
+    g = globals()
+    for name in names or _VARIABLES:
+        g.pop(name, None)

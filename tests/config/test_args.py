@@ -10,6 +10,7 @@ import shlex
 
 import pytest
 
+from tokenmill import envs
 from tokenmill.config import CONFIG_CLASSES
 from tokenmill.config.args import NOT_YET_SUPPORTED, GENERAL_HELP, make_serve_parser, parse_serve_args
 from tokenmill.config.engine_args import all_engine_arg_names
@@ -20,9 +21,9 @@ LOCALE_VARS = ("LANGUAGE", "LC_ALL", "LC_MESSAGES", "LANG")
 
 
 @pytest.fixture(autouse=True)
-def english_locale(monkeypatch):
-    for var in LOCALE_VARS:
-        monkeypatch.delenv(var, raising=False)
+def english_locale():
+    with envs.override(**dict.fromkeys(LOCALE_VARS)):
+        yield
 
 
 def parse(cmd: str):
@@ -331,11 +332,10 @@ def test_help_in_chinese_via_flag(capsys):
     assert overview.startswith("用法：") and "选项分组" in overview
 
 
-def test_help_in_chinese_via_locale(monkeypatch, capsys):
-    monkeypatch.setenv("LANG", "zh_CN.UTF-8")
-    out = help_text("--help=max-model-len", capsys)
-    assert "上下文长度" in out
-    assert "Context length" in help_text("--help=max-model-len --help-lang en", capsys)
+def test_help_in_chinese_via_locale(capsys):
+    with envs.override(LANG="zh_CN.UTF-8"):
+        assert "上下文长度" in help_text("--help=max-model-len", capsys)
+        assert "Context length" in help_text("--help=max-model-len --help-lang en", capsys)
 
 
 def test_chinese_help_wraps_by_display_width():

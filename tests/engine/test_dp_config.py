@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tokenmill import envs
 from tokenmill.config import ParallelConfig
 from tokenmill.config.args import parse_serve_args
 from tokenmill.config.frontend import FrontendConfig
@@ -78,16 +79,16 @@ def test_addresses_are_ipc_on_one_node_and_tcp_across_nodes():
                                       data_parallel_address="203.0.113.9"), num_clients=1)
 
 
-def test_each_local_engine_gets_its_own_devices(monkeypatch):
+def test_each_local_engine_gets_its_own_devices():
     assert devices_for_rank(0, 1, ["0", "1", "2", "3"]) == "0"
     assert devices_for_rank(1, 2, ["4", "5", "6", "7"]) == "6,7"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
     cfg = SimpleNamespace(device_config=SimpleNamespace(device="cuda"),
                           parallel_config=SimpleNamespace(world_size=2))
-    assert check_devices(cfg, 1) == ["3", "5", "7"]
-    with pytest.raises(ValueError, match=r"2 engine cores x 2 device\(s\) each need 4 CUDA devices on this node, "
-                                         r"but 3 are visible \(3,5,7\)"):
-        check_devices(cfg, 2)
+    with envs.override(CUDA_VISIBLE_DEVICES="3,5,7"):
+        assert check_devices(cfg, 1) == ["3", "5", "7"]
+        with pytest.raises(ValueError, match=r"2 engine cores x 2 device\(s\) each need 4 CUDA devices on this "
+                                             r"node, but 3 are visible \(3,5,7\)"):
+            check_devices(cfg, 2)
     assert check_devices(SimpleNamespace(device_config=SimpleNamespace(device="cpu")), 2) is None
 
 

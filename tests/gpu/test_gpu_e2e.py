@@ -31,15 +31,15 @@ def _hf_greedy(d, dtype, prompts, n):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype,gemv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "always")])
-def test_greedy_matches_hf_on_cuda(tiny_model_factory, monkeypatch, arch, dtype, gemv):
+def test_greedy_matches_hf_on_cuda(tiny_model_factory, arch, dtype, gemv):
     """gemv=always puts every decode product of the tiny model (batch <= 16) on the fused Triton gemv path."""
-    from tokenmill import LLM, SamplingParams
-    monkeypatch.setenv("TOKENMILL_GEMV", gemv)
+    from tokenmill import LLM, SamplingParams, envs
     d = tiny_model_factory(arch)
     n = 12
     ref, margins = _hf_greedy(d, getattr(torch, dtype), PROMPTS, n)
-    llm = LLM(d, dtype=dtype, max_model_len=256, num_gpu_blocks_override=256)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    with envs.override(TOKENMILL_GEMV=gemv):
+        llm = LLM(d, dtype=dtype, max_model_len=256, num_gpu_blocks_override=256)
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
     # fp32 must match everywhere. bf16 near-ties are real (different kernels round differently): per prompt, compare
     # the tokens up to HF's first step whose gap is within 2 bf16 units (after a flipped tie the continuations
     # differ anyway; tools/diag_bf16.py found every mismatch at a gap of 0 to 2 units), and ask for enough of them.
@@ -89,16 +89,16 @@ def test_mixed_batch_graphs_equal_eager(tiny_model_factory):
     assert decode_only.llm_engine.engine_core.executor.worker.runner.cuda_graphs.mixed_graphs == {}
 
 
-def test_triton_backend_equals_torch_ref(tiny_model_factory, monkeypatch):
-    from tokenmill import LLM, SamplingParams
+def test_triton_backend_equals_torch_ref(tiny_model_factory):
+    from tokenmill import LLM, SamplingParams, envs
     d = tiny_model_factory("qwen3")
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     res = {}
     for backend in ("TRITON", "TORCH_REF"):
-        monkeypatch.setenv("TOKENMILL_ATTENTION_BACKEND", backend)
-        llm = LLM(d, dtype="float32", max_model_len=256, num_gpu_blocks_override=256, enforce_eager=True,
-                  max_num_batched_tokens=32, block_size=16)
-        res[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, sp, use_tqdm=False)]
+        with envs.override(TOKENMILL_ATTENTION_BACKEND=backend):
+            llm = LLM(d, dtype="float32", max_model_len=256, num_gpu_blocks_override=256, enforce_eager=True,
+                      max_num_batched_tokens=32, block_size=16)
+            res[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, sp, use_tqdm=False)]
         del llm
     assert res["TRITON"] == res["TORCH_REF"]
 

@@ -6,12 +6,13 @@ rounds to nearest even, so bf16 bounds are looser when INTERPRETED.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tokenmill import envs
+from tokenmill.kernels import pdl
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = envs.TRITON_INTERPRET
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -21,22 +22,21 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def check_pdl_chain(chain, monkeypatch, replays: int = 3) -> None:
+def check_pdl_chain(chain, replays: int = 3) -> None:
     """`chain()` (a sequence of dependent kernel launches returning its last output) run with programmatic
     dependent launch and captured in a CUDA graph must be bit-identical to the same chain in plain stream order,
-    eagerly and on every replay (each replay starts from a zeroed output), with every kernel triggering its
-    successor after its wait and with every kernel triggering it before (TOKENMILL_PDL_EARLY=all)."""
-    monkeypatch.setenv("TOKENMILL_PDL", "0")
-    want = chain()
-    monkeypatch.setenv("TOKENMILL_PDL", "1")
-    for early in ("", "all"):
-        monkeypatch.setenv("TOKENMILL_PDL_EARLY", early)
-        assert torch.equal(chain(), want)        # eager; also compiles and creates counters outside the capture
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            got = chain()
-        for _ in range(replays):
-            got.zero_()
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(got, want), f"TOKENMILL_PDL_EARLY={early!r}"
+    eagerly and on every replay (each replay starts from a zeroed output), with the default early triggers, with
+    every kernel triggering its successor after its wait and with every kernel triggering it before."""
+    with pdl.launch_mode(enabled=False):
+        want = chain()
+    for early in (pdl.EARLY_KINDS, (), pdl.KINDS):
+        with pdl.launch_mode(early=early):
+            assert torch.equal(chain(), want)        # eager; also compiles and creates counters outside the capture
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = chain()
+            for _ in range(replays):
+                got.zero_()
+                g.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(got, want), f"early triggers in {sorted(early)}"

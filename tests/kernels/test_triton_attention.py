@@ -322,7 +322,7 @@ def test_store_kv_gpu_bf16():
 
 
 @pytest.mark.gpu
-def test_decode_gpu_pdl_chain_in_graph(monkeypatch):
+def test_decode_gpu_pdl_chain_in_graph():
     """A chain of decode launches (each layer reads the previous output as its query, as a forward does) captured
     in a CUDA graph with programmatic dependent launch: bit-identical to the chain in plain stream order, on every
     replay."""
@@ -348,7 +348,7 @@ def test_decode_gpu_pdl_chain_in_graph(monkeypatch):
             x = out
         return x
 
-    check_pdl_chain(chain, monkeypatch)
+    check_pdl_chain(chain)
 
 
 def test_decode_num_splits_aims_at_one_tile_per_split(monkeypatch):

@@ -4,6 +4,7 @@ On the CPU the kernel runs in Triton's interpreter (tests/kernels/conftest.py se
 small and deliberately not multiples of the blocks. The `gpu` tests run the compiled kernel at model shapes."""
 from __future__ import annotations
 
+import glob
 import os
 
 import pytest
@@ -196,19 +197,26 @@ def test_gemv_gpu_prologues(dtype):
     for cfg in (GemvConfig(32, 256, 8, 4, 2), GemvConfig(16, 128, 4, 4, 1, use_dot=False),
                 GemvConfig(128, 64, 1, 8, 4)):
         _check(5, 3000, 2000, dtype, seed=240, config=cfg, norm=True, residual=True, bias=True)
-    for m in (1, 3, 16):     # the SiLU epilogue at gate_up shapes, with the table's (or the default) configs
-        _check(m, 28672, 4096, dtype, seed=250 + m, epilogue="silu_mul",
-               config=gemv_config.prefer_gemv(m, 28672, 4096))
+    h200 = gemv_config.load_table("NVIDIA H200")
+    for m in (1, 3, 16):     # the SiLU epilogue at gate_up shapes, with the H200 table's (or the default) configs
+        _check(m, 28672, 4096, dtype, seed=250 + m, epilogue="silu_mul", config=h200.prefer(m, 28672, 4096))
         _check(m, 6144, 1024, dtype, seed=260 + m, epilogue="silu_mul", norm=True, residual=True,
-               config=gemv_config.prefer_gemv(m, 6144, 1024, "rmsnorm"))
+               config=h200.prefer(m, 6144, 1024, "rmsnorm"))
 
 
 @pytest.mark.gpu
-def test_gemv_gpu_measured_table():
-    """Every entry of the measured table, at its own shape, row count and prologue, against float64."""
-    for i, ((m, n, k, pro), (cfg, _, _)) in enumerate(sorted(gemv_config.MEASURED_FASTER.items(), key=str)):
-        _check(m, n, k, torch.bfloat16, seed=300 + i, config=cfg, act="silu_mul" if pro == "silu_mul" else None,
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(gemv_config.CONFIG_DIR, "*.json"))),
+                         ids=os.path.basename)
+def test_gemv_gpu_measured_tables(path):
+    """Every entry of every shipped table (whichever GPU measured it), at its own shape, row count and prologue,
+    against float64; entries without the SiLU prologue also with the SiLU-and-mul epilogue (gate_up_proj's)."""
+    table = gemv_config.read_table(path)
+    for i, ((m, n, k, pro), e) in enumerate(sorted(table.entries.items(), key=str)):
+        _check(m, n, k, torch.bfloat16, seed=300 + i, config=e.config, act="silu_mul" if pro == "silu_mul" else None,
                norm=pro == "rmsnorm", residual=pro == "rmsnorm")
+        if pro != "silu_mul" and n % 2 == 0:       # any even N can be a [gate | up] product
+            _check(m, n, k, torch.bfloat16, seed=400 + i, config=e.config, epilogue="silu_mul",
+                   norm=pro == "rmsnorm", residual=pro == "rmsnorm")
 
 
 @pytest.mark.gpu
@@ -232,7 +240,7 @@ def test_gemv_gpu_cuda_graph_replays():
 
 
 @pytest.mark.gpu
-def test_gemv_gpu_pdl_chain_in_graph(monkeypatch):
+def test_gemv_gpu_pdl_chain_in_graph():
     """A chain of dependent products (each reads the one before; prologues, split-K counters and the deep-K batch-1
     configs of the table) captured in a CUDA graph with programmatic dependent launch: bit-identical to the same
     chain launched in plain stream order, on every replay."""
@@ -267,7 +275,7 @@ def test_gemv_gpu_pdl_chain_in_graph(monkeypatch):
                 x = gemv(x[:, :k], w, config=cfg)
         return x
 
-    check_pdl_chain(chain, monkeypatch)
+    check_pdl_chain(chain)
     assert not any(c.any() for c in triton_gemv._COUNTERS.values())
 
 

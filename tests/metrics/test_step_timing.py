@@ -4,15 +4,16 @@ from __future__ import annotations
 import asyncio
 import time
 
+from tokenmill import envs
 from tokenmill.metrics.step_timing import SlowStepLog, StepTimer, watch_event_loop
 
 
 
 
-def test_slow_steps_are_logged_with_their_phases_and_batch(monkeypatch, tm_log):
-    monkeypatch.setenv("TOKENMILL_SLOW_STEP_MS", "20")
-    timer = StepTimer()
-    log = SlowStepLog(timer)
+def test_slow_steps_are_logged_with_their_phases_and_batch(tm_log):
+    with envs.override(TOKENMILL_SLOW_STEP_MS=20, TOKENMILL_STEP_TIMING=False):
+        timer = StepTimer()
+        log = SlowStepLog(timer)
     assert timer.enabled  # the phases are accounted as soon as slow steps are logged
 
     def step(seconds):
@@ -28,10 +29,10 @@ def test_slow_steps_are_logged_with_their_phases_and_batch(monkeypatch, tm_log):
     assert "execute_model" in line and "eager_steps x1" in line and line.endswith("batch: 3 requests")
 
 
-def test_slow_step_log_is_off_by_default(monkeypatch):
-    monkeypatch.delenv("TOKENMILL_SLOW_STEP_MS", raising=False)
-    timer = StepTimer()
-    assert SlowStepLog(timer).run(lambda: 7) == 7 and not timer.enabled
+def test_slow_step_log_is_off_by_default():
+    with envs.override(TOKENMILL_SLOW_STEP_MS=0, TOKENMILL_STEP_TIMING=False):
+        timer = StepTimer()
+        assert SlowStepLog(timer).run(lambda: 7) == 7 and not timer.enabled
 
 
 def test_event_loop_stalls_are_logged(tm_log):

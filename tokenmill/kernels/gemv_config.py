@@ -1,22 +1,44 @@
-"""Launch configurations of the skinny GEMM (tokenmill/kernels/triton_gemv.py) and where the gemv takes a product.
+"""Launch configurations of the skinny GEMM (tokenmill/kernels/triton_gemv.py), and which products take it.
 
-`MEASURED_FASTER` is the measured table: a product (M bucket, N, K, prologue) takes the gemv path in the model
-(`prefer_gemv`) only where a config of it beat cuBLAS on the H200; `default_config` is the heuristic for everything
-else (with the table's plain-product configs as overrides, `TUNED`). tools/bench_gemv.py and tools/graph_ab.py are
-how entries are found and checked.
+Which decode products run on the gemv instead of cuBLAS is a measurement of one GPU model, so it is data: one JSON
+file per device name in tokenmill/kernels/configs/ (`device_file_name`), written by `tokenmill bench kernels` and
+loaded once per device (`table_for`). Each entry names a product (rows, N, K, prologue) and the launch config that
+beat cuBLAS there. `rows` is a bucket: a product of m rows uses the entry of the next power of two >= m (at most 16).
+The prologue is None (a plain product), "rmsnorm" (the RMSNorm, with the residual add when there is one, folded in
+before the product) or "silu_mul" (down_proj's SiLU-and-mul folded in).
+
+A device without a file gets an empty table (one info line says so): every product stays on cuBLAS, which is correct
+everywhere; the gemv then runs only where it is called explicitly or forced by TOKENMILL_GEMV=always, with
+`default_config`'s heuristic, which fits any shape.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+import re
+from typing import Any
 
+import torch
 import triton
+
+from tokenmill import envs
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+PROLOGUES = (None, "rmsnorm", "silu_mul")
+MAX_ROWS = 16                  # the gemv's largest row bucket (triton_gemv.MAX_M)
+FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """One launch configuration. split_k is the requested number of K splits; the launch uses
-    ceil(K / k_per_split) with k_per_split rounded up to a multiple of block_k, so it may use fewer."""
+    """One launch configuration, valid for every shape (checked here). split_k is the requested number of K splits;
+    the launch uses ceil(K / k_per_split) with k_per_split rounded up to a multiple of block_k, so it may use
+    fewer."""
 
     block_n: int = 64
     block_k: int = 128
@@ -29,6 +51,11 @@ class GemvConfig:
     xprefetch: bool = False     # x (and the prologue's residual / norm weight) loaded one K step ahead
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if type(v) is not (bool if f.type in ("bool", bool) else int):
+                raise TypeError(f"GemvConfig.{f.name} must be a{' bool' if f.type in ('bool', bool) else 'n int'}, "
+                                f"got {v!r}")
         for name in ("block_n", "block_k"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
@@ -45,81 +72,203 @@ class GemvConfig:
             raise ValueError("GemvConfig.acc2d applies to the FMA path: it needs use_dot=False")
 
 
-# Where gemv beat cuBLAS (F.linear plus, for a prologue, the separate norm / SiLU kernel) by more than 3%, from
-# `python3 tools/bench_gemv.py` on one H200 (torch 2.11, triton 3.6), 2026-11-30, each timed as a CUDA-graph replay:
-# (M bucket, N, K, prologue) -> (best config, cuBLAS us, gemv us). Only these products take the gemv path in the
-# model (`prefer_gemv`); everything else stays on cuBLAS, which was as fast or faster there.
-MEASURED_FASTER: dict[tuple[int, int, int, str | None], tuple[GemvConfig, float, float]] = {
-    (2, 1024, 2048, None): (GemvConfig(32, 128, 8, 4, 3, use_dot=True), 10.55, 5.66),
-    (4, 1024, 2048, None): (GemvConfig(32, 128, 8, 4, 3, use_dot=True), 10.36, 5.71),
-    (8, 1024, 2048, None): (GemvConfig(32, 256, 4, 4, 3, use_dot=True), 6.12, 5.78),
-    (2, 1024, 3072, 'silu_mul'): (GemvConfig(16, 256, 8, 4, 1, use_dot=False), 9.12, 6.67),
-    (2, 151936, 1024, None): (GemvConfig(128, 128, 1, 4, 3, use_dot=True), 75.85, 72.43),
-    (4, 151936, 1024, None): (GemvConfig(128, 128, 1, 4, 3, use_dot=True), 77.03, 73.21),
-    (8, 151936, 1024, None): (GemvConfig(64, 256, 1, 4, 3, use_dot=True), 78.0, 75.1),
-    (1, 6144, 4096, None): (GemvConfig(64, 128, 1, 4, 5, use_dot=True), 16.46, 15.35),
-    (2, 6144, 4096, None): (GemvConfig(64, 128, 1, 4, 5, use_dot=True), 15.82, 15.29),
-    (2, 4096, 4096, None): (GemvConfig(64, 128, 4, 4, 3, use_dot=True), 13.19, 11.88),
-    (4, 4096, 4096, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 13.31, 11.88),
-    (8, 4096, 4096, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 13.3, 12.17),
-    # Llama-3-8B's gate_up (at batch 1 with the SiLU-and-mul epilogue): dot 128 x 128 with 8 warps took the whole
-    # batch-1 graph 2.3% lower than dot 64 x 256 with 4 (`tools/graph_ab.py llama-3-8b --context 256`, session 12).
-    # The x prefetch: -0.10% more (session 14, `tools/device_run.sh s14b`). Not re-timed alone: the gemv figure is
-    # the old config's.
-    (1, 28672, 4096, None): (GemvConfig(128, 128, 1, 8, 3, use_dot=True, xprefetch=True), 59.54, 55.49),
-    # One rank of Llama-3-8B at tensor_parallel_size 2 (`bench_gemv.py --shapes llama8b-tp2 --ms 1`, session 5).
-    (1, 3072, 4096, 'rmsnorm'): (GemvConfig(32, 128, 6, 4, 1, use_dot=False), 13.77, 12.08),
-    (1, 3072, 4096, None): (GemvConfig(64, 128, 6, 4, 3, use_dot=True), 11.72, 10.38),
-    (1, 4096, 7168, None): (GemvConfig(64, 128, 2, 4, 5, use_dot=True), 20.00, 17.76),
-    (1, 64128, 4096, None): (GemvConfig(64, 128, 1, 4, 5, use_dot=True), 124.24, 118.89),
-    # Batch-1 products, PDL on, re-measured in session 9 with the two-tile prefetch and the acc2d FMA variant in
-    # the sweep (`bench_gemv.py --shapes bs1,l3bs1 --ms 1 --deep --prefetch --acc2d`, 2026-12-01, three runs; the
-    # gemv figure is the worst of them).
-    (1, 4096, 1024, 'rmsnorm'): (GemvConfig(8, 1024, 1, 4, 1, use_dot=False, acc2d=True), 6.39, 4.13),
-    (1, 1024, 2048, None): (GemvConfig(4, 2048, 1, 8, 1, use_dot=False, prefetch=True), 12.77, 2.51),
-    (1, 6144, 1024, 'rmsnorm'): (GemvConfig(8, 512, 1, 4, 1, use_dot=False, acc2d=True), 7.95, 5.32),
-    (1, 1024, 3072, 'silu_mul'): (GemvConfig(4, 2048, 1, 8, 1, use_dot=False, prefetch=True), 7.89, 4.24),
-    (1, 151936, 1024, None): (GemvConfig(16, 256, 1, 4, 1, use_dot=False, prefetch=True, acc2d=True), 77.44, 72.35),
-    # Llama-3-8B's qkv and o_proj were picked in the whole batch-1 graph, where they follow the short attention
-    # kernels (`tools/graph_ab.py llama-3-8b --context 256`, session 12: -0.21% and -0.27% against the session-10
-    # entries (8, 512) prefetch + acc2d and (8, 512) prefetch). qkv's x prefetch (the norm prologue's loads one K
-    # step ahead) took the graph another 0.88% lower, o_proj's 0.15% (session 14, `tools/device_run.sh gun` and
-    # `s14b`). They were not re-timed alone: the gemv figures are the session-10 entries'.
-    (1, 6144, 4096, 'rmsnorm'): (GemvConfig(16, 512, 1, 8, 1, use_dot=False, prefetch=True, acc2d=True,
-                                            xprefetch=True), 19.32, 16.76),
-    (1, 4096, 4096, None): (GemvConfig(8, 512, 1, 4, 1, use_dot=False, prefetch=True, acc2d=True, xprefetch=True),
-                            13.24, 10.84),
-    # Llama-3-8B's down_proj after the separate SiLU-and-mul kernel (the fused form measured 33.0-33.4 us) and its
-    # lm_head.
-    (1, 4096, 14336, None): (GemvConfig(64, 256, 4, 4, 3, use_dot=True), 32.08, 30.53),
-    (1, 128256, 4096, None): (GemvConfig(64, 128, 1, 4, 3, use_dot=True), 246.54, 238.54),
-}
-# (M bucket, N, K) -> GemvConfig overrides of the heuristic; the plain product's config where a fused one exists too.
-def _tuned() -> dict[tuple[int, int, int], GemvConfig]:
-    out: dict[tuple[int, int, int], GemvConfig] = {}
-    for (m, n, k, _), (cfg, _, _) in sorted(MEASURED_FASTER.items(), key=lambda kv: kv[0][3] is not None):
-        out.setdefault((m, n, k), cfg)
-    return out
+Key = tuple[int, int, int, "str | None"]       # (rows bucket, N, K, prologue)
 
 
-TUNED: dict[tuple[int, int, int], GemvConfig] = _tuned()
+@dataclasses.dataclass(frozen=True)
+class GemvEntry:
+    """A product's measured config, with the timings that chose it (microseconds per call; informational)."""
+
+    config: GemvConfig
+    cublas_us: float | None = None
+    gemv_us: float | None = None
+    note: str | None = None
 
 
-def prefer_gemv(m: int, n: int, k: int, prologue: str | None = None) -> GemvConfig | None:
-    """The measured-faster config for this product, or None: use cuBLAS."""
-    hit = MEASURED_FASTER.get((_m_bucket(m), n, k, prologue))
-    return None if hit is None else hit[0]
+class GemvTable:
+    """The products that take the gemv on one device, each with its launch config: `prefer` answers where a product
+    goes (a config, or None for cuBLAS), `tuned` gives a shape's measured config for the heuristic to use. Entries
+    are fixed at construction; a table compares and hashes by identity (it keys default_config's cache)."""
+
+    def __init__(self, entries: dict[Key, GemvEntry] | None = None, device: str | None = None,
+                 measured: str | None = None):
+        self.entries: dict[Key, GemvEntry] = dict(entries or {})
+        self.device, self.measured = device, measured
+        for key in self.entries:
+            check_key(key)
+        tuned: dict[tuple[int, int, int], GemvConfig] = {}
+        # A plain product's own config first; where only fused forms were measured, the first fused one's.
+        for (m, n, k, pro), e in sorted(self.entries.items(), key=lambda kv: PROLOGUES.index(kv[0][3])):
+            tuned.setdefault((m, n, k), e.config)
+        self._tuned = tuned
+
+    def prefer(self, m: int, n: int, k: int, prologue: str | None = None) -> GemvConfig | None:
+        """The measured-faster config of this product, or None: cuBLAS (with the prologue as its own kernel)."""
+        hit = self.entries.get((m_bucket(m), n, k, prologue))
+        return None if hit is None else hit.config
+
+    def tuned(self, m: int, n: int, k: int) -> GemvConfig | None:
+        return self._tuned.get((m_bucket(m), n, k))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __repr__(self) -> str:
+        return f"GemvTable({self.device or 'no device'}, {len(self)} entries)"
 
 
-def _m_bucket(m: int) -> int:
+def m_bucket(m: int) -> int:
     return 1 << max(0, m - 1).bit_length()
 
 
+def check_key(key) -> None:
+    m, n, k, pro = key
+    if type(m) is not int or m < 1 or m > MAX_ROWS or m & (m - 1):
+        raise ValueError(f"gemv table: rows must be a power of two in 1..{MAX_ROWS}, got {m!r}")
+    for name, v in (("n", n), ("k", k)):
+        if type(v) is not int or v < 1:
+            raise ValueError(f"gemv table: {name} must be a positive int, got {v!r}")
+    if pro not in PROLOGUES:
+        raise ValueError(f"gemv table: prologue must be one of {PROLOGUES}, got {pro!r}")
+
+
+# ------------------------------------------------------------------------------------------------ JSON files
+def device_file_name(device_name: str) -> str:
+    """'NVIDIA H200' -> 'NVIDIA_H200.json': the device name with every run of other characters than letters,
+    digits, '.' and '-' as one '_'."""
+    return re.sub(r"[^A-Za-z0-9.\-]+", "_", device_name.strip()).strip("_") + ".json"
+
+
+_ENTRY_FIELDS = {"rows", "n", "k", "prologue", "config", "cublas_us", "gemv_us", "note"}
+_TOP_FIELDS = {"version", "device", "measured", "gemv"}
+
+
+def table_to_json(table: GemvTable) -> dict[str, Any]:
+    entries = []
+    for (m, n, k, pro), e in sorted(table.entries.items(), key=lambda kv: (kv[0][2], kv[0][1],
+                                                                             PROLOGUES.index(kv[0][3]), kv[0][0])):
+        row = {"rows": m, "n": n, "k": k, "prologue": pro, "config": dataclasses.asdict(e.config)}
+        for name in ("cublas_us", "gemv_us", "note"):
+            if getattr(e, name) is not None:
+                row[name] = getattr(e, name)
+        entries.append(row)
+    return {"version": FORMAT_VERSION, "device": table.device, "measured": table.measured, "gemv": entries}
+
+
+def table_from_json(data: Any, source: str = "gemv table") -> GemvTable:
+    """The table a JSON document describes; ValueError naming `source` and the entry for anything malformed."""
+    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{source}: expected an object with \"version\": {FORMAT_VERSION}")
+    unknown = set(data) - _TOP_FIELDS
+    if unknown or not isinstance(data.get("gemv"), list):
+        raise ValueError(f"{source}: needs a \"gemv\" list" + (f"; unknown fields {sorted(unknown)}" if unknown else ""))
+    entries: dict[Key, GemvEntry] = {}
+    for i, row in enumerate(data["gemv"]):
+        where = f"{source}: gemv entry {i}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected an object, got {row!r}")
+        missing, unknown = {"rows", "n", "k", "prologue", "config"} - set(row), set(row) - _ENTRY_FIELDS
+        if missing or unknown:
+            raise ValueError(f"{where}: " + "; ".join(
+                s for s in (f"missing {sorted(missing)}" if missing else "",
+                            f"unknown fields {sorted(unknown)}" if unknown else "") if s))
+        key = (row["rows"], row["n"], row["k"], row["prologue"])
+        try:
+            check_key(key)
+            if not isinstance(row["config"], dict):
+                raise ValueError(f"config must be an object, got {row['config']!r}")
+            cfg = GemvConfig(**row["config"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+        if key in entries:
+            raise ValueError(f"{where}: a second entry for {key}")
+        times = {name: row.get(name) for name in ("cublas_us", "gemv_us")}
+        for name, v in times.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"{where}: {name} must be a number, got {v!r}")
+        entries[key] = GemvEntry(cfg, note=row.get("note"), **times)
+    return GemvTable(entries, device=data.get("device"), measured=data.get("measured"))
+
+
+def write_table(path: str, table: GemvTable) -> None:
+    """The table as JSON, one entry per line (files diff entry by entry)."""
+    doc = table_to_json(table)
+    lines = [json.dumps(row) for row in doc.pop("gemv")]
+    head = json.dumps(doc, indent=1)[:-2]
+    body = ",\n  ".join(lines)
+    text = f"{head},\n \"gemv\": [\n  {body}\n ]\n}}\n" if lines else f"{head},\n \"gemv\": []\n}}\n"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def read_table(path: str) -> GemvTable:
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return table_from_json(data, path)
+
+
 @functools.lru_cache(maxsize=None)
-def default_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    """Heuristic: 64-wide N tiles and 128-deep K steps; split K until there are about two programs per SM, keeping
-    at least one K step per split."""
-    tuned = TUNED.get((_m_bucket(m), n, k))
+def load_table(device_name: str) -> GemvTable:
+    """The shipped table of a device (by its torch.cuda.get_device_name()), read once; an empty one, with one
+    info line, where none was measured."""
+    path = os.path.join(CONFIG_DIR, device_file_name(device_name))
+    if not os.path.isfile(path):
+        logger.info("No measured gemv table for %s (%s): every decode product stays on cuBLAS. "
+                    "`tokenmill bench kernels` measures one.", device_name, os.path.basename(path))
+        return GemvTable(device=device_name)
+    return read_table(path)
+
+
+EMPTY_TABLE = GemvTable()
+
+
+@functools.lru_cache(maxsize=None)
+def _table_of_index(index: int) -> GemvTable:
+    return load_table(torch.cuda.get_device_name(index))
+
+
+def table_for(device: torch.device) -> GemvTable:
+    """The measured table of `device`'s GPU model; the empty table off CUDA (the CPU interpreter)."""
+    if device.type != "cuda":
+        return EMPTY_TABLE
+    return _table_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device`; an H200's 132 elsewhere (CPU interpreter), so configs resolve the same."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# ----------------------------------------------------------------------------------------------------- choice
+def choose(m: int, n: int, k: int, prologue: str | None, device: torch.device) -> GemvConfig | None:
+    """Where an eligible product of m rows (the caller checked triton_gemv.use_gemv) runs: a gemv config, or None
+    for cuBLAS. TOKENMILL_GEMV=auto follows the device's table, never takes cuBLAS, always takes the gemv (the
+    table's config for the shape where there is one, else the heuristic)."""
+    mode = envs.TOKENMILL_GEMV
+    if mode == "never" or m > MAX_ROWS:
+        return None
+    table = table_for(device)
+    if mode == "always":
+        return default_config(m, n, k, sm_count(device), table)
+    return table.prefer(m, n, k, prologue)
+
+
+@functools.lru_cache(maxsize=None)
+def default_config(m: int, n: int, k: int, num_sms: int = 132, table: GemvTable | None = None) -> GemvConfig:
+    """The table's config for this shape where it has one; else the heuristic: 64-wide N tiles and 128-deep K steps
+    (tensor cores), K split until there are about two programs per SM, keeping at least one K step per split."""
+    tuned = None if table is None else table.tuned(m, n, k)
     if tuned is not None:
         return tuned
     block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(k)))

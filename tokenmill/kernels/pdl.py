@@ -13,22 +13,26 @@ The contract every PDL kernel keeps (see `pdl_wait` for the code):
     tables), and writes nothing. Loads there run under the previous kernel's tail: at batch 1 a kernel's time is
     mostly its chain of dependent memory round trips after the wait, so every load moved before it shortens the
     step;
-  * it calls `gdc_launch_dependents()` right after the wait, or, for the kinds of kernel named in
-    TOKENMILL_PDL_EARLY, before it. The successor's own wait still blocks until this kernel has completed (the
-    trigger only decides when the successor's programs may become resident), so where the trigger sits never
-    changes results, only how far ahead the next kernel can run. Measured in the batch-1 decode graphs on an H200
-    (tools/graph_ab.py, session 12): early triggers in the products (the default, "gemv") -0.34% (Qwen3-0.6B) and
-    -0.06% (Llama-3-8B); in the short kernels between products (attention, norms, rope) +16% and +0.2%: the
-    next product's weight loads then run under those latency-bound kernels and slow them.
+  * it calls `gdc_launch_dependents()` right after the wait, or, for the kinds of kernel in EARLY_KINDS (the
+    products), before it. The successor's own wait still blocks until this kernel has completed (the trigger only
+    decides when the successor's programs may become resident), so where the trigger sits never changes results,
+    only how far ahead the next kernel can run. Only the products trigger early because in the batch-1 decode
+    graphs on an H200 that was 0.34% (Qwen3-0.6B) and 0.06% (Llama-3-8B) faster than triggering after the wait,
+    while early triggers in the short kernels between products (attention, norms, rope) were 16% and 0.2% slower:
+    the next product's weight loads then run under those latency-bound kernels and slow them.
   * a program that the step's metadata shows has nothing to do (an unused decode split) returns before the wait;
     its exit counts as its trigger, and its SM slot is free at once.
 A kernel launched without PDL (cuBLAS, torch ops, NCCL) keeps plain stream order, and a PDL kernel after one of them
 still waits on it, so mixing is safe. The launches work inside CUDA-graph capture (programmatic graph edges).
+
+PDL is always on where the device supports it. `launch_mode` changes that within a block for the tests that check
+results are bit-identical with plain stream order and with every kind triggering early.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
+from typing import Iterable, Iterator
 
 import torch
 import triton
@@ -41,7 +45,11 @@ try:
 except ImportError:  # a Triton without griddepcontrol: PDL stays off
     gdc_wait = gdc_launch_dependents = None
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETED = envs.TRITON_INTERPRET
+KINDS = ("gemv", "attention", "norm", "rope", "act", "sampling")
+EARLY_KINDS = frozenset({"gemv"})
+_enabled = True
+_early = EARLY_KINDS
 
 
 @triton.jit
@@ -63,30 +71,33 @@ def _device_supports(index: int) -> bool:
 
 def pdl_enabled(device: torch.device) -> bool:
     """True when kernels on `device` launch with PDL: a CUDA device of compute capability 9.0+, a Triton with
-    griddepcontrol, not the CPU interpreter, and TOKENMILL_PDL not 0."""
-    if device.type != "cuda" or _INTERPRETED or gdc_wait is None or not envs.TOKENMILL_PDL:
+    griddepcontrol, not the CPU interpreter (and not turned off by `launch_mode`)."""
+    if device.type != "cuda" or _INTERPRETED or gdc_wait is None or not _enabled:
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
 
 
-KINDS = ("gemv", "attention", "norm", "rope", "act", "sampling")
-
-
-@functools.lru_cache(maxsize=8)
-def _early_kinds(spec: str) -> frozenset[str]:
-    kinds = frozenset(k.strip() for k in spec.split(",") if k.strip())
-    if "all" in kinds:
-        return frozenset(KINDS)
-    unknown = kinds - set(KINDS)
+@contextlib.contextmanager
+def launch_mode(enabled: bool = True, early: Iterable[str] = EARLY_KINDS) -> Iterator[None]:
+    """Within the block, launches use PDL only if `enabled` (and the device supports it), and the kinds in `early`
+    trigger their successor before their wait. For tests: results must not depend on either."""
+    global _enabled, _early
+    early = frozenset(early)
+    unknown = early - set(KINDS)
     if unknown:
-        raise ValueError(f"TOKENMILL_PDL_EARLY: unknown kernel kind(s) {sorted(unknown)}; choose from "
-                         f"{', '.join(KINDS)} or all")
-    return kinds
+        raise ValueError(f"pdl.launch_mode: unknown kernel kind(s) {sorted(unknown)}; choose from "
+                         f"{', '.join(KINDS)}")
+    saved = _enabled, _early
+    _enabled, _early = bool(enabled), early
+    try:
+        yield
+    finally:
+        _enabled, _early = saved
 
 
 def launch_kwargs(device: torch.device, kind: str) -> dict:
     """Extra keyword arguments for a launch of a kernel of `kind` (one of KINDS): the PDL constexpr (0 off, 1
     trigger after the wait, 2 before it) and, when on, Triton's launch_pdl flag."""
     if pdl_enabled(device):
-        return {"PDL": 2 if kind in _early_kinds(envs.TOKENMILL_PDL_EARLY) else 1, "launch_pdl": True}
+        return {"PDL": 2 if kind in _early else 1, "launch_pdl": True}
     return {"PDL": 0}

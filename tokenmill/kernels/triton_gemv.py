@@ -24,9 +24,9 @@ rows, so each program writes silu(gate) * up for its I-columns (the SiLU-and-mul
 torch), saving the separate SiLU kernel where the next product takes a plain input.
 
 With programmatic dependent launch (tokenmill/kernels/pdl.py) each program loads its first W tile before waiting
-on the previous kernel, so that load overlaps the previous kernel's tail; the batch-1 configs of the measured table
-(tokenmill/kernels/gemv_config.py) use one deep K tile that holds the program's whole share of W where that
-measured fastest. With `prefetch` the second tile is loaded before the wait too and every K step issues the next
+on the previous kernel, so that load overlaps the previous kernel's tail; the batch-1 configs of the measured tables
+(tokenmill/kernels/configs/) use one deep K tile that holds the program's whole share of W where that measured
+fastest. With `prefetch` the second tile is loaded before the wait too and every K step issues the next
 tile's load before its own product (two tiles in flight), so a program whose share is two tiles has all of it in
 flight before the wait. `xprefetch` does the same for the prologue's loads (x, residual, norm weight), one K step
 ahead: without it a dot-path config with a prologue ran 2.5-3x slower than the plain product on the H200.
@@ -37,14 +37,14 @@ call. That buffer assumes split-K launches of this module on one device do not r
 """
 from __future__ import annotations
 
-import functools
-import os
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.gemv_config import GemvConfig, default_config
+from tokenmill import envs
+from tokenmill.kernels.gemv_config import GemvConfig, default_config, sm_count, table_for
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 
 MAX_M = 16                    # rows above this go to cuBLAS: the weight is no longer the only cost
@@ -53,7 +53,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _ACTS = (None, "silu_mul")
 # Triton's CPU interpreter (3.9) multiplies bf16 dot operands as their raw 16-bit patterns; it gets fp32 operands
 # (exact for bf16/fp16 values) instead. Compiled kernels never take that branch.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETED = envs.TRITON_INTERPRET
 
 
 # M, N and split_k never decide vector widths (K and k_per_split do), so they do not key separate compiles.
@@ -275,18 +275,6 @@ def _gemv_epilogue_silu(acc, ssum, b_ptr, y_ptr, offs_m, m_mask, rows, pid_n, N,
 
 
 # ----------------------------------------------------------------------------------------------------------- host
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(dev: torch.device) -> int:
-    """Multiprocessors of `dev`; an H200's 132 elsewhere (CPU interpreter), so configs resolve the same."""
-    if dev.type != "cuda":
-        return 132
-    return _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
-
-
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -330,7 +318,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         None; must not overlap x or residual) and the call returns (y, residual_out).
     Epilogue: epilogue="silu_mul" treats weight as [gate | up] (N = 2I rows) and returns silu(gate) * up, y [..., I]
       (the SiLU-and-mul after gate_up_proj; combines with the norm prologue).
-    Returns y [..., N] in x.dtype (written into `out` when given). config overrides the launch heuristic."""
+    Returns y [..., N] in x.dtype (written into `out` when given). config overrides the device table's config for
+    the shape, or the heuristic (gemv_config.default_config)."""
     if act not in _ACTS:
         raise ValueError(f"gemv: unsupported act={act!r}; supported: None, 'silu_mul'")
     if epilogue not in (None, "silu_mul"):
@@ -389,7 +378,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                 raise ValueError(f"gemv: residual_out must not overlap {name}")
     if m and n:
         if config is None:
-            config = default_config(m, n, k, _sm_count(dev))
+            config = default_config(m, n, k, sm_count(dev), table_for(dev))
         if epilogue is not None and config.block_n < 2:
             config = dataclasses.replace(config, block_n=2)
         _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, config, act == "silu_mul",

@@ -10,18 +10,17 @@ takes ~85 us for one 152k-vocab row on an H200; here the row is spread over ~75 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from tokenmill import envs
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 from tokenmill.layers import sampling_rng as rng
 
 _BLOCK = 2048
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # the CPU interpreter has no libdevice; numpy's log is exact enough
+if envs.TRITON_INTERPRET:  # the CPU interpreter has no libdevice; numpy's log is exact enough
     @triton.jit
     def _log(x):
         return tl.log(x)

@@ -2,9 +2,9 @@
 
 At a few tokens per step (batch-1..2 decode) the weight-streaming Triton gemv of tokenmill.kernels.triton_gemv
 beats cuBLAS on some shapes, and it can fold the RMSNorm (+ residual add) before a projection, or the SiLU-and-mul
-before down_proj, into the product, saving a launch each. `prefer_gemv` holds the measured table: a product takes
-the gemv path only for a (rows, N, K, prologue) that the H200 sweep found faster; everything else is F.linear plus
-the separate kernels, exactly as before. The numerics differ only by rounding (the unfused path rounds the
+before down_proj, into the product, saving a launch each. A product takes the gemv path only for a (rows, N, K,
+prologue) that the device's measured table (tokenmill/kernels/configs/) lists; everything else is F.linear plus
+the separate kernels. The numerics differ only by rounding (the unfused path rounds the
 normalised activations to the model dtype before the product, the fused one keeps more precision).
 """
 from __future__ import annotations
@@ -12,24 +12,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill import envs
 from tokenmill.layers.activation import SiluAndMul
 
 _silu_and_mul = SiluAndMul()
 
 
 def _gemv_config(x: torch.Tensor, weight: torch.Tensor, prologue: str | None):
+    """The gemv config of this product on x's device (its measured table, see kernels/gemv_config.py), or None."""
     if not x.is_cuda:
         return None
-    from tokenmill.kernels.gemv_config import default_config, prefer_gemv
-    from tokenmill.kernels.triton_gemv import MAX_M, use_gemv
-    mode = envs.TOKENMILL_GEMV
-    m = x.numel() // x.shape[-1]
-    if mode == "never" or m > MAX_M or not use_gemv(x, weight):
+    from tokenmill.kernels.gemv_config import choose
+    from tokenmill.kernels.triton_gemv import use_gemv
+    if not use_gemv(x, weight):
         return None
-    if mode == "always":
-        return default_config(m, weight.shape[0], weight.shape[1])
-    return prefer_gemv(m, weight.shape[0], weight.shape[1], prologue)
+    return choose(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1], prologue, x.device)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,9 +64,9 @@ def norm_linear_silu(x: torch.Tensor, residual: torch.Tensor | None, norm, weigh
     """(silu(gate) * up, x + residual) for [gate | up] = F.linear(norm(x + residual), W, b), the SiLU-and-mul in
     the gemv's epilogue; None where that does not pay: the gemv must take this product (with or without the norm
     folded in) and down_proj's plain product (`down_weight`) too, else the caller keeps the [gate | up] output and
-    down_proj's SiLU prologue. TOKENMILL_GEMV_SILU_EPILOGUE=0 turns it off."""
+    down_proj's SiLU prologue."""
     # _gemv_config looks only at x's rows and dtype and at the weight's shape: x stands in for down_proj's input.
-    if not x.is_cuda or not envs.TOKENMILL_GEMV_SILU_EPILOGUE or _gemv_config(x, down_weight, None) is None:
+    if not x.is_cuda or _gemv_config(x, down_weight, None) is None:
         return None
     cfg = _gemv_config(x, weight, "rmsnorm")
     if cfg is not None:

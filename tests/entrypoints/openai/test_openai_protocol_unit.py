@@ -6,6 +6,7 @@ import json
 import pytest
 
 from tests.entrypoints.openai.conftest import FakeEngine, post_then_disconnect
+from tokenmill import envs
 from tokenmill.sampling_params import RequestOutputKind
 
 
@@ -456,20 +457,20 @@ def test_tokenize_detokenize(client, smollm2_tokenizer):
 
 
 # ----- operations -----
-def test_api_key(make_client, monkeypatch):
+def test_api_key(make_client):
     c, _ = make_client(api_key=["k1", "k2"])
     assert_error(c.get("/v1/models"), 401)
     assert_error(c.get("/v1/models", headers={"Authorization": "Bearer bad"}), 401)
     assert c.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
     assert c.get("/health").status_code == 200  # only /v1 is guarded
     assert c.post("/tokenize", json={"prompt": "a"}).status_code == 200
-    monkeypatch.setenv("TOKENMILL_API_KEY", "envkey")
-    c2, _ = make_client()
+    with envs.override(TOKENMILL_API_KEY="envkey", VLLM_API_KEY="vkey"):
+        c2, _ = make_client()
     assert c2.get("/v1/models").status_code == 401
     assert c2.get("/v1/models", headers={"Authorization": "Bearer envkey"}).status_code == 200
-    monkeypatch.delenv("TOKENMILL_API_KEY")
-    monkeypatch.setenv("VLLM_API_KEY", "vkey")
-    c3, _ = make_client()
+    assert c2.get("/v1/models", headers={"Authorization": "Bearer vkey"}).status_code == 401  # ours first
+    with envs.override(TOKENMILL_API_KEY=None, VLLM_API_KEY="vkey"):
+        c3, _ = make_client()
     assert c3.get("/v1/models", headers={"Authorization": "Bearer vkey"}).status_code == 200
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill import envs
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.attention.kv_quant import check_triton_fp8_support, is_fp8
 from tokenmill.kernels.triton_decode_attention import decode_attention, decode_config, decode_num_splits
@@ -47,7 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
                            md: AttentionMetadata) -> torch.Tensor | None:
         """A pure decode step straight from the qkv projection: RoPE, K/V store and attention in one stage-1 launch
         (kernels/triton_decode_rope_attention.py); None where that does not apply: prefill or mixed rows, more
-        than FUSED_DECODE_MAX_ROWS rows, per-head q/k norms, an fp8 cache, TOKENMILL_DECODE_ROPE_FUSED=0.
+        than FUSED_DECODE_MAX_ROWS rows, per-head q/k norms, an fp8 cache.
 
         Where it applies was measured, in the whole batch-1 decode graph on an H200 (tools/graph_ab.py): Llama-3-8B
         1.6-1.7% faster than the separate rope/store kernel (session 11), Qwen3-0.6B (q/k norms) 0.6% slower at
@@ -56,7 +55,7 @@ class TritonAttentionBackend(AttentionBackend):
         it too."""
         if md.captured_mixed or md.max_query_len > 1 or kv_cache.dtype != qkv.dtype \
                 or (q_norm is not None and not self.FUSED_WITH_QK_NORM) \
-                or md.seq_lens.shape[0] > self.FUSED_DECODE_MAX_ROWS or not envs.TOKENMILL_DECODE_ROPE_FUSED:
+                or md.seq_lens.shape[0] > self.FUSED_DECODE_MAX_ROWS:
             return None
         return decode_rope_attention(
             qkv, positions, md.slot_mapping, kv_cache, rotary_emb.cos_cache, rotary_emb.sin_cache,

@@ -288,7 +288,7 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
     app.add_middleware(CORSMiddleware, **frontend.cors_kwargs())
     api_keys = list(frontend.api_key or [])
     if not api_keys:
-        env_key = envs.TOKENMILL_API_KEY or os.environ.get("VLLM_API_KEY")
+        env_key = envs.TOKENMILL_API_KEY or envs.VLLM_API_KEY
         if env_key:
             api_keys = [env_key]
     if api_keys:
