@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
-
-if TYPE_CHECKING:
-    from tokenmill.entrypoints.llm import LLM
 
 
 @dataclass
@@ -101,11 +98,11 @@ class BeamSearch:
         return out
 
 
-def beam_search(llm: "LLM", prompts: list[Any], params: BeamSearchParams,
-                use_tqdm: bool = False) -> list[BeamSearchOutput]:
-    """LLM.beam_search: all prompts searched together, one engine batch per step."""
-    engine = llm.llm_engine
-    proc = engine.processor
+def beam_search(proc: Any, generate: Callable[[list[dict], SamplingParams], list[Any]], tokenizer: Any,
+                prompts: list[Any], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """LLM.beam_search: all prompts searched together, one engine batch per step. `proc` is the engine's input
+    processor (tokenizes the prompts; knows max_model_len, EOS and max_logprobs); `generate(prompts, params)`
+    runs a batch of token-id prompts to completion and returns their RequestOutputs in order (LLM.generate)."""
     prompt_ids = [proc.tokenize_prompt(p)[1] for p in prompts]
     for ids in prompt_ids:
         if len(ids) + params.max_tokens > proc.max_model_len:
@@ -116,10 +113,9 @@ def beam_search(llm: "LLM", prompts: list[Any], params: BeamSearchParams,
         pending = search.pending()
         if not pending:
             break
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in pending], search.step_params,
-                            use_tqdm=use_tqdm)
+        outs = generate([{"prompt_token_ids": b.tokens} for _, b in pending], search.step_params)
         search.advance(pending, [o.outputs[0].logprobs[0] for o in outs])
-    return search.results(llm.get_tokenizer())
+    return search.results(tokenizer)
 
 
 async def beam_search_async(generate: Callable[[list[int], SamplingParams, str], Awaitable[Any]],

@@ -37,6 +37,7 @@ class TokenmillConfig:
             # Overlap pays where the device runs asynchronously to the host; on the CPU the forward is the host.
             # Pipeline parallelism keeps several micro-batches in flight instead.
             self.scheduler_config.async_scheduling = self.device_config.torch_device.type == "cuda" and pp == 1
+        self.cache_config.verify_swap_space(self.parallel_config.tensor_parallel_size)
         self.parallel_config.verify_model(self.model_config.get_text_config())
         self.parallel_config.verify_devices(self.device_config.device)
 

@@ -3,7 +3,8 @@
 Every dataclass field becomes `--kebab-name` (the `--snake_name` spelling is accepted too); bools get `--no-name`;
 dict fields take JSON or dotted keys (`--hf-overrides.rope_scaling.factor 2`); list fields take several values and
 `--name+ value` appends to the default. `--config file.yaml` supplies defaults that command-line flags override.
-vLLM flags tokenmill cannot honour yet are accepted only with their default value (see NOT_YET_SUPPORTED).
+vLLM flags tokenmill cannot honour yet are accepted only with their default value (config/unsupported.py: the same
+table and message serve LLM(...) and EngineArgs).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tokenmill.config.frontend import FrontendConfig
 from tokenmill.config.help_zh import (GROUP_TITLES_ZH, HELP_ZH, HelpFormatter, group_doc, help_language,
                                       render_help, ui_text)
 from tokenmill.config.model import parse_human_int
+from tokenmill.config.unsupported import NOT_YET_SUPPORTED, check_not_yet_supported
 
 HUMAN_INT_FIELDS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
 SHORT_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",),
@@ -33,156 +35,6 @@ PARSER_CLASSES = (*CONFIG_CLASSES, FrontendConfig)
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _DOTTED = "\x00dotted:"
 
-
-@dataclasses.dataclass(frozen=True)
-class NotYetSupported:
-    """A vLLM flag tokenmill parses but cannot honour yet: any value other than `default`/`accepted` is an error."""
-    kind: str  # bool | int | float | str | list | json
-    default: Any
-    help: str
-    aliases: tuple[str, ...] = ()
-    accepted: tuple = ()  # other values that describe what tokenmill does anyway
-
-
-def _n(kind: str, default: Any, help: str, *aliases: str, ok: tuple = ()) -> NotYetSupported:
-    return NotYetSupported(kind, default, help, aliases, ok)
-
-
-NOT_YET_SUPPORTED: dict[str, NotYetSupported] = {
-    # general / front end
-    "grpc": _n("bool", False, "Serve gRPC instead of the HTTP OpenAI API."),
-    "aggregate_engine_logging": _n("bool", False, "Log statistics aggregated over data-parallel engines."),
-    "fail_on_environ_validation": _n("bool", False, "Fail on invalid environment variables."),
-    "gdn_prefill_backend": _n("str", None, "Gated DeltaNet prefill backend (flashinfer or triton)."),
-    "tool_server": _n("str", None, "Tool server(s) for built-in tools (host:port list or 'demo')."),
-    "enable_log_deltas": _n("bool", True, "Log streamed deltas with --enable-log-outputs."),
-    "log_error_stack": _n("bool", False, "Log the stack trace of request errors."),
-    "tokens_only": _n("bool", False, "Token-in/token-out server without text endpoints."),
-    "disable_access_log_for_endpoints": _n("str", None, "Comma-separated paths left out of the access log."),
-    "ssl_ciphers": _n("str", None, "TLS cipher suites (TLS 1.2 and older)."),
-    "enable_offline_docs": _n("bool", False, "Serve the API docs from bundled assets."),
-    "enable_flash_late_interaction": _n("bool", True, "GPU MaxSim scoring for late-interaction models."),
-    # model
-    "runner": _n("str", "auto", "Model runner type (auto, generate, pooling, draft).", ok=("generate",)),
-    "convert": _n("str", "auto", "Adapt the model to another task (embed, classify).", ok=("none",)),
-    "task": _n("str", "auto", "vLLM 0.7 task selector (generate, embed, ...).", ok=("generate",)),
-    "allowed_local_media_path": _n("str", "", "Directory requests may read local media from."),
-    "allowed_media_domains": _n("list", None, "Domains multimodal URLs may come from."),
-    "allow_deprecated_quantization": _n("bool", False, "Allow deprecated quantization methods."),
-    "enable_return_routed_experts": _n("bool", False, "Return the MoE experts each token was routed to."),
-    "config_format": _n("str", "auto", "Format of the model config (auto, hf, mistral).", ok=("hf",)),
-    "hf_token": _n("str", None, "Hugging Face token for remote files (tokenmill never downloads)."),
-    "pooler_config": _n("json", None, "Pooling settings for embedding models."),
-    "enable_sleep_mode": _n("bool", False, "Let the engine sleep and release GPU memory."),
-    "model_impl": _n("str", "auto", "Model implementation (auto, vllm, transformers, terratorch).", ok=("vllm",)),
-    "override_attention_dtype": _n("str", None, "Dtype override for attention."),
-    "logits_processors": _n("list", None, "Custom logits processor classes."),
-    "logits_processor_pattern": _n("str", None, "Regex of logits processors requests may name."),
-    "io_processor_plugin": _n("str", None, "IOProcessor plugin to load."),
-    "renderer_num_workers": _n("int", 1, "Threads for tokenization and chat rendering."),
-    "rope_scaling": _n("json", None, "RoPE scaling (use --hf-overrides.rope_scaling instead)."),
-    "rope_theta": _n("float", None, "RoPE theta (use --hf-overrides.rope_theta instead)."),
-    "mm_processor_kwargs": _n("json", None, "Options for the multimodal processor."),
-    "max_seq_len_to_capture": _n("int", 8192, "Longest sequence covered by CUDA graphs (vLLM 0.7)."),
-    "attention_backend": _n("str", None, "Attention backend.", ok=("auto",)),
-    "mamba_backend": _n("str", None, "Mamba SSM backend.", ok=("triton",)),
-    "enable_mamba_cache_stochastic_rounding": _n("bool", False, "Stochastic rounding of Mamba states."),
-    "mamba_cache_philox_rounds": _n("int", 0, "Philox rounds for Mamba stochastic rounding."),
-    "guided_decoding_backend": _n("str", None, "vLLM 0.7 structured-output backend; use "
-                                               "--structured-outputs-config.", ok=("auto",)),
-    # parallelism and distribution
-    "numa_bind": _n("bool", False, "Bind workers to NUMA nodes."),
-    "numa_bind_nodes": _n("list", None, "NUMA node per GPU."),
-    "numa_bind_cpus": _n("list", None, "CPU list per GPU."),
-    "decode_context_parallel_size": _n("int", 1, "Decode context-parallel group size.", "-dcp"),
-    "dcp_comm_backend": _n("str", "ag_rs", "Communication backend of decode context parallelism."),
-    "dcp_kv_cache_interleave_size": _n("int", 1, "KV interleave size under DCP."),
-    "cp_kv_cache_interleave_size": _n("int", 1, "KV interleave size under context parallelism."),
-    "prefill_context_parallel_size": _n("int", 1, "Prefill context-parallel group size.", "-pcp"),
-    "data_parallel_rank": _n("int", None, "Data-parallel rank of this instance.", "-dpn"),
-    "data_parallel_backend": _n("str", "mp", "Data-parallel backend (mp or ray).", "-dpb"),
-    "data_parallel_hybrid_lb": _n("bool", False, "Hybrid data-parallel load balancing.", "-dph"),
-    "data_parallel_external_lb": _n("bool", False, "External data-parallel load balancing.", "-dpe"),
-    "enable_ep_weight_filter": _n("bool", False, "Load only this rank's experts."),
-    "all2all_backend": _n("str", "allgather_reducescatter", "All-to-all backend for expert parallelism."),
-    "enable_dbo": _n("bool", False, "Dual batch overlap."),
-    "ubatch_size": _n("int", 0, "Micro-batch size."),
-    "enable_elastic_ep": _n("bool", False, "Elastic expert parallelism."),
-    "dbo_decode_token_threshold": _n("int", 32, "Dual-batch-overlap threshold for decode batches."),
-    "dbo_prefill_token_threshold": _n("int", 512, "Dual-batch-overlap threshold for prefill batches."),
-    "disable_nccl_for_dp_synchronization": _n("bool", None, "Use Gloo for data-parallel synchronization."),
-    "enable_eplb": _n("bool", False, "Expert-parallel load balancing."),
-    "eplb_config": _n("json", None, "Expert-parallel load balancer settings."),
-    "expert_placement_strategy": _n("str", "linear", "How experts are placed on ranks."),
-    "max_parallel_loading_workers": _n("int", None, "Load the model in batches with this many workers."),
-    "ray_workers_use_nsight": _n("bool", False, "Profile Ray workers with nsight."),
-    "worker_cls": _n("str", "auto", "Worker class."),
-    "worker_extension_cls": _n("str", "", "Worker extension class."),
-    # cache and offloading
-    "kv_cache_dtype_skip_layers": _n("list", [], "Layers whose KV cache stays unquantized."),
-    "kv_sharing_fast_prefill": _n("bool", False, "Skip prefill tokens in KV-sharing layers."),
-    "mamba_cache_dtype": _n("str", "auto", "Dtype of the Mamba cache."),
-    "mamba_ssm_cache_dtype": _n("str", "auto", "Dtype of the Mamba SSM state."),
-    "mamba_block_size": _n("int", None, "Block size of the Mamba cache."),
-    "mamba_cache_mode": _n("str", "none", "Prefix-caching mode of Mamba layers."),
-    "kv_offloading_size": _n("float", None, "GiB of KV cache to offload to CPU."),
-    "kv_offloading_backend": _n("str", "native", "KV offloading backend (native, lmcache)."),
-    "offload_backend": _n("str", "auto", "Weight offloading backend."),
-    "cpu_offload_params": _n("list", [], "Parameters to offload to CPU."),
-    "offload_group_size": _n("int", 0, "Offload the last layers of every group of this many layers."),
-    "offload_num_in_group": _n("int", 1, "Layers offloaded per group."),
-    "offload_prefetch_step": _n("int", 1, "Layers prefetched ahead."),
-    "offload_params": _n("list", [], "Parameters to prefetch-offload."),
-    # multimodal and LoRA
-    "language_model_only": _n("bool", False, "Disable all multimodal inputs."),
-    "limit_mm_per_prompt": _n("json", {}, "Most multimodal items per prompt."),
-    "enable_mm_embeds": _n("bool", False, "Accept multimodal embeddings in requests."),
-    "enable_lora": _n("bool", False, "Serve LoRA adapters."),
-    "max_loras": _n("int", 1, "Most LoRA adapters in one batch."),
-    "max_lora_rank": _n("int", 16, "Largest LoRA rank."),
-    "lora_dtype": _n("str", "auto", "LoRA dtype."),
-    "enable_tower_connector_lora": _n("bool", False, "LoRA on vision towers and connectors."),
-    "max_cpu_loras": _n("int", None, "Most LoRA adapters kept in CPU memory."),
-    "fully_sharded_loras": _n("bool", False, "Fully sharded LoRA layers."),
-    "lora_target_modules": _n("list", None, "Modules LoRA applies to."),
-    "default_mm_loras": _n("json", None, "LoRA per modality."),
-    "specialize_active_lora": _n("bool", False, "CUDA graphs per number of active LoRAs."),
-    "enable_prompt_adapter": _n("bool", False, "Prompt adapters (vLLM 0.7)."),
-    # observability
-    "show_hidden_metrics_for_version": _n("str", None, "Show metrics hidden since this version."),
-    "otlp_traces_endpoint": _n("str", None, "OpenTelemetry traces endpoint."),
-    "collect_detailed_traces": _n("str", None, "Modules to trace in detail."),
-    "kv_cache_metrics": _n("bool", False, "KV cache residency metrics."),
-    "kv_cache_metrics_sample": _n("float", 0.01, "Sampling rate of KV cache metrics."),
-    "cudagraph_metrics": _n("bool", False, "CUDA graph metrics."),
-    "enable_layerwise_nvtx_tracing": _n("bool", False, "Per-layer NVTX ranges."),
-    "enable_mfu_metrics": _n("bool", False, "Model FLOPs utilization metrics."),
-    "enable_logging_iteration_details": _n("bool", False, "Log per-iteration details."),
-    # scheduler
-    "scheduler_reserve_full_isl": _n("bool", True, "Admit a request only if its whole prompt fits in the KV cache."),
-    "disable_hybrid_kv_cache_manager": _n("bool", None, "Same KV layout for every attention type."),
-    "num_scheduler_steps": _n("int", 1, "Multi-step scheduling (vLLM 0.7)."),
-    "scheduler_delay_factor": _n("float", 0.0, "Delay before scheduling the next prompt (vLLM 0.7)."),
-    "preemption_mode": _n("str", None, "Preemption by recompute or swap (vLLM 0.7).", ok=("recompute",)),
-    "num_lookahead_slots": _n("int", 0, "Lookahead slots for speculative decoding (vLLM 0.7)."),
-    # compilation, kernels and whole-engine configs
-    "ir_op_priority": _n("json", None, "vLLM IR op priorities."),
-    "enable_flashinfer_autotune": _n("bool", None, "Autotune FlashInfer kernels."),
-    "moe_backend": _n("str", "auto", "MoE kernel backend."),
-    "speculative_config": _n("json", None, "Speculative decoding.", "-sc"),
-    "speculative_model": _n("str", None, "Draft model (vLLM 0.7)."),
-    "num_speculative_tokens": _n("int", None, "Speculative tokens per step (vLLM 0.7)."),
-    "kv_transfer_config": _n("json", None, "Distributed KV cache transfer (disaggregated prefill)."),
-    "kv_events_config": _n("json", None, "KV cache event publishing."),
-    "ec_transfer_config": _n("json", None, "Distributed encoder cache transfer."),
-    "attention_config": _n("json", None, "Attention settings.", "-ac"),
-    "reasoning_config": _n("json", None, "Reasoning-model settings."),
-    "kernel_config": _n("json", None, "Kernel settings."),
-    "additional_config": _n("json", {}, "Platform-specific settings."),
-    "profiler_config": _n("json", None, "Profiler settings."),
-    "performance_mode": _n("str", "balanced", "Performance mode (balanced, interactivity, throughput)."),
-    "weight_transfer_config": _n("json", None, "Weight transfer during RL training."),
-}
 
 GENERAL_HELP = {"model_tag": "Model to serve (same as --model).",
                 "config": "Read options from a YAML or JSON file (keys in either spelling); flags on the command "
@@ -368,7 +220,9 @@ class ServeArgumentParser(argparse.ArgumentParser):
         for spec in self.specs:
             if spec.group not in self.groups:
                 title = GROUP_TITLES_ZH.get(spec.group, spec.group) if zh else spec.group
-                self.groups[spec.group] = self.add_argument_group(title, group_doc(spec.group, zh))
+                cls = next((c for c in PARSER_CLASSES if c.__name__ == spec.group), None)
+                first_line = ((cls.__doc__ or "").strip().splitlines() or [""])[0] if cls else ""
+                self.groups[spec.group] = self.add_argument_group(title, group_doc(spec.group, zh, first_line))
             self._add(spec, self.groups[spec.group], (HELP_ZH.get(spec.dest) if zh else None) or spec.help)
         for flag in LEGACY_FLAGS:
             self.groups["FrontendConfig"].add_argument("--" + flag.replace("_", "-"), dest=flag, action=_Flag,
@@ -544,12 +398,10 @@ class ServeArgumentParser(argparse.ArgumentParser):
         for spec in self.specs:
             if spec.group != "NotYetSupported" or not hasattr(ns, spec.dest):
                 continue
-            value, nys = ns.__dict__.pop(spec.dest), NOT_YET_SUPPORTED[spec.dest]
-            if value == nys.default or value in nys.accepted or (nys.default is None and value in ({}, [], "")):
-                continue
-            allowed = ", ".join(repr(v) for v in (nys.default, *nys.accepted) if v is not None)
-            only = f"; only {allowed} is accepted" if allowed else ""
-            self.error(f"--{spec.dest.replace('_', '-')} is not supported yet by tokenmill (got {value!r}{only})")
+            try:
+                check_not_yet_supported(spec.dest, ns.__dict__.pop(spec.dest))
+            except ValueError as e:
+                self.error(str(e))
 
     # ---- help ----------------------------------------------------------------------------------------------
     def _maybe_help(self, args: list[str]) -> None:

@@ -10,6 +10,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2",
                    "fp8_per_token_head", "int8_per_token_head", "nvfp4", "turboquant_3bit_nc", "turboquant_4bit_nc",
                    "turboquant_k3v4_nc", "turboquant_k8v4")
 SUPPORTED_KV_CACHE_DTYPES = KV_CACHE_DTYPES[:6]
+SWAP_SPACE_MAX_FRACTION = 0.7  # vLLM refuses a swap space above this share of the host's memory
 
 
 @dataclass
@@ -18,8 +19,10 @@ class CacheConfig:
     block_size: int = config_field(16, help="Tokens per KV-cache block.")
     gpu_memory_utilization: float = config_field(
         0.92, help="Fraction of GPU memory this instance may use (weights, activations and KV cache).")
-    swap_space: float = config_field(4, help="CPU swap space per GPU in GiB (accepted for compatibility; "
-                                             "tokenmill preempts by recomputation).")
+    swap_space: float = config_field(
+        4, help="CPU swap space per GPU in GiB, for vLLM 0.7's swap preemption. tokenmill preempts by recomputation, "
+                "as vLLM's V1 engine does, so no swap space is allocated; as there, a value above 70% of the host's "
+                "memory (counted once per tensor-parallel rank) is refused.")
     kv_cache_dtype: str = config_field(
         "auto", help="KV cache data type; auto = the model's dtype. fp8 (= fp8_e4m3) and fp8_e5m2 store K/V in one "
                      "byte, doubling the KV capacity, with per-layer k/v scales from the checkpoint (else 1.0); "
@@ -35,6 +38,16 @@ class CacheConfig:
                     "an fp8 cache, and without one there are no scales to compute).")
     kv_cache_memory_bytes: int | None = config_field(
         None, help="KV cache size in bytes; overrides gpu_memory_utilization for sizing the pool.")
+
+    def verify_swap_space(self, ranks_per_host: int) -> None:
+        """vLLM's check of swap_space against the host's memory (it allocates none either under V1)."""
+        import os
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        wanted = self.swap_space * 2**30 * ranks_per_host
+        if wanted > SWAP_SPACE_MAX_FRACTION * total:
+            raise ValueError(f"swap_space={self.swap_space:g} GiB x {ranks_per_host} rank(s) is {wanted / 2**30:.2f} "
+                             f"GiB, more than {SWAP_SPACE_MAX_FRACTION:.0%} of this host's {total / 2**30:.2f} GiB "
+                             "of memory. Lower --swap-space.")
 
     def __post_init__(self) -> None:
         if self.enable_prefix_caching is None:

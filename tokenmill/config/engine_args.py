@@ -1,7 +1,8 @@
 """Flat engine arguments (what `LLM(**kwargs)` and the CLI take) mapped onto the config dataclasses.
 
 The config dataclasses are the single source of truth: every field of every config is an engine argument with the
-same name. A few vLLM aliases are accepted on top.
+same name. A few vLLM aliases are accepted on top, and so are the vLLM engine arguments of config/unsupported.py's
+table, with the values it accepts (checked there, with the message the `serve` command line gives).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import functools
 from typing import Any
 
 from tokenmill.config import CONFIG_CLASSES, TokenmillConfig
+from tokenmill.config.unsupported import NOT_YET_SUPPORTED, check_not_yet_supported, engine_option_names
 
 # vLLM spellings that map onto a differently named field.
 ALIASES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "dp": "data_parallel_size"}
@@ -29,23 +31,30 @@ def all_engine_arg_names() -> list[str]:
     return list(_field_owner())
 
 
-def _owner_of(name: str, owner: dict[str, type]) -> tuple[str, type]:
-    """(canonical name, config class) of an engine argument; TypeError with suggestions for an unknown one."""
+def _owner_of(name: str, owner: dict[str, type]) -> tuple[str, type | None]:
+    """(canonical name, config class) of an engine argument, class None for a not-yet-supported one; TypeError with
+    suggestions for an unknown one."""
     name = ALIASES.get(name, name)
     cls = owner.get(name)
+    if cls is None and name in NOT_YET_SUPPORTED and not NOT_YET_SUPPORTED[name].frontend:
+        return name, None
     if cls is None:
-        close = difflib.get_close_matches(name, list(owner), n=3)
+        close = difflib.get_close_matches(name, [*owner, *engine_option_names()], n=3)
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         raise TypeError(f"Unknown engine argument `{name}`.{hint}")
     return name, cls
 
 
 def create_engine_config(**kwargs: Any) -> TokenmillConfig:
-    """Build a validated TokenmillConfig; unknown argument names raise TypeError with suggestions."""
+    """Build a validated TokenmillConfig; unknown argument names raise TypeError with suggestions, values of the
+    not-yet-supported table other than the accepted ones ValueError."""
     owner = _field_owner()
     per_cls: dict[type, dict[str, Any]] = {cls: {} for cls in CONFIG_CLASSES}
     for name, value in kwargs.items():
         name, cls = _owner_of(name, owner)
+        if cls is None:
+            check_not_yet_supported(name, value)  # an accepted value changes nothing
+            continue
         per_cls[cls][name] = value
     from tokenmill.config import LoadConfig as _Load, ModelConfig as _Model
     # The model is looked up in LoadConfig.download_dir when one is given (vLLM's --download-dir).
@@ -81,6 +90,8 @@ class EngineArgs:
         if name in kwargs:
             return kwargs[name]
         cls = _field_owner().get(name)
+        if cls is None and name in engine_option_names():
+            return NOT_YET_SUPPORTED[name].default
         if cls is None:
             raise AttributeError(f"{type(self).__name__} has no engine argument {name!r}")
         f = cls.__dataclass_fields__[name]

@@ -105,8 +105,8 @@ GROUP_DOCS_EN = {
     "CacheConfig": "Layout and size of the paged KV cache.",
     "SchedulerConfig": "The per-step token budget and batching policy; prefill chunks and decodes share one budget.",
     "LoadConfig": "Where weights are read from, and in which format.",
-    "ParallelConfig": "How the model is spread over devices: tensor parallelism over local processes or torchrun; "
-                      "pipeline and data parallelism are not supported yet.",
+    "ParallelConfig": "How the model is spread over devices: tensor and pipeline parallelism (local processes, "
+                      "torchrun or a Ray cluster) and data parallelism (engine replicas).",
     "DeviceConfig": "Which device runs the model.",
     "CompilationConfig": "CUDA graphs for decode steps and small mixed batches (GPU only).",
     "FrontendConfig": "The OpenAI-compatible HTTP server: socket, CORS, authentication, TLS, chat templates, tools "
@@ -116,15 +116,12 @@ GROUP_DOCS_EN = {
 }
 
 
-def group_doc(group: str, zh: bool) -> str:
-    """One-line description of an option group (a config class, General or NotYetSupported)."""
+def group_doc(group: str, zh: bool, fallback: str = "") -> str:
+    """One-line description of an option group (a config class, General or NotYetSupported); `fallback` (the
+    config class's own first docstring line) for a group without a text here."""
     if zh and group in GROUP_DOCS_ZH:
         return GROUP_DOCS_ZH[group]
-    if group in GROUP_DOCS_EN:
-        return GROUP_DOCS_EN[group]
-    from tokenmill.config.args import PARSER_CLASSES
-    cls = next((c for c in PARSER_CLASSES if c.__name__ == group), None)
-    return ((cls.__doc__ or "").strip().splitlines() or [""])[0] if cls else ""
+    return GROUP_DOCS_EN.get(group, fallback)
 
 
 def _sections(parser: argparse.ArgumentParser, pairs: list) -> str:
@@ -200,7 +197,8 @@ GROUP_DOCS_ZH = {
     "CacheConfig": "分页 KV 缓存的布局和容量。",
     "SchedulerConfig": "每一步的 token 预算与批处理策略：预填充分块和解码共享同一份预算。",
     "LoadConfig": "权重从哪里读、以什么格式读。",
-    "ParallelConfig": "模型如何分布到多个设备上：目前支持张量并行（本机多进程或 torchrun），流水线并行和数据并行尚未支持。",
+    "ParallelConfig": "模型如何分布到多个设备上：张量并行、流水线并行（本机多进程、torchrun 或 Ray 集群）与数据并行"
+                      "（多个引擎副本）。",
     "DeviceConfig": "用哪种设备运行模型。",
     "CompilationConfig": "解码步骤与小型混合批使用的 CUDA Graph（仅 GPU）。",
     "FrontendConfig": "兼容 OpenAI 的 HTTP 服务：监听地址、跨域、鉴权、TLS、聊天模板、工具调用与日志。",
@@ -225,7 +223,9 @@ HELP_ZH: dict[str, str] = {
              "half 与 float16 相同，float 与 float32 相同；显卡不支持 bfloat16 时改用 float16。",
     "seed": "全局随机种子；没有指定 seed 的请求会从它派生出各自的种子，便于复现结果。",
     "revision": "使用本地 HF 缓存中模型的哪个版本（分支、标签或提交哈希）。",
-    "code_revision": "模型自定义代码使用的版本（分支、标签或提交哈希）。",
+    "code_revision": "模型的 config.json 从另一个 Hub 仓库引用远程配置代码时（auto_map 写成 'org/repo--模块.类'），"
+                     "该代码使用的版本（分支、标签或提交哈希），在本地 HF 缓存中查找。与 vLLM 一样只在开启 "
+                     "--trust-remote-code 时读取；不开启时不会执行任何远程代码，此项不起作用。",
     "tokenizer_revision": "使用本地 HF 缓存中分词器的哪个版本。",
     "hf_config_path": "从这个路径读取 HF 的 config.json，而不是从模型目录读取。",
     "max_model_len": "上下文长度上限（提示词加生成内容的 token 总数）；默认取模型配置中的最大长度，不能超过它。"
@@ -246,14 +246,20 @@ HELP_ZH: dict[str, str] = {
                          "也可以给一个包含该文件的目录。",
     "override_generation_config": "覆盖生成参数的默认值，JSON 格式，例如 '{\"temperature\": 0.5}'；与 "
                                   "--generation-config auto 同用时会与模型自带的默认值合并。",
-    "disable_cascade_attn": "关闭级联注意力（cascade attention）。",
+    "disable_cascade_attn": "可以写任一取值，但不起作用：级联注意力（vLLM 的 FlashAttention 后端可能选用的一种共享"
+                            "前缀拆分）不是 tokenmill 注意力后端的功能；vLLM 的其他后端同样忽略这个选项。",
+    "mm_processor_cache_type": "多模态输入预处理结果的缓存方式（lru：每个进程各自缓存；shm：共享内存）。tokenmill 运行"
+                               "的模型都是纯文本模型，此项不起作用；vLLM 对纯文本模型同样如此。",
+    "mm_encoder_tp_mode": "多模态编码器如何使用张量并行（weights：切分权重；data：复制权重、按数据切分批次）。"
+                          "tokenmill 运行的模型都是纯文本模型，此项不起作用；vLLM 对纯文本模型同样如此。",
     "enable_prompt_embeds": "允许请求直接传入提示词的嵌入向量（暂不支持）。",
     # CacheConfig
     "block_size": "每个 KV 缓存块容纳多少个 token。",
     "gpu_memory_utilization": "本实例最多可使用的显存比例（0 到 1 之间），权重、激活和 KV 缓存都计算在内，剩余部分"
                               "全部分给 KV 缓存。只约束当前实例：同一张卡上跑两个实例时可以各设 0.45。遇到显存不足时"
                               "先调低它。",
-    "swap_space": "每张 GPU 的 CPU 交换空间，单位 GiB。为兼容保留；tokenmill 的抢占方式是重新计算，不会换出到 CPU。",
+    "swap_space": "每张 GPU 的 CPU 交换空间，单位 GiB，用于 vLLM 0.7 的换出式抢占。tokenmill 与 vLLM 的 V1 引擎一样"
+                  "通过重新计算来抢占，不分配交换空间；同样地，超过本机内存 70%（按张量并行的进程数累计）的取值会被拒绝。",
     "kv_cache_dtype": "KV 缓存的数据类型；auto 表示与模型相同。fp8（即 fp8_e4m3）和 fp8_e5m2 每个 K/V 元素只占一个字节，"
                       "KV 容量翻倍；每层的 k/v 缩放因子取自检查点（没有则为 1.0）。GPU 上的 fp8_e4m3 需要计算能力 8.9 "
                       "及以上。其余 vLLM 取值暂不支持。",
@@ -273,9 +279,10 @@ HELP_ZH: dict[str, str] = {
                               "至少等于 --max-model-len。支持 8k、16K 这类写法，auto 或 -1 表示用默认值。调大能提升"
                               "吞吐，但单步耗时和激活显存也会增加。",
     "max_num_seqs": "单步最多同时处理的请求数，默认 256。显存紧张或上下文很长时可以调小。",
-    "max_num_partial_prefills": "同时处于分块预填充中的请求数上限。",
-    "max_long_partial_prefills": "同时处于分块预填充中的“长提示词”请求数上限；设得比上一项小，可以让短提示词插队、"
-                                 "降低其延迟。",
+    "max_num_partial_prefills": "同时处于分块预填充中的请求数上限。目前只支持 1：tokenmill 不限制同时进行的分块预填充"
+                                "数量，而是用 long_prefill_token_threshold 限制每个提示词的分块大小。",
+    "max_long_partial_prefills": "同时处于分块预填充中的“长提示词”（超过 long_prefill_token_threshold）请求数上限。"
+                                 "与上一项相同，目前只支持 1。",
     "long_prefill_token_threshold": "提示词超过这个 token 数就算“长”，其每个分块也不超过这个数；0 表示不区分。",
     "scheduling_policy": "调度策略：fcfs 按到达顺序先来先服务；priority 按请求的 priority 值从小到大处理，相同时按"
                          "到达时间。",
@@ -284,7 +291,8 @@ HELP_ZH: dict[str, str] = {
     "async_scheduling": "设备执行第 N 步时就调度并准备第 N+1 步，减少 GPU 空闲（默认：CUDA 上开启，CPU 上关闭；流水线并行时关闭且不可开启）。",
     "stream_interval": "流式输出时每攒够多少个 token 发送一次；1 最平滑，调大可以降低主机端开销。",
     "scheduler_cls": "自定义调度器类（暂不支持）。",
-    "disable_chunked_mm_input": "不把同一个多模态输入（如一张图片）拆到不同的步里。",
+    "disable_chunked_mm_input": "不把同一个多模态输入（如一张图片）拆到不同的预填充分块里。tokenmill 运行的都是纯文本"
+                                "模型，提示词中没有多模态输入，此项不起作用；vLLM 对纯文本模型同样如此。",
     # LoadConfig
     "load_format": "权重格式：auto 对 .gguf 文件按 GGUF 加载，否则读取 safetensors；dummy 用随机权重（做性能测试用）。"
                    "pt、npcache、bitsandbytes 等其他格式暂不支持。",

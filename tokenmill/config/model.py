@@ -43,7 +43,10 @@ class ModelConfig:
                                            "(fp32 checkpoints run in bf16); float32 on CPU.", choices=DTYPES)
     seed: int = config_field(0, help="Global random seed (unseeded requests draw their seeds from it).")
     revision: str | None = config_field(None, help="Model revision in the local HF cache.")
-    code_revision: str | None = config_field(None, help="Revision of the model code.")
+    code_revision: str | None = config_field(
+        None, help="Revision of remote configuration code that the model's config.json takes from another Hub "
+                   "repository (auto_map 'org/repo--module.Class'), looked up in the local HF cache. Read only with "
+                   "--trust-remote-code, as in vLLM: without it no remote code runs, and this has no effect.")
     tokenizer_revision: str | None = config_field(None, help="Tokenizer revision in the local HF cache.")
     hf_config_path: str | None = config_field(None, help="Read the HF config from here instead of the model.")
     max_model_len: int | None = config_field(None, help="Context length (prompt + output); default: the "
@@ -62,8 +65,20 @@ class ModelConfig:
     generation_config: str = config_field("auto", help="auto: the model's generation_config.json; vllm: none; "
                                                        "or a folder holding one.")
     override_generation_config: dict = config_field(help="Generation defaults to override.", default_factory=dict)
-    disable_cascade_attn: bool = config_field(True, help="Disable cascade attention.")
+    disable_cascade_attn: bool = config_field(
+        True, help="Accepted with either value and no effect: cascade attention (a shared-prefix split that vLLM's "
+                   "FlashAttention backend may choose) is not a feature of tokenmill's attention backends, as vLLM's "
+                   "other backends ignore this flag too.")
     enable_prompt_embeds: bool = config_field(False, help="Accept prompt embeddings (not supported yet).")
+    # vLLM's MultiModalConfig options. vLLM reads them only for a multimodal model; every model tokenmill runs is
+    # text-only (models/registry.py), so their values are checked and change nothing, as in vLLM for such a model.
+    mm_processor_cache_type: str = config_field(
+        "lru", help="Cache of processed multimodal inputs (lru: per process; shm: shared memory). No effect on the "
+                    "text-only models tokenmill runs, as in vLLM for a text-only model.", choices=("lru", "shm"))
+    mm_encoder_tp_mode: str = config_field(
+        "weights", help="How a multimodal encoder uses tensor parallelism (weights: sharded; data: replicated, "
+                        "batch split). No effect on the text-only models tokenmill runs, as in vLLM for a "
+                        "text-only model.", choices=("weights", "data"))
     # LoadConfig.download_dir, handed over by create_engine_config: where to look for cached hub models.
     download_dir: InitVar[str | None] = None
 
@@ -87,7 +102,7 @@ class ModelConfig:
         self.resolved = resolve_model(self.model, self.revision, download_dir=download_dir)
         self.hf_config = get_hf_config(self.resolved, trust_remote_code=self.trust_remote_code,
                                        revision=self.revision, hf_overrides=self.hf_overrides,
-                                       hf_config_path=self.hf_config_path)
+                                       hf_config_path=self.hf_config_path, code_revision=self.code_revision)
         archs = getattr(self.hf_config, "architectures", None) or []
         if archs:
             self.architecture = archs[0]

@@ -31,9 +31,11 @@ class SchedulerConfig:
                    "more other than an A100, as in vLLM; at least max_model_len when chunked prefill is off).")
     max_num_seqs: int | None = config_field(None, help=f"Most requests in one step (default {DEFAULT_MAX_NUM_SEQS}).")
     max_num_partial_prefills: int = config_field(
-        1, help="Most requests partially prefilled at once (the budget loop leaves at most one partial prefill per "
-                "step unless long_prefill_token_threshold caps chunks).")
-    max_long_partial_prefills: int = config_field(1, help="Most long prompts partially prefilled at once.")
+        1, help="Most requests partially prefilled at once. Only 1 is supported yet: tokenmill does not cap "
+                "concurrent partial prefills (long_prefill_token_threshold caps each prompt's chunk instead).")
+    max_long_partial_prefills: int = config_field(
+        1, help="Most prompts longer than long_prefill_token_threshold partially prefilled at once. Only 1 is "
+                "supported yet, as for max_num_partial_prefills.")
     long_prefill_token_threshold: int = config_field(
         0, help="A prompt longer than this is 'long'; its chunks are capped at this many tokens (0 = off).")
     scheduling_policy: str = config_field("fcfs", help="fcfs: first come first served; priority: lower "
@@ -47,7 +49,9 @@ class SchedulerConfig:
                    "which overlaps micro-batches instead).")
     stream_interval: int = config_field(1, help="Send streamed output every N tokens.")
     scheduler_cls: str | None = config_field(None, help="A custom scheduler class (not supported yet).")
-    disable_chunked_mm_input: bool = config_field(False, help="Never split multimodal items across steps.")
+    disable_chunked_mm_input: bool = config_field(
+        False, help="Never split a multimodal item across prefill chunks. No effect on the text-only models "
+                    "tokenmill runs (their prompts hold no multimodal items), as in vLLM for a text-only model.")
 
     def finalize(self, max_model_len: int) -> None:
         """Fill defaults that depend on the model, then check the combination."""
@@ -72,6 +76,13 @@ class SchedulerConfig:
         check_range("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         check_range("stream_interval", self.stream_interval, 1)
         check_range("max_num_partial_prefills", self.max_num_partial_prefills, 1)
+        check_range("max_long_partial_prefills", self.max_long_partial_prefills, 1)
+        # vLLM admits several partially prefilled prompts per step only up to these caps; tokenmill's budget loop
+        # has no such cap, so a value above 1 would be accepted and not honoured.
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+            if getattr(self, name) != 1:
+                raise not_supported_yet(name, getattr(self, name), "tokenmill does not cap concurrent partial "
+                                        "prefills; long_prefill_token_threshold caps each prompt's chunk instead.")
         if self.scheduler_cls is not None:
             raise not_supported_yet("scheduler_cls", self.scheduler_cls)
         if self.stream_interval != 1:

@@ -44,5 +44,6 @@ def check_range(name: str, value: Any, lo: float | None = None, hi: float | None
 
 
 def not_supported_yet(name: str, value: Any, why: str = "") -> ValueError:
+    """The error for a value tokenmill cannot honour yet, naming the option as an engine argument and as a flag."""
     extra = f" {why}" if why else ""
-    return ValueError(f"`{name}={value!r}` is not supported yet by tokenmill.{extra}")
+    return ValueError(f"`{name}={value!r}` (--{name.replace('_', '-')}) is not supported yet by tokenmill.{extra}")

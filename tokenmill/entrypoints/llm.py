@@ -49,14 +49,13 @@ class LLM:
     """Generate text for batches of prompts, as `vllm.LLM` does.
 
     `LLM()` with no model loads the embedded SmolLM2-135M-Instruct. Keyword arguments are engine arguments (the
-    fields of the config dataclasses, vLLM's names); an unknown one raises TypeError naming it.
+    fields of the config dataclasses, vLLM's names, and the not-yet-supported vLLM ones with their accepted values;
+    config/engine_args.py); an unknown one raises TypeError naming it, an unsupported value ValueError with the
+    message `tokenmill serve` gives for the same flag.
     """
 
-    def __init__(self, model: str | None = None, *, hf_token: Any = None, disable_log_stats: bool = True,
+    def __init__(self, model: str | None = None, *, disable_log_stats: bool = True,
                  structured_outputs_config: dict | str | None = None, **kwargs: Any) -> None:
-        if hf_token not in (None, False):
-            raise ValueError("hf_token: tokenmill never downloads from the hub; download the model first and pass "
-                             "its directory.")
         from tokenmill.structured.config import StructuredOutputsConfig
         # Engine-wide structured-output options, applied to each constrained request as the server does.
         self.structured_outputs_config = StructuredOutputsConfig.from_dict(structured_outputs_config)
@@ -118,7 +117,11 @@ class LLM:
         from tokenmill.beam_search import beam_search
         if lora_request is not None:
             raise ValueError("lora_request: LoRA is not supported yet by tokenmill.")
-        return beam_search(self, self._as_prompt_list(prompts), params, use_tqdm)
+
+        def generate(step_prompts: list, step_params: SamplingParams) -> list[RequestOutput]:
+            return self.generate(step_prompts, step_params, use_tqdm=use_tqdm)
+        return beam_search(self.llm_engine.processor, generate, self.get_tokenizer(), self._as_prompt_list(prompts),
+                           params)
 
     # ----- helpers -----
     @staticmethod

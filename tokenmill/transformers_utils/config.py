@@ -56,12 +56,14 @@ _ROPE_TYPE_ALIASES = {"su": "longrope", "mrope": "default"}  # legacy names (Phi
 
 
 # ------------------------------------------------------------------------------------------------------------- config
-def _load_config(resolved: ResolvedModel, trust_remote_code: bool, revision: str | None):
+def _load_config(resolved: ResolvedModel, trust_remote_code: bool, revision: str | None,
+                 code_revision: str | None = None):
     from transformers import AutoConfig
 
     if resolved.gguf_file is None:
         return AutoConfig.from_pretrained(
-            resolved.path, trust_remote_code=trust_remote_code, revision=revision, local_files_only=True
+            resolved.path, trust_remote_code=trust_remote_code, revision=revision, local_files_only=True,
+            code_revision=code_revision,
         )
 
     def build(directory: str) -> None:
@@ -96,17 +98,20 @@ def get_hf_config(
     revision: str | None = None,
     hf_overrides: dict[str, Any] | None = None,
     hf_config_path: str | None = None,
+    code_revision: str | None = None,
 ):
     """Load the `transformers.PretrainedConfig` of `resolved` from local files only, then apply `hf_overrides`.
 
     GGUF models get their config from the GGUF metadata (AutoConfig with `gguf_file=`), cached on disk because the
     parse costs seconds. `hf_config_path` (vLLM's --hf-config-path) loads the config from another local directory,
-    .gguf file or cached repo id instead. `hf_overrides` sets attributes; a dict value merges into an existing dict
-    attribute or sub-config (e.g. {"text_config": {"num_hidden_layers": 2}}). RoPE keys are routed to where the
-    config keeps them: {"rope_theta": x} and {"rope_scaling": {...}} update `config.rope_parameters` on transformers 5.
+    .gguf file or cached repo id instead. `code_revision` is the revision of remote config code kept in another repo
+    (transformers reads it only with trust_remote_code). `hf_overrides` sets attributes; a dict value merges into an
+    existing dict attribute or sub-config (e.g. {"text_config": {"num_hidden_layers": 2}}). RoPE keys are routed to
+    where the config keeps them: {"rope_theta": x} and {"rope_scaling": {...}} update `config.rope_parameters` on
+    transformers 5.
     """
     source = resolve_model(hf_config_path, revision) if hf_config_path is not None else resolved
-    config = _load_config(source, trust_remote_code, revision)
+    config = _load_config(source, trust_remote_code, revision, code_revision)
     if hf_overrides:
         if not isinstance(hf_overrides, dict):
             raise TypeError(f"hf_overrides must be a dict (JSON object), got {type(hf_overrides).__name__}")
@@ -291,6 +296,19 @@ def get_generation_config(resolved: ResolvedModel, trust_remote_code: bool = Fal
     if not isinstance(raw, dict):
         return {}
     return {key: raw[key] for key in _GENERATION_KEYS if raw.get(key) is not None}
+
+
+def load_generation_config(model_config) -> dict[str, Any]:
+    """The generation config a config.ModelConfig selects: its model's (generation_config="auto"), another local
+    model's, or none ("vllm"); override_generation_config applied on top."""
+    mc = model_config
+    if mc.generation_config == "vllm":
+        gen: dict[str, Any] = {}
+    else:
+        resolved = mc.resolved if mc.generation_config == "auto" else resolve_model(mc.generation_config)
+        gen = dict(get_generation_config(resolved, mc.trust_remote_code) or {})
+    gen.update(mc.override_generation_config or {})
+    return gen
 
 
 def _as_id_list(value: Any) -> list[int]:

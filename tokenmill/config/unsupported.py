@@ -1,0 +1,195 @@
+"""vLLM options tokenmill cannot honour yet: one table for the `serve` command line and the Python API.
+
+Each entry is a vLLM engine argument or `vllm serve` flag that no config dataclass has. It is accepted with its
+default value (or one of `accepted`: values that describe what tokenmill does anyway), so existing command lines and
+`LLM(...)` / `EngineArgs(...)` calls keep working; any other value is refused by `check_not_yet_supported`, with the
+same message whichever way it came in. Entries marked `frontend` are API-server flags (vLLM's FrontendArgs), not
+engine arguments: the Python API rejects them as unknown, as vLLM's does. A config dataclass that grows a field of
+the same name takes the option over (the CLI then reads the field; remove the entry).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tokenmill.config.utils import not_supported_yet
+
+
+@dataclasses.dataclass(frozen=True)
+class NotYetSupported:
+    """A vLLM option tokenmill cannot honour yet: any value other than `default`/`accepted` is an error."""
+    kind: str  # bool | int | float | str | list | json
+    default: Any
+    help: str
+    aliases: tuple[str, ...] = ()
+    accepted: tuple = ()  # other values that describe what tokenmill does anyway
+    frontend: bool = False  # an API-server flag, not an engine argument
+
+
+def _n(kind: str, default: Any, help: str, *aliases: str, ok: tuple = ()) -> NotYetSupported:
+    return NotYetSupported(kind, default, help, aliases, ok)
+
+
+def _f(kind: str, default: Any, help: str) -> NotYetSupported:
+    return NotYetSupported(kind, default, help, frontend=True)
+
+
+NOT_YET_SUPPORTED: dict[str, NotYetSupported] = {
+    # general (engine arguments in vLLM too, but --grpc) and front end (vLLM's FrontendArgs)
+    "grpc": _f("bool", False, "Serve gRPC instead of the HTTP OpenAI API."),
+    "aggregate_engine_logging": _n("bool", False, "Log statistics aggregated over data-parallel engines."),
+    "fail_on_environ_validation": _n("bool", False, "Fail on invalid environment variables."),
+    "gdn_prefill_backend": _n("str", None, "Gated DeltaNet prefill backend (flashinfer or triton)."),
+    "tool_server": _f("str", None, "Tool server(s) for built-in tools (host:port list or 'demo')."),
+    "enable_log_deltas": _f("bool", True, "Log streamed deltas with --enable-log-outputs."),
+    "log_error_stack": _f("bool", False, "Log the stack trace of request errors."),
+    "tokens_only": _f("bool", False, "Token-in/token-out server without text endpoints."),
+    "disable_access_log_for_endpoints": _f("str", None, "Comma-separated paths left out of the access log."),
+    "ssl_ciphers": _f("str", None, "TLS cipher suites (TLS 1.2 and older)."),
+    "enable_offline_docs": _f("bool", False, "Serve the API docs from bundled assets."),
+    "enable_flash_late_interaction": _f("bool", True, "GPU MaxSim scoring for late-interaction models."),
+    # model
+    "runner": _n("str", "auto", "Model runner type (auto, generate, pooling, draft).", ok=("generate",)),
+    "convert": _n("str", "auto", "Adapt the model to another task (embed, classify).", ok=("none",)),
+    "task": _n("str", "auto", "vLLM 0.7 task selector (generate, embed, ...).", ok=("generate",)),
+    "allowed_local_media_path": _n("str", "", "Directory requests may read local media from."),
+    "allowed_media_domains": _n("list", None, "Domains multimodal URLs may come from."),
+    "allow_deprecated_quantization": _n("bool", False, "Allow deprecated quantization methods."),
+    "enable_return_routed_experts": _n("bool", False, "Return the MoE experts each token was routed to."),
+    "config_format": _n("str", "auto", "Format of the model config (auto, hf, mistral).", ok=("hf",)),
+    "hf_token": _n("str", None, "Hugging Face token for remote files (tokenmill never downloads).", ok=(False,)),
+    "pooler_config": _n("json", None, "Pooling settings for embedding models."),
+    "enable_sleep_mode": _n("bool", False, "Let the engine sleep and release GPU memory."),
+    "model_impl": _n("str", "auto", "Model implementation (auto, vllm, transformers, terratorch).", ok=("vllm",)),
+    "override_attention_dtype": _n("str", None, "Dtype override for attention."),
+    "logits_processors": _n("list", None, "Custom logits processor classes."),
+    "logits_processor_pattern": _n("str", None, "Regex of logits processors requests may name."),
+    "io_processor_plugin": _n("str", None, "IOProcessor plugin to load."),
+    "renderer_num_workers": _n("int", 1, "Threads for tokenization and chat rendering."),
+    "rope_scaling": _n("json", None, "RoPE scaling (use --hf-overrides.rope_scaling instead)."),
+    "rope_theta": _n("float", None, "RoPE theta (use --hf-overrides.rope_theta instead)."),
+    "mm_processor_kwargs": _n("json", None, "Options for the multimodal processor."),
+    "max_seq_len_to_capture": _n("int", 8192, "Longest sequence covered by CUDA graphs (vLLM 0.7)."),
+    "attention_backend": _n("str", None, "Attention backend.", ok=("auto",)),
+    "mamba_backend": _n("str", None, "Mamba SSM backend.", ok=("triton",)),
+    "enable_mamba_cache_stochastic_rounding": _n("bool", False, "Stochastic rounding of Mamba states."),
+    "mamba_cache_philox_rounds": _n("int", 0, "Philox rounds for Mamba stochastic rounding."),
+    "guided_decoding_backend": _n("str", None, "vLLM 0.7 structured-output backend; use "
+                                               "--structured-outputs-config.", ok=("auto",)),
+    # parallelism and distribution
+    "numa_bind": _n("bool", False, "Bind workers to NUMA nodes."),
+    "numa_bind_nodes": _n("list", None, "NUMA node per GPU."),
+    "numa_bind_cpus": _n("list", None, "CPU list per GPU."),
+    "decode_context_parallel_size": _n("int", 1, "Decode context-parallel group size.", "-dcp"),
+    "dcp_comm_backend": _n("str", "ag_rs", "Communication backend of decode context parallelism."),
+    "dcp_kv_cache_interleave_size": _n("int", 1, "KV interleave size under DCP."),
+    "cp_kv_cache_interleave_size": _n("int", 1, "KV interleave size under context parallelism."),
+    "prefill_context_parallel_size": _n("int", 1, "Prefill context-parallel group size.", "-pcp"),
+    "data_parallel_rank": _n("int", None, "Data-parallel rank of this instance.", "-dpn"),
+    "data_parallel_backend": _n("str", "mp", "Data-parallel backend (mp or ray).", "-dpb"),
+    "data_parallel_hybrid_lb": _n("bool", False, "Hybrid data-parallel load balancing.", "-dph"),
+    "data_parallel_external_lb": _n("bool", False, "External data-parallel load balancing.", "-dpe"),
+    "enable_ep_weight_filter": _n("bool", False, "Load only this rank's experts."),
+    "all2all_backend": _n("str", "allgather_reducescatter", "All-to-all backend for expert parallelism."),
+    "enable_dbo": _n("bool", False, "Dual batch overlap."),
+    "ubatch_size": _n("int", 0, "Micro-batch size."),
+    "enable_elastic_ep": _n("bool", False, "Elastic expert parallelism."),
+    "dbo_decode_token_threshold": _n("int", 32, "Dual-batch-overlap threshold for decode batches."),
+    "dbo_prefill_token_threshold": _n("int", 512, "Dual-batch-overlap threshold for prefill batches."),
+    "disable_nccl_for_dp_synchronization": _n("bool", None, "Use Gloo for data-parallel synchronization."),
+    "enable_eplb": _n("bool", False, "Expert-parallel load balancing."),
+    "eplb_config": _n("json", None, "Expert-parallel load balancer settings."),
+    "expert_placement_strategy": _n("str", "linear", "How experts are placed on ranks."),
+    "max_parallel_loading_workers": _n("int", None, "Load the model in batches with this many workers."),
+    "ray_workers_use_nsight": _n("bool", False, "Profile Ray workers with nsight."),
+    "worker_cls": _n("str", "auto", "Worker class."),
+    "worker_extension_cls": _n("str", "", "Worker extension class."),
+    # cache and offloading
+    "kv_cache_dtype_skip_layers": _n("list", [], "Layers whose KV cache stays unquantized."),
+    "kv_sharing_fast_prefill": _n("bool", False, "Skip prefill tokens in KV-sharing layers."),
+    "mamba_cache_dtype": _n("str", "auto", "Dtype of the Mamba cache."),
+    "mamba_ssm_cache_dtype": _n("str", "auto", "Dtype of the Mamba SSM state."),
+    "mamba_block_size": _n("int", None, "Block size of the Mamba cache."),
+    "mamba_cache_mode": _n("str", "none", "Prefix-caching mode of Mamba layers."),
+    "kv_offloading_size": _n("float", None, "GiB of KV cache to offload to CPU."),
+    "kv_offloading_backend": _n("str", "native", "KV offloading backend (native, lmcache)."),
+    "offload_backend": _n("str", "auto", "Weight offloading backend."),
+    "cpu_offload_params": _n("list", [], "Parameters to offload to CPU."),
+    "offload_group_size": _n("int", 0, "Offload the last layers of every group of this many layers."),
+    "offload_num_in_group": _n("int", 1, "Layers offloaded per group."),
+    "offload_prefetch_step": _n("int", 1, "Layers prefetched ahead."),
+    "offload_params": _n("list", [], "Parameters to prefetch-offload."),
+    # multimodal and LoRA
+    "language_model_only": _n("bool", False, "Disable all multimodal inputs."),
+    "limit_mm_per_prompt": _n("json", {}, "Most multimodal items per prompt."),
+    "enable_mm_embeds": _n("bool", False, "Accept multimodal embeddings in requests."),
+    "enable_lora": _n("bool", False, "Serve LoRA adapters."),
+    "max_loras": _n("int", 1, "Most LoRA adapters in one batch."),
+    "max_lora_rank": _n("int", 16, "Largest LoRA rank."),
+    "lora_dtype": _n("str", "auto", "LoRA dtype."),
+    "enable_tower_connector_lora": _n("bool", False, "LoRA on vision towers and connectors."),
+    "max_cpu_loras": _n("int", None, "Most LoRA adapters kept in CPU memory."),
+    "fully_sharded_loras": _n("bool", False, "Fully sharded LoRA layers."),
+    "lora_target_modules": _n("list", None, "Modules LoRA applies to."),
+    "default_mm_loras": _n("json", None, "LoRA per modality."),
+    "specialize_active_lora": _n("bool", False, "CUDA graphs per number of active LoRAs."),
+    "enable_prompt_adapter": _n("bool", False, "Prompt adapters (vLLM 0.7)."),
+    # observability
+    "show_hidden_metrics_for_version": _n("str", None, "Show metrics hidden since this version."),
+    "otlp_traces_endpoint": _n("str", None, "OpenTelemetry traces endpoint."),
+    "collect_detailed_traces": _n("str", None, "Modules to trace in detail."),
+    "kv_cache_metrics": _n("bool", False, "KV cache residency metrics."),
+    "kv_cache_metrics_sample": _n("float", 0.01, "Sampling rate of KV cache metrics."),
+    "cudagraph_metrics": _n("bool", False, "CUDA graph metrics."),
+    "enable_layerwise_nvtx_tracing": _n("bool", False, "Per-layer NVTX ranges."),
+    "enable_mfu_metrics": _n("bool", False, "Model FLOPs utilization metrics."),
+    "enable_logging_iteration_details": _n("bool", False, "Log per-iteration details."),
+    # scheduler
+    "scheduler_reserve_full_isl": _n("bool", True, "Admit a request only if its whole prompt fits in the KV cache."),
+    "disable_hybrid_kv_cache_manager": _n("bool", None, "Same KV layout for every attention type."),
+    "num_scheduler_steps": _n("int", 1, "Multi-step scheduling (vLLM 0.7)."),
+    "scheduler_delay_factor": _n("float", 0.0, "Delay before scheduling the next prompt (vLLM 0.7)."),
+    "preemption_mode": _n("str", None, "Preemption by recompute or swap (vLLM 0.7).", ok=("recompute",)),
+    "num_lookahead_slots": _n("int", 0, "Lookahead slots for speculative decoding (vLLM 0.7)."),
+    # compilation, kernels and whole-engine configs
+    "ir_op_priority": _n("json", None, "vLLM IR op priorities."),
+    "enable_flashinfer_autotune": _n("bool", None, "Autotune FlashInfer kernels."),
+    "moe_backend": _n("str", "auto", "MoE kernel backend."),
+    "speculative_config": _n("json", None, "Speculative decoding.", "-sc"),
+    "speculative_model": _n("str", None, "Draft model (vLLM 0.7)."),
+    "num_speculative_tokens": _n("int", None, "Speculative tokens per step (vLLM 0.7)."),
+    "kv_transfer_config": _n("json", None, "Distributed KV cache transfer (disaggregated prefill)."),
+    "kv_events_config": _n("json", None, "KV cache event publishing."),
+    "ec_transfer_config": _n("json", None, "Distributed encoder cache transfer."),
+    "attention_config": _n("json", None, "Attention settings.", "-ac"),
+    "reasoning_config": _n("json", None, "Reasoning-model settings."),
+    "kernel_config": _n("json", None, "Kernel settings."),
+    "additional_config": _n("json", {}, "Platform-specific settings."),
+    "profiler_config": _n("json", None, "Profiler settings."),
+    "performance_mode": _n("str", "balanced", "Performance mode (balanced, interactivity, throughput)."),
+    "weight_transfer_config": _n("json", None, "Weight transfer during RL training."),
+}
+
+
+def is_accepted(name: str, value: Any) -> bool:
+    """Whether `value` for the not-yet-supported option `name` describes what tokenmill does anyway."""
+    nys = NOT_YET_SUPPORTED[name]
+    return value == nys.default or value in nys.accepted or (nys.default is None and value in ({}, [], ""))
+
+
+def check_not_yet_supported(name: str, value: Any) -> None:
+    """Raise ValueError, naming the option in both spellings, unless `value` is accepted (see is_accepted)."""
+    if is_accepted(name, value):
+        return
+    nys = NOT_YET_SUPPORTED[name]
+    allowed = " or ".join(repr(v) for v in (nys.default, *nys.accepted) if v is not None)
+    if nys.default is None:
+        why = f"Leave it unset{' or pass ' + allowed if allowed else ''}."
+    else:
+        why = f"Only {allowed} is accepted."
+    raise not_supported_yet(name, value, why)
+
+
+def engine_option_names() -> list[str]:
+    """The entries that are engine arguments (accepted by LLM(...) and EngineArgs, not only by the CLI)."""
+    return [name for name, nys in NOT_YET_SUPPORTED.items() if not nys.frontend]
