@@ -11,32 +11,12 @@ from tokenmill.engine.processor import Processor, PromptType
 from tokenmill.metrics.step_timing import TIMER
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.transformers_utils.config import load_generation_config
+from tokenmill.transformers_utils.tokenizer import load_tokenizer
 
 # Generation-config keys that become default sampling parameters (HF name -> SamplingParams name).
 _GEN_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def load_tokenizer(config: TokenmillConfig):
-    mc = config.model_config
-    if mc.skip_tokenizer_init:
-        return None
-    from tokenmill.transformers_utils.tokenizer import get_tokenizer
-    return get_tokenizer(mc.resolved, tokenizer=mc.tokenizer, tokenizer_mode=mc.tokenizer_mode,
-                         trust_remote_code=mc.trust_remote_code, revision=mc.tokenizer_revision or mc.revision)
-
-
-def load_generation_config(config: TokenmillConfig) -> dict[str, Any]:
-    mc = config.model_config
-    if mc.generation_config == "vllm":
-        gen: dict[str, Any] = {}
-    else:
-        from tokenmill.transformers_utils.config import get_generation_config
-        from tokenmill.transformers_utils.resolve import resolve_model
-        resolved = mc.resolved if mc.generation_config == "auto" else resolve_model(mc.generation_config)
-        gen = dict(get_generation_config(resolved, mc.trust_remote_code) or {})
-    gen.update(mc.override_generation_config or {})
-    return gen
 
 
 def default_sampling_kwargs(generation_config: dict[str, Any]) -> dict[str, Any]:
@@ -51,8 +31,8 @@ class FrontEnd:
 
     def __init__(self, config: TokenmillConfig, log_stats: bool) -> None:
         from tokenmill.transformers_utils.config import get_eos_token_ids
-        self.tokenizer = load_tokenizer(config)
-        self.generation_config = load_generation_config(config)
+        self.tokenizer = load_tokenizer(config.model_config)
+        self.generation_config = load_generation_config(config.model_config)
         eos = get_eos_token_ids(config.model_config.hf_config, self.generation_config, self.tokenizer)
         self.processor = Processor(config, self.tokenizer, eos)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats,

@@ -23,14 +23,14 @@ class StructuredOutputManager:
 
     def _compiler(self):
         if self.compiler is None:
-            from tokenmill.engine.llm_engine import load_generation_config, load_tokenizer
             from tokenmill.structured.backend_xgrammar import GrammarCompiler
-            from tokenmill.transformers_utils.config import get_eos_token_ids
-            tok = load_tokenizer(self.config)
+            from tokenmill.transformers_utils.config import get_eos_token_ids, load_generation_config
+            from tokenmill.transformers_utils.tokenizer import load_tokenizer
+            mc = self.config.model_config
+            tok = load_tokenizer(mc)
             if tok is None:
                 raise ValueError("structured outputs need a tokenizer (skip_tokenizer_init is set).")
-            mc = self.config.model_config
-            eos = get_eos_token_ids(mc.hf_config, load_generation_config(self.config), tok)
+            eos = get_eos_token_ids(mc.hf_config, load_generation_config(mc), tok)
             self.compiler = GrammarCompiler(tok, mc.vocab_size, stop_token_ids=eos or None)
         return self.compiler
 

@@ -106,3 +106,13 @@ def get_tokenizer(
     if use_fast and not getattr(tok, "is_fast", True):
         logger.warning("Using a slow (pure Python) tokenizer for %s; detokenization will be slower.", source.name)
     return tok
+
+
+def load_tokenizer(model_config):
+    """The tokenizer a config.ModelConfig names (its resolved model, tokenizer, tokenizer_mode, revisions), or None
+    when skip_tokenizer_init is set. The engine's front end and the structured-output manager both load it so."""
+    mc = model_config
+    if mc.skip_tokenizer_init:
+        return None
+    return get_tokenizer(mc.resolved, tokenizer=mc.tokenizer, tokenizer_mode=mc.tokenizer_mode,
+                         trust_remote_code=mc.trust_remote_code, revision=mc.tokenizer_revision or mc.revision)
