@@ -5,9 +5,9 @@ import pytest
 
 from tokenmill.config.cache import CacheConfig
 from tokenmill.config.scheduler import SchedulerConfig
+from tokenmill.core.messages import EngineCoreRequest, FinishReason
 from tokenmill.core.sched_output import ModelRunnerOutput
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.engine.messages import EngineCoreRequest, FinishReason
 from tokenmill.sampling_params import SamplingParams
 
 

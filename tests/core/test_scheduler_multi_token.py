@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.core.test_scheduler import make_scheduler
+from tokenmill.core.messages import EngineCoreRequest, FinishReason, LogprobsLists
 from tokenmill.core.sched_output import ModelRunnerOutput
-from tokenmill.engine.messages import EngineCoreRequest, FinishReason, LogprobsLists
 from tokenmill.sampling_params import SamplingParams
 
 # What each request's model would emit, token after token.

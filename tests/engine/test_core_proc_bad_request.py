@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tokenmill.engine import core_proc
-from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tokenmill.sampling_params import SamplingParams
 
 

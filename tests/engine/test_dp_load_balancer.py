@@ -1,8 +1,8 @@
 """DPLoadBalancer: least (waiting + running + routed since the last report), with prefix-cache affinity."""
 from __future__ import annotations
 
+from tokenmill.core.messages import SchedulerStats
 from tokenmill.engine.load_balancer import DPLoadBalancer
-from tokenmill.engine.messages import SchedulerStats
 
 BS = 4
 

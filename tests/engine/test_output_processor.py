@@ -5,8 +5,8 @@ import queue
 
 import pytest
 
+from tokenmill.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from tokenmill.engine.logprobs import TokenTextCache, make_logprob_dicts
-from tokenmill.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams

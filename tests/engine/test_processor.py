@@ -41,7 +41,7 @@ def test_children_of_n_survive_the_trip_to_the_engine_core(processor):
     n=1 failed SamplingParams' check when the core decoded it, and that killed the core process."""
     import msgspec
 
-    from tokenmill.engine.messages import EngineCoreRequest
+    from tokenmill.core.messages import EngineCoreRequest
     _, reqs = processor.process("r", {"prompt_token_ids": [5, 6]}, SamplingParams(n=2, best_of=2, max_tokens=3))
     decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
     for req in reqs:

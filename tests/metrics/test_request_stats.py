@@ -4,7 +4,7 @@ of it (phase times from the core's clock, inter-token latencies, prompt tokens b
 from __future__ import annotations
 
 from tests.core.test_scheduler import fake_step, make_scheduler, req
-from tokenmill.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, RequestStartStats
+from tokenmill.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, RequestStartStats
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.metrics.prometheus import build_1_2_5_buckets
 from tokenmill.sampling_params import SamplingParams

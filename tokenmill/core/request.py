@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from tokenmill.engine.messages import EngineCoreRequest, FinishReason
+from tokenmill.core.messages import EngineCoreRequest, FinishReason
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.messages import LogprobsLists
+from tokenmill.core.messages import LogprobsLists
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -6,12 +6,12 @@ import time
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.block_hash import BlockHasher
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.core.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+                                     LogprobsLists, RequestStartStats, SchedulerStats)
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
 from tokenmill.core.sched_output import (CachedRequestData, GrammarOutput, ModelRunnerOutput, NewRequestData,
                                          SchedulerOutput)
-from tokenmill.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
-                                       LogprobsLists, RequestStartStats, SchedulerStats)
 
 
 def _long_rope_prompt_len(config: TokenmillConfig) -> int | None:

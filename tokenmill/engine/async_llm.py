@@ -7,10 +7,10 @@ from typing import Any, AsyncIterator
 
 from tokenmill.config import TokenmillConfig
 from tokenmill.config.engine_args import create_engine_config
+from tokenmill.core.messages import SchedulerStats
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.launcher import EngineAddresses
 from tokenmill.engine.llm_engine import FrontEnd, default_sampling_kwargs
-from tokenmill.engine.messages import SchedulerStats
 from tokenmill.engine.output_collector import RequestOutputCollector
 from tokenmill.engine.processor import PromptType
 from tokenmill.engine.protocol import EngineClient, EngineDeadError

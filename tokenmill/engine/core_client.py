@@ -12,10 +12,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.engine.core_proc import ABORT, ADD, FAILED, OUTPUTS, READY, UTILITY, UTILITY_RESULT
 from tokenmill.engine.launcher import EngineAddresses, EngineManager, make_addresses
 from tokenmill.engine.load_balancer import DPLoadBalancer
-from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.engine.protocol import EngineDeadError
 from tokenmill.logger import init_logger
 

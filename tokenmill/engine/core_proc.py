@@ -22,7 +22,7 @@ import traceback
 import msgspec
 import zmq
 
-from tokenmill.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from tokenmill.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tokenmill.logger import init_logger
 from tokenmill.metrics.step_timing import SlowStepLog
 

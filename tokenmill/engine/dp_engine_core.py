@@ -6,9 +6,9 @@ import queue
 import threading
 import weakref
 
+from tokenmill.core.messages import (EngineCoreOutputs, EngineCoreRequest, SchedulerStats,
+                                     combine_scheduler_stats)
 from tokenmill.engine.core_client import AsyncMPClient
-from tokenmill.engine.messages import (EngineCoreOutputs, EngineCoreRequest, SchedulerStats,
-                                        combine_scheduler_stats)
 
 
 class DPEngineCore:

@@ -5,9 +5,9 @@ import time
 from collections import deque
 
 from tokenmill.config import TokenmillConfig
+from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.core.sched_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.executor import get_executor_class
 from tokenmill.metrics.step_timing import TIMER
 

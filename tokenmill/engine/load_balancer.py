@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from tokenmill.engine.messages import SchedulerStats
+from tokenmill.core.messages import SchedulerStats
 
 
 class DPLoadBalancer:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenmill.core.messages import LogprobsLists
 from tokenmill.engine.detokenizer import backend_tokenizer_of
-from tokenmill.engine.messages import LogprobsLists
 from tokenmill.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from tokenmill.sampling_params import SamplingParams
 

@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.logprobs import LogprobsProcessor, TokenTextCache
-from tokenmill.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from tokenmill.metrics.stats import IterationStats, SeqStats
 from tokenmill.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind

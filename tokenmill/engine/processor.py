@@ -5,7 +5,7 @@ import time
 from typing import Any
 
 from tokenmill.config import TokenmillConfig
-from tokenmill.engine.messages import EngineCoreRequest
+from tokenmill.core.messages import EngineCoreRequest
 from tokenmill.inputs import PromptType, TextPrompt, TokensPrompt
 from tokenmill.sampling_params import SamplingParams
 

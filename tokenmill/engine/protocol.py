@@ -5,7 +5,7 @@ import abc
 from typing import Any, AsyncIterator
 
 from tokenmill.config import TokenmillConfig
-from tokenmill.engine.messages import SchedulerStats
+from tokenmill.core.messages import SchedulerStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from tokenmill.engine.messages import FinishReason, SchedulerStats, combine_scheduler_stats
+from tokenmill.core.messages import FinishReason, SchedulerStats, combine_scheduler_stats
 from tokenmill.logger import init_logger
 from tokenmill.metrics.prometheus import (PROMPT_TOKEN_SOURCES, SLEEP_STATES, WAITING_REASONS, VllmMetrics,
                                           observe_n, vllm_metrics)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.engine.messages import EngineCoreOutput
+from tokenmill.core.messages import EngineCoreOutput
 
 
 class SeqStats:

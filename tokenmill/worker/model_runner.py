@@ -9,10 +9,10 @@ from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.registry import get_attention_backend
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
+from tokenmill.core.messages import LogprobsLists
 from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import get_parallel_state, kv_heads_per_rank
 from tokenmill.distributed.pp import StageLink, pp_layer_range
-from tokenmill.engine.messages import LogprobsLists
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from tokenmill.metrics.step_timing import TIMER

@@ -1,7 +1,8 @@
 """Typed messages between the front end (processor / output processor) and the engine core.
 
 They are msgspec structs so the same objects cross the ZMQ boundary in serving and are passed directly in-process
-for offline `LLM`.
+for offline `LLM`. They live in core/ because the scheduler is the lowest layer that builds and reads them (the
+sampler, the model runner and the metrics use LogprobsLists and the stats too); the engine imports them from here.
 """
 from __future__ import annotations
 
