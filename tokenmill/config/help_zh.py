@@ -236,7 +236,8 @@ HELP_ZH: dict[str, str] = {
     "max_logprobs": "单个请求最多能要求返回多少个 logprobs；-1 表示不限制（可能占用大量内存）。",
     "logprobs_mode": "logprobs 中报告的内容：raw_logprobs / raw_logits 是任何处理之前的原始值，processed_logprobs / "
                      "processed_logits 是经过温度、top-k/top-p、惩罚项等处理之后的值。",
-    "disable_sliding_window": "关闭滑动窗口注意力（上下文会被限制在窗口大小以内）。",
+    "disable_sliding_window": "以全注意力运行滑动窗口模型，上下文上限随之变为窗口大小（与 vLLM 一致）；不开启时，这类"
+                              "模型的 max_model_len 不能超过窗口。",
     "skip_tokenizer_init": "不加载分词器；此时请求必须直接给出 token ID，输出也只有 token ID。",
     "served_model_name": "API 中对外使用的模型名，可以给多个，服务会响应其中任意一个，响应里的 model 字段取第一个。"
                          "默认与 --model 相同。",

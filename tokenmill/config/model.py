@@ -58,7 +58,9 @@ class ModelConfig:
     logprobs_mode: str = config_field("raw_logprobs", help="What logprobs report.",
                                       choices=("raw_logprobs", "raw_logits", "processed_logprobs",
                                                "processed_logits"))
-    disable_sliding_window: bool = config_field(False, help="Disable sliding-window attention.")
+    disable_sliding_window: bool = config_field(
+        False, help="Run a sliding-window model with full attention, its context capped at the window size (as in "
+                    "vLLM); without it, such a model runs only with max_model_len up to the window.")
     skip_tokenizer_init: bool = config_field(False, help="Load no tokenizer; prompts must be token ids.")
     served_model_name: str | list[str] | None = config_field(None, help="Name(s) the API serves the model as.")
     hf_overrides: dict = config_field(help="Values merged into the HF config.", default_factory=dict)
@@ -97,6 +99,9 @@ class ModelConfig:
         self._resolve(download_dir)
 
     def _resolve(self, download_dir: str | None) -> None:
+        if self.tokenizer is None and self.tokenizer_revision is not None:
+            # As in vLLM, the tokenizer defaults to the model's repo, whose files at tokenizer_revision it then uses.
+            self.tokenizer = self.model
         from tokenmill.transformers_utils.config import get_hf_config, get_max_model_len
         from tokenmill.transformers_utils.resolve import resolve_model
         self.resolved = resolve_model(self.model, self.revision, download_dir=download_dir)
@@ -109,16 +114,29 @@ class ModelConfig:
         else:  # GGUF-derived configs name only a model_type
             from tokenmill.models.registry import architecture_for_model_type
             self.architecture = architecture_for_model_type(getattr(self.hf_config, "model_type", None))
-        derived = get_max_model_len(self.hf_config)
+        derived, source = get_max_model_len(self.hf_config), "from its config"
+        window = self.sliding_window
+        if self.disable_sliding_window and window and window < derived:
+            # vLLM: without its sliding window a model attends in full, over at most the window's length.
+            derived, source = window, "its sliding window, with disable_sliding_window"
         if self.max_model_len is None:
             self.max_model_len = derived
         elif self.max_model_len > derived:
             raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's maximum context "
-                             f"length ({derived}, from its config). Lower max_model_len.")
+                             f"length ({derived}, {source}). Lower max_model_len.")
         if self.served_model_name is None:
             self.served_model_name = [self.model if self.model else "SmolLM2-135M-Instruct"]
         elif isinstance(self.served_model_name, str):
             self.served_model_name = [self.served_model_name]
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The model's attention window, None for full attention (Qwen2/3 configs name a window they do not use
+        unless use_sliding_window is set)."""
+        cfg = self.hf_config
+        if getattr(cfg, "model_type", "") in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+            return None
+        return getattr(cfg, "sliding_window", None) or None
 
     @property
     def is_gguf(self) -> bool:
