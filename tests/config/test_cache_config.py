@@ -25,7 +25,8 @@ def test_supported_kv_cache_dtypes_are_accepted(dtype):
 def test_other_vllm_kv_cache_dtypes_parse_then_fail_clearly(dtype):
     engine, _ = parse_serve_args(shlex.split(f"--kv-cache-dtype {dtype}"))   # a vLLM command line still parses
     assert engine == {"kv_cache_dtype": dtype}
-    with pytest.raises(ValueError, match=rf"`kv_cache_dtype='{dtype}'` \(--kv-cache-dtype\) is not supported yet.*fp8_e5m2"):
+    refused = rf"`kv_cache_dtype='{dtype}'` \(--kv-cache-dtype\) is not supported yet.*fp8_e5m2"
+    with pytest.raises(ValueError, match=refused):
         CacheConfig(kv_cache_dtype=dtype)
 
 
@@ -43,7 +44,8 @@ def test_unknown_kv_cache_dtype_is_a_choices_error(capsys):
 
 def test_calculate_kv_scales_refused_with_an_fp8_cache():
     for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        with pytest.raises(ValueError, match=r"`calculate_kv_scales=True` \(--calculate-kv-scales\) is not supported yet.*k_scale"):
+        with pytest.raises(ValueError, match=r"`calculate_kv_scales=True` \(--calculate-kv-scales\) is not supported "
+                                             r"yet.*k_scale"):
             CacheConfig(kv_cache_dtype=dtype, calculate_kv_scales=True)
     # Without an fp8 cache there are no scales to compute (vLLM computes them and never uses them): accepted.
     assert CacheConfig(kv_cache_dtype="auto", calculate_kv_scales=True).calculate_kv_scales

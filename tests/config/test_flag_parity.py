@@ -60,7 +60,8 @@ def test_every_not_yet_supported_option_is_refused_alike_everywhere(name, capsys
 
 def test_lora_and_speculative_decoding_same_message_on_cli_and_llm(capsys):
     for argv, kwargs in ((["--enable-lora"], {"enable_lora": True}),
-                         (shlex.split("--speculative-config.method ngram --speculative-config.num_speculative_tokens 3"),
+                         (shlex.split("--speculative-config.method ngram "
+                                      "--speculative-config.num_speculative_tokens 3"),
                           {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})):
         said = cli_error(argv, capsys)
         assert api_errors(kwargs) == (said, said)
