@@ -42,7 +42,7 @@ def test_greedy_matches_hf_on_cuda(tiny_model_factory, arch, dtype, gemv):
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
     # fp32 must match everywhere. bf16 near-ties are real (different kernels round differently): per prompt, compare
     # the tokens up to HF's first step whose gap is within 2 bf16 units (after a flipped tie the continuations
-    # differ anyway; tools/diag_bf16.py found every mismatch at a gap of 0 to 2 units), and ask for enough of them.
+    # differ anyway; on these prompts every bf16 mismatch sits at a gap of 0 to 2 units), and ask for enough of them.
     compared = 0
     for o, r, m in zip(outs, ref, margins):
         k = len(r) if dtype == "float32" else next((i for i, g in enumerate(m) if g <= 2.0), len(r))

@@ -162,9 +162,9 @@ def decode_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
 
     Why one tile per split is the aim: at small batches a split's first K/V tile is loaded before the PDL wait,
     and every further tile is a dependent round trip after it, while a split past the live context leaves before
-    the wait at almost no cost. On the H200 (tools/graph_ab.py, session 12) batch 1 with 32 splits instead of 8
-    (the old 256-key minimum at max_model_len 2048) took the decode graph 4.9% (Qwen3-0.6B) and 2.1%
-    (Llama-3-8B) lower at a 1266-token context, and 0.18% / 0.05% higher at 256 tokens."""
+    the wait at almost no cost. On an H200 at batch 1, 32 splits instead of 8 (what a 256-key minimum per split
+    gives at max_model_len 2048) take the decode graph 4.9% (Qwen3-0.6B) and 2.1% (Llama-3-8B) lower at a
+    1266-token context, and 0.18% / 0.05% higher at 256 tokens."""
     if max_seq_len <= 0 or num_rows <= 0:
         return 1
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
@@ -180,8 +180,8 @@ def decode_config(head_size: int, group: int, dtype: torch.dtype, fp8: bool = Fa
 
     fp8 cache at D=128: 64/4/2 spills ~430 bytes per thread on sm_90 (triton 3.6 and 3.9, CPU-side AOT, ptxas -v;
     the bf16 cache ~100), 32/4/2 compiles without spills. Batches of 64+ rows with a 16-bit cache take 128/4/3:
-    `tools/tune_attention.py auto ragged` on the H200 (contexts uniform in 101..2044) timed it 3% faster than 64/4/2
-    at 256 rows and 8% at 128; small batches keep 64/4/2, which the batch-1 latency runs were measured with."""
+    on an H200 with ragged contexts (uniform in 101..2044) it is 3% faster than 64/4/2 at 256 rows and 8% at 128;
+    small batches keep 64/4/2, the config their batch-1 latency figures hold for."""
     head_p2 = triton.next_power_of_2(head_size)
     if head_p2 >= 256 or (fp8 and head_p2 >= 128):
         return 32, 4, 2

@@ -201,8 +201,8 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mappi
     block_n, num_warps, num_stages = decode_config(head_dim, g, qkv.dtype, False, num_rows)
     if head_dim > 64:
         # At D=128 four warps spill ~112 bytes per thread on sm_90 (the first K/V tile is held across the wait);
-        # eight hold it in registers: 1.3% faster in Llama-3-8B's batch-1 graph, 7.4% in Qwen3-0.6B's
-        # (tools/graph_ab.py, session 11).
+        # eight hold it in registers: 1.3% faster in Llama-3-8B's batch-1 decode graph on an H200, 7.4% in
+        # Qwen3-0.6B's.
         num_warps = max(num_warps, 8)
     head_p2 = triton.next_power_of_2(head_dim)
     direct = num_splits == 1

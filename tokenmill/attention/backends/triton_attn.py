@@ -48,11 +48,11 @@ class TritonAttentionBackend(AttentionBackend):
         (kernels/triton_decode_rope_attention.py); None where that does not apply: prefill or mixed rows, more
         than FUSED_DECODE_MAX_ROWS rows, per-head q/k norms, an fp8 cache.
 
-        Where it applies was measured, in the whole batch-1 decode graph on an H200 (tools/graph_ab.py): Llama-3-8B
-        1.6-1.7% faster than the separate rope/store kernel (session 11), Qwen3-0.6B (q/k norms) 0.6% slower at
-        a ~1266-token context (session 11) and 1.1% slower at ~256 (session 12), so models with q/k norms keep
-        the separate kernel (FUSED_WITH_QK_NORM = True takes them too). Larger batches were not measured and keep
-        it too."""
+        Why these limits: timed as the whole batch-1 decode graph on an H200, the fused launch makes Llama-3-8B
+        1.6-1.7% faster than the separate rope/store kernel, but Qwen3-0.6B (q/k norms) 0.6% slower at a
+        ~1266-token context and 1.1% slower at ~256, so models with q/k norms keep the separate kernel
+        (FUSED_WITH_QK_NORM = True takes them too). Batches above FUSED_DECODE_MAX_ROWS have no such figure and
+        keep it as well."""
         if md.captured_mixed or md.max_query_len > 1 or kv_cache.dtype != qkv.dtype \
                 or (q_norm is not None and not self.FUSED_WITH_QK_NORM) \
                 or md.seq_lens.shape[0] > self.FUSED_DECODE_MAX_ROWS:
