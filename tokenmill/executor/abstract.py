@@ -4,7 +4,7 @@ How sampling works with more than one rank (no broadcast of sampled ids is neede
 logits, so every tensor-parallel rank holds identical full logits; every rank runs the same sampler, whose random
 draws are counter-based (seed, output position) and batch-invariant, so all ranks sample identical token ids and
 keep identical runner state. Rank 0's result is what the executor returns; the other ranks' results are dropped.
-Under pipeline parallelism only the last stage samples; its output reaches rank 0 through executor/pp_output.py.
+Under pipeline parallelism only the last stage samples; its output reaches rank 0 through worker/pp_output.py.
 """
 from __future__ import annotations
 

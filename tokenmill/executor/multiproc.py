@@ -24,9 +24,9 @@ from tokenmill.distributed import ParallelState, abort_distributed, destroy_dist
 from tokenmill.core.sched_output import GrammarOutput
 from tokenmill.executor.abstract import Executor, WorkerDiedError, call_while_healthy
 from tokenmill.executor.launcher import LocalProcessLauncher, WorkerHandle, WorkerLauncher, WorkerSpec
-from tokenmill.executor.pp_output import ResultReceiver
 from tokenmill.executor.rpc_broadcast import CALL, SHUTDOWN, RpcBroadcaster
 from tokenmill.logger import init_logger
+from tokenmill.worker.pp_output import ResultReceiver
 from tokenmill.worker.worker import Worker
 
 logger = init_logger(__name__)

@@ -10,9 +10,9 @@ from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
 from tokenmill.distributed import ParallelState, init_distributed, use_parallel_state, world_min
-from tokenmill.executor.pp_output import BroadcastOutput, ResultSender, output_rank
 from tokenmill.logger import init_logger
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.pp_output import BroadcastOutput, ResultSender, output_rank
 
 logger = init_logger(__name__)
 GiB = 1 << 30
@@ -24,7 +24,7 @@ class Worker:
     Every public method is what an executor's `collective_rpc` may call by name on every rank. Under pipeline
     parallelism the last stage resolves its sampled output at once, and the output rank hands it on: to
     `result_addr` (the mp executor's driver) when given, otherwise, under external_launcher, as a broadcast to every
-    rank when the step's handle is resolved (see executor/pp_output.py).
+    rank when the step's handle is resolved (see worker/pp_output.py).
     """
 
     def __init__(self, config: TokenmillConfig, rank: int = 0, local_rank: int = 0,
