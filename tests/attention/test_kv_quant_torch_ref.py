@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.backends.torch_ref import TorchRefBackend, write_kv
-from tokenmill.attention.kv_quant import dequantize, fp8_max, quantize
+from tokenmill.kernels.kv_fp8 import dequantize, fp8_max, quantize
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.attention.kv_quant import dequantize, quantize
 from tokenmill.attention.layer import Attention
+from tokenmill.kernels.kv_fp8 import dequantize, quantize
 
 PROMPTS = [
     "Hello, my name is",

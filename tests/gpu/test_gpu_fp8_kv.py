@@ -29,7 +29,7 @@ def logprobs(out) -> torch.Tensor:
 
 def test_fp8_matches_rounded_kv_with_and_without_cuda_graphs(scaled_dir, monkeypatch):
     from tokenmill import LLM, SamplingParams
-    from tokenmill.attention.kv_quant import dequantize, quantize
+    from tokenmill.kernels.kv_fp8 import dequantize, quantize
     from tokenmill.attention.layer import Attention
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     kw = dict(device="cuda", dtype="float32", max_model_len=256, num_gpu_blocks_override=512, max_num_seqs=32)

@@ -1,6 +1,6 @@
 """Triton fp8 KV cache (store, prefill, decode) vs the torch reference backend reading the same fp8 cache.
 
-The reference stores fp8(clamp(x / scale)) and reads float(fp8) * scale (attention/kv_quant.py) in float64; the
+The reference stores fp8(clamp(x / scale)) and reads float(fp8) * scale (kernels/kv_fp8.py) in float64; the
 kernels must agree with it.
 
 On the CPU the kernels run in Triton's interpreter (triton 3.9), which loads, stores and widens fp8 correctly but
@@ -26,7 +26,7 @@ from test_triton_attention import DEV, TOL, make_batch, real_rows, rel_err  # no
 
 from tokenmill.attention.backends.torch_ref import TorchRefBackend  # noqa: E402
 from tokenmill.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
-from tokenmill.attention.kv_quant import fp8_max, quantize  # noqa: E402
+from tokenmill.kernels.kv_fp8 import fp8_max, quantize  # noqa: E402
 from tokenmill.kernels.triton_decode_attention import decode_attention  # noqa: E402
 from tokenmill.kernels.triton_kv_store import store_kv  # noqa: E402
 from tokenmill.kernels.triton_prefill_attention import prefill_attention  # noqa: E402

@@ -37,7 +37,7 @@ class AttentionBackend(abc.ABC):
     that another request of the same step is filling.
 
     The cache dtype is the activation dtype or, with kv_cache_dtype=fp8*, an fp8 dtype: then K/V are stored as
-    fp8(x / k_scale or v_scale) and read back multiplied by the scale (attention/kv_quant.py). A backend must honour
+    fp8(x / k_scale or v_scale) and read back multiplied by the scale (kernels/kv_fp8.py). A backend must honour
     that or raise; it must never read the scales on the host (they are device scalars, possibly under a CUDA graph).
     """
 

@@ -11,7 +11,7 @@ class Attention(nn.Module):
     """Paged attention of one decoder layer through an `AttentionBackend`.
 
     Owns the layer's KV quantisation scales `k_scale` / `v_scale` (float32 device scalars, 1.0 unless the checkpoint
-    supplies them; see attention/kv_quant.py). They are buffers, not parameters, so a checkpoint without them still
+    supplies them; see kernels/kv_fp8.py). They are buffers, not parameters, so a checkpoint without them still
     loads completely; loaders must update them in place, because kernels and CUDA graphs hold their addresses. The
     backend applies them only when the layer's cache tensor is fp8.
     """

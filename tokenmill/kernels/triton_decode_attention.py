@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.attention.kv_quant import is_fp8, require_scales
+from tokenmill.kernels.kv_fp8 import is_fp8, require_scales
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 from tokenmill.kernels.triton_prefill_attention import _attend_span
 

@@ -5,7 +5,7 @@ Token t goes to slot `slot_mapping[t]` = block_id * block_size + offset; a negat
 rows of a CUDA-graph batch).
 
 With an fp8 cache (FP8 constexpr) the values are quantised on the way: fp8(clamp(x / scale, -FP8_MAX, FP8_MAX)), the
-scales read from device scalars (attention/kv_quant.py); other caches compile without any of it.
+scales read from device scalars (kernels/kv_fp8.py); other caches compile without any of it.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.kv_fp8 import fp8_max, is_fp8, require_scales
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
-from tokenmill.attention.kv_quant import fp8_max, is_fp8, require_scales
 
 
 @triton.jit

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.kv_fp8 import is_fp8, require_scales
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
-from tokenmill.attention.kv_quant import is_fp8, require_scales
 
 _LOG2E = 1.4426950408889634
 

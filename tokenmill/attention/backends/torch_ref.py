@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.attention.kv_quant import dequantize, is_fp8, quantize, require_scales
+from tokenmill.kernels.kv_fp8 import dequantize, is_fp8, quantize, require_scales
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,

@@ -4,7 +4,7 @@ rows through the split-K decode kernel (a batch may mix both; each kernel skips 
 Host-side planning reads only host values of the metadata (max_query_len, max_seq_len, query_start_loc_cpu), never
 device tensors, so there is no sync; a pure-decode step (max_query_len <= 1) does no host work beyond the launches.
 An fp8 cache is quantised by the store kernel and dequantised inside the attention kernels, with the layer's k/v
-scales read from device memory (attention/kv_quant.py).
+scales read from device memory (kernels/kv_fp8.py).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.attention.kv_quant import check_triton_fp8_support, is_fp8
+from tokenmill.kernels.kv_fp8 import check_triton_fp8_support, is_fp8
 from tokenmill.kernels.triton_decode_attention import decode_attention, decode_config, decode_num_splits
 from tokenmill.kernels.triton_decode_rope_attention import decode_rope_attention
 from tokenmill.kernels.triton_kv_store import store_kv
