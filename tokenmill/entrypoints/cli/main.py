@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                 "host functions, kernels."),
     "step-gaps": ("step_gaps:main", "CUDA: device idle time between batch-1 decode graph replays."),
     "all-reduce": ("all_reduce:main", "CUDA, 2+ GPUs: all-reduce latency, NCCL vs the symmetric-memory kernel."),
+    "kernels": ("kernels:main", "CUDA: measure where the Triton gemv beats cuBLAS; write the device's table."),
 }
 
 
