@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.kernels import sampling_rng
 from tokenmill.kernels.triton_sampling import race_argmax
-from tokenmill.layers import sampling_rng
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

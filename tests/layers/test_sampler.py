@@ -3,7 +3,7 @@ end-to-end tests live in tests/worker/test_sampling_state.py."""
 import pytest
 import torch
 
-from tokenmill.layers import sampling_rng
+from tokenmill.kernels import sampling_rng
 from tokenmill.layers.sampler import (LogprobsTensors, Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p,
                                       compute_prompt_logprobs)
 

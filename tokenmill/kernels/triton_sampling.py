@@ -1,7 +1,7 @@
 """The exponential-race draw of the sampler as two Triton kernels.
 
 `race_argmax(logits, seeds, positions)` returns argmax_j(logits[b, j] - log(-log(u[b, j]))) where u is the
-counter-based uniform of tokenmill.layers.sampling_rng: the same integer hash (recomputed in registers, nothing
+counter-based uniform of tokenmill.kernels.sampling_rng: the same integer hash (recomputed in registers, nothing
 [B, V]-sized is materialised besides the logits read) and the same float32 steps with libdevice's log, so the
 tokens equal the torch implementation's. Stage 1 runs a program per (row, chunk of the vocabulary) and keeps the
 chunk's best value and index; stage 2 picks each row's best chunk (ties go to the lower index, as torch.argmax does).
@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from tokenmill import envs
+from tokenmill.kernels import sampling_rng as rng
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
-from tokenmill.layers import sampling_rng as rng
 
 _BLOCK = 2048
 

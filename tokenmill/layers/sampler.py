@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.core.messages import LogprobsLists
-from tokenmill.layers.sampling_rng import log_exponential
+from tokenmill.kernels.sampling_rng import log_exponential
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 _NEG_INF = float("-inf")
