@@ -140,11 +140,12 @@ def applied(env: dict, table: dict, patches: dict | None = None):
 
 
 def time_graph(cg, reps: int) -> float:
-    cg._forward(1)                       # eager warm-up: compiles new variants outside the capture
+    from tokenmill.worker.cuda_graph import GraphKey
+    cg._forward(GraphKey(1, 1))          # eager warm-up: compiles new variants outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        cg._forward(1)
+        cg._forward(GraphKey(1, 1))
     for _ in range(20):
         g.replay()
     torch.cuda.synchronize()

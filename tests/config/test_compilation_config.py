@@ -29,11 +29,14 @@ def test_capture_size_tables():
     assert CompilationConfig(cudagraph_capture_sizes=[4, 64, 1]).capture_sizes(32) == [1, 4]
 
 
-def test_graph_output_rows_count_every_captured_graph():
+def test_graph_output_rows_are_the_largest_graphs_logits():
+    """One logits buffer shared by every graph: as many rows as the largest graph returns."""
     cc = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4, 8])
-    assert cc.graph_output_rows(8, 64) == (1 + 2 + 4 + 8) + (8 + 8 + 8)  # mixed: 16/32/64 tokens, 8 requests each
+    assert cc.graph_output_rows(8, 64) == 8              # decode 8 rows; mixed 16/32/64 tokens, 8 requests each
+    assert CompilationConfig().graph_output_rows(4, 512) == 4
     assert CompilationConfig(cudagraph_capture_sizes=[1, 2], cudagraph_mode="FULL_DECODE_ONLY").graph_output_rows(
-        8, 64) == 3
+        8, 64) == 2
+    assert CompilationConfig(cudagraph_capture_sizes=[1, 2]).graph_output_rows(64, 64) == 64   # mixed: 64 requests
     assert CompilationConfig(cudagraph_mode="NONE").graph_output_rows(256, 8192) == 0
 
 

@@ -1,68 +1,146 @@
-"""The decode graphs' input staging (worker/cuda_graph.py), checked on the CPU: one buffer holds every per-step
-input at fixed offsets, padding rows are inert, the block table is copied only when it changed, and only the small
-decode graphs take the in-graph draw. (Capture and replay need CUDA: tests/gpu.)"""
+"""The graphs' step-input staging (worker/cuda_graph.py), checked on the CPU with the real first kernel (Triton's
+interpreter): every graph size and kind takes its inputs from the host ring, padding is inert, slots rotate, the
+block table is copied only when it changed, and the graphs share one logits buffer. (Capture and replay need CUDA:
+tests/gpu.)"""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from tokenmill.worker.cuda_graph import SAMPLE_IN_GRAPH_MAX_SIZE, CudaGraphRunner
+from tokenmill.config.compilation import CompilationConfig
+from tokenmill.worker.cuda_graph import SAMPLE_IN_GRAPH_MAX_SIZE, CudaGraphRunner, GraphKey
+
+SIZES = [1, 2, 4, 8, 16, 24]
+
+
+def _runner(tokens_per_request=(1,), mixed=((16, 8),), vocab=0) -> CudaGraphRunner:
+    cg = CudaGraphRunner(None, [], SIZES, max_model_len=64, max_blocks_per_req=4, device=torch.device("cpu"),
+                         mixed_sizes=list(mixed), vocab_size=vocab, tokens_per_request=tokens_per_request)
+    cg.graphs = {(s, q): None for s in SIZES for q in tokens_per_request}   # as if captured
+    cg.mixed_graphs = {t: None for t, _ in mixed}
+    cg.prev_sampled[:3] = torch.tensor([111, 222, 333])
+    return cg
 
 
 @pytest.fixture
 def runner():
-    cg = CudaGraphRunner(None, [], [1, 2, 4, 8, 16, 24], max_model_len=64, max_blocks_per_req=4,
-                         device=torch.device("cpu"), mixed_sizes=[(16, 8)])
-    cg.graphs = {s: None for s in cg.sizes}   # as if captured
-    return cg
+    return _runner()
+
+
+def _replay(cg: CudaGraphRunner, key: GraphKey) -> None:
+    """What the graph's replay does first: its kernel takes the next slot into the device buffers."""
+    cg.load_step_inputs(key)
 
 
 def test_decode_inputs_land_in_their_buffers(runner):
     race = (np.array([7, 8, 9]), np.array([1, 2, 3]), np.array([0.5, 1.0, 2.0], dtype=np.float32))
-    size = runner.load_inputs(np.array([5, 6, 7]), np.array([10, 11, 12]), np.array([100, 101, 102]),
-                              np.array([11, 12, 13]), np.array([[1, 2], [3, 4], [5, 6]], dtype=np.int32),
-                              np.array([-1, 0, 1]), race)
-    assert size == 4
-    assert runner.input_ids[:4].tolist() == [5, 6, 7, 0] and runner.positions[:4].tolist() == [10, 11, 12, 0]
-    assert runner.slot_mapping[:4].tolist() == [100, 101, 102, -1]      # the padding row stores nothing
-    assert runner.fix_src[:4].tolist() == [-1, 0, 1, -1]
-    assert runner.seq_lens[:4].tolist() == [11, 12, 13, 0]               # ... and attends to nothing
-    assert runner.race_seeds[:3].tolist() == [7, 8, 9] and runner.race_pos[:3].tolist() == [1, 2, 3]
+    key = runner.load(np.array([5, 0, 0]), np.array([10, 11, 12]), np.array([100, 101, 102]), np.arange(4),
+                      np.array([11, 12, 13]), np.array([[1, 2], [3, 4], [5, 6]], dtype=np.int32),
+                      fix_src=np.array([-1, 0, 1]), race=race)
+    assert key == (4, 1) and runner.last_io_slot == 0 and runner.draws(key)
+    _replay(runner, key)
+    assert runner.input_ids[:4].tolist() == [5, 111, 222, 0]          # placeholders from the previous step's ids
+    assert runner.positions[:4].tolist() == [10, 11, 12, 0]
+    assert runner.slot_mapping[:4].tolist() == [100, 101, 102, -1]    # the padding row stores nothing
+    assert runner.seq_lens[:4].tolist() == [11, 12, 13, 0]            # ... and attends to nothing
+    assert runner.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]
+    assert runner.race_seeds[:4].tolist() == [7, 8, 9, 0] and runner.race_pos[:3].tolist() == [1, 2, 3]
     assert runner.race_temp[:4].tolist() == [0.5, 1.0, 2.0, 1.0] and runner.race_flag.item() == 1
     assert runner.block_table[:3, :2].tolist() == [[1, 2], [3, 4], [5, 6]]
-    # The next step without the draw (a row that is not plain): the flag goes off, no placeholders.
-    runner.load_inputs(np.array([9]), np.array([13]), np.array([103]), np.array([14]),
-                       np.array([[1, 2]], dtype=np.int32))
-    assert runner.race_flag.item() == 0 and runner.fix_src[0].item() == -1 and runner.seq_lens[0].item() == 14
+    # The next step without the draw (a row that is not plain): the flag goes off, no placeholders left.
+    key = runner.load(np.array([9]), np.array([13]), np.array([103]), np.arange(2), np.array([14]),
+                      np.array([[1, 2]], dtype=np.int32))
+    _replay(runner, key)
+    assert key == (1, 1) and runner.race_flag.item() == 0 and runner.input_ids[0].item() == 9
+    assert runner.seq_lens[0].item() == 14 and runner.host_io.counter.item() == runner.host_io.count == 2
+
+
+def test_every_decode_size_uses_the_ring_and_slots_rotate(runner):
+    io = runner.host_io
+    for step, n in enumerate([17, 3, 24, 1, 9]):
+        key = runner.load(np.arange(n) + 3, np.arange(n), np.arange(n), np.arange(n + 1), np.arange(n) + 1,
+                          np.zeros((n, 1), np.int32))
+        assert runner.last_io_slot == step % io.NUM_SLOTS and key.q == 1 and key.size >= n
+        _replay(runner, key)
+        assert runner.input_ids[:n].tolist() == list(range(3, n + 3))
+        assert runner.seq_lens[:key.size].tolist() == list(range(1, n + 1)) + [0] * (key.size - n)
+        assert runner.slot_mapping[n:key.size].tolist() == [-1] * (key.size - n)
+        assert io.slot.item() == step % io.NUM_SLOTS
+
+
+def test_padding_is_inert_after_a_larger_batch(runner):
+    """Every slot once held a full batch of 4 (with placeholders); a batch of 3 in the same graph turns the fourth
+    column back into padding: no KV slot, no context, no placeholder (its id stays 0, not prev_sampled[0])."""
+    bt = np.zeros((4, 1), np.int32)
+    for _ in range(runner.host_io.NUM_SLOTS):
+        _replay(runner, runner.load(np.arange(4) + 1, np.arange(4), np.arange(4) + 10, np.arange(5),
+                                    np.arange(4) + 5, bt, fix_src=np.array([0, 1, 2, 0])))
+    key = runner.load(np.arange(3) + 1, np.arange(3), np.arange(3) + 50, np.arange(4), np.array([1, 1, 1]), bt[:3])
+    assert key == (4, 1) and runner.last_io_slot == 0
+    _replay(runner, key)
+    assert runner.slot_mapping[:4].tolist() == [50, 51, 52, -1] and runner.seq_lens[:4].tolist() == [1, 1, 1, 0]
+    assert runner.input_ids[:4].tolist() == [1, 2, 3, 0]
+
+
+def test_mixed_batches_use_the_ring_too(runner):
+    key = runner.load(np.arange(9) + 100, np.arange(9), np.arange(9) + 50, np.array([0, 3, 4, 9]),
+                      np.array([10, 5, 5]), np.array([[7, 8], [9, 9], [1, 1]], dtype=np.int32),
+                      fix_src=np.array([-1] * 8 + [2]))
+    assert key == (16, 0) and runner.last_io_slot == 0 and not runner.draws(key)
+    _replay(runner, key)
+    assert runner.input_ids[:10].tolist() == list(range(100, 108)) + [333, 0]
+    assert runner.slot_mapping[9:16].tolist() == [-1] * 7
+    assert runner.query_start_loc[:9].tolist() == [0, 3, 4, 9, 9, 9, 9, 9, 9]
+    assert runner.seq_lens[:8].tolist() == [10, 5, 5, 0, 0, 0, 0, 0]
+    assert runner.last_token[:8].tolist() == [2, 3, 8, 0, 0, 0, 0, 0]
+    assert runner.race_flag.item() == 0
+    assert runner.block_table[:3, :2].tolist() == [[7, 8], [9, 9], [1, 1]]
+    # too many tokens, or prompt logprobs (allow_mixed=False): no graph, nothing loaded
+    assert runner.load(np.arange(17), np.arange(17), np.arange(17), np.array([0, 17]), np.array([17]),
+                       np.zeros((1, 5), np.int32)) is None
+    assert runner.load(np.arange(3), np.arange(3), np.arange(3), np.array([0, 3]), np.array([3]),
+                       np.zeros((1, 1), np.int32), allow_mixed=False) is None
+    assert runner.last_io_slot is None and runner.host_io.count == 1
+
+
+def test_uniform_graphs_of_several_tokens_per_request():
+    """Key (batch size, q): three requests of two tokens run in the (4, 2) graph; padding requests have an
+    empty query and no context; a batch that is not uniform goes to a mixed graph."""
+    cg = _runner(tokens_per_request=(1, 2))
+    qsl = np.array([0, 2, 4, 6])
+    key = cg.load(np.arange(6) + 1, np.arange(6), np.arange(6) + 20, qsl, np.array([5, 6, 7]),
+                  np.zeros((3, 2), np.int32))
+    assert key == (4, 2) and cg.tokens_and_reqs(key) == (8, 4) and not cg.draws(key)
+    _replay(cg, key)
+    assert cg.query_start_loc[:5].tolist() == [0, 2, 4, 6, 6] and cg.seq_lens[:4].tolist() == [5, 6, 7, 0]
+    assert cg.slot_mapping[:8].tolist() == list(range(20, 26)) + [-1, -1]
+    md = cg._metadata(key)
+    assert md.max_query_len == 2 and md.num_actual_tokens == 8 and md.seq_lens.shape[0] == 4
+    assert cg.uniform_key(3, 6, np.array([0, 1, 5, 6])) is None
+    assert cg.load(np.arange(6), np.arange(6), np.arange(6), np.array([0, 1, 5, 6]), np.array([1, 4, 1]),
+                   np.zeros((3, 1), np.int32)) == (16, 0)
+    assert cg.uniform_key(25, 50, np.arange(26) * 2) is None and cg.uniform_key(3, 9, np.arange(4) * 3) is None
+    with pytest.raises(ValueError, match="does not sample"):
+        cg.load(np.arange(6), np.arange(6), np.arange(6), qsl, np.array([5, 6, 7]), np.zeros((3, 1), np.int32),
+                race=(np.zeros(3), np.zeros(3), np.ones(3, np.float32)))
 
 
 def test_block_table_copied_only_when_changed(runner, monkeypatch):
     import tokenmill.worker.cuda_graph as cgm
     copies = []
     bt = np.array([[4, 5], [6, 7]], dtype=np.int32)
-    args = (np.array([1, 2]), np.array([3, 4]), np.array([5, 6]), np.array([7, 8]))
+    args = (np.array([1, 2]), np.array([3, 4]), np.array([5, 6]), np.arange(3), np.array([7, 8]))
     orig = cgm._pinned
     monkeypatch.setattr(cgm, "_pinned", lambda a: copies.append(a.copy()) or orig(a))
-    runner.load_inputs(*args, bt)
-    runner.load_inputs(*args, bt.copy())
+    runner.load(*args, bt)
+    runner.load(*args, bt.copy())
     assert len(copies) == 1
     bt[1, 1] = 9                                   # a request moved to a new block
-    runner.load_inputs(*args, bt)
+    runner.load(*args, bt)
     assert len(copies) == 2 and runner.block_table[1, 1].item() == 9
-    runner.load_inputs(*args, bt[:, :1].copy())    # a narrower table that the device already holds
+    runner.load(*args, bt[:, :1].copy())           # a narrower table that the device already holds
     assert len(copies) == 2
-
-
-def test_mixed_load_keeps_its_layout(runner):
-    runner.load_mixed(16, np.arange(9) + 100, np.arange(9), np.arange(9) + 50, np.array([0, 3, 4, 9]),
-                      np.array([10, 5, 5]), np.array([[7, 8], [9, 9], [1, 1]], dtype=np.int32),
-                      np.array([-1] * 8 + [2]))
-    assert runner.input_ids[:10].tolist() == list(range(100, 109)) + [0]
-    assert runner.slot_mapping[9:16].tolist() == [-1] * 7
-    assert runner.fix_src[:10].tolist() == [-1] * 8 + [2, -1]
-    assert runner.mixed_ints[:9].tolist() == [0, 3, 4, 9, 9, 9, 9, 9, 9]
-    assert runner.block_table[:3, :2].tolist() == [[7, 8], [9, 9], [1, 1]]
 
 
 def test_only_small_decode_graphs_sample(runner):
@@ -71,56 +149,22 @@ def test_only_small_decode_graphs_sample(runner):
     assert not runner.can_sample(3, 5)             # not a decode batch
     with pytest.raises(ValueError, match="does not sample"):
         n = SAMPLE_IN_GRAPH_MAX_SIZE + 1
-        runner.load_inputs(np.arange(n), np.arange(n), np.arange(n), np.arange(n), np.zeros((n, 1), np.int32),
-                           None, (np.arange(n), np.arange(n), np.ones(n, np.float32)))
+        runner.load(np.arange(n), np.arange(n), np.arange(n), np.arange(n + 1), np.arange(n),
+                    np.zeros((n, 1), np.int32), None, None, (np.arange(n), np.arange(n), np.ones(n, np.float32)))
 
 
-@pytest.fixture
-def io_runner():
-    cg = CudaGraphRunner(None, [], [1, 2, 4, 8, 16, 24], max_model_len=64, max_blocks_per_req=4,
-                         device=torch.device("cpu"), mixed_sizes=[(16, 8)], host_io=True)
-    cg.graphs = {s: None for s in cg.sizes}
-    return cg
-
-
-def test_small_decode_graphs_take_their_inputs_from_the_host_ring(io_runner):
-    """Decode graphs of up to SAMPLE_IN_GRAPH_MAX_SIZE rows: the step's inputs go to the next slot of the host
-    ring (the graph's first kernel copies them, tests/kernels/test_triton_step_inputs.py), padding rows inert."""
-    io = io_runner.host_io
-    race = (np.array([7, 8, 9]), np.array([1, 2, 3]), np.array([0.5, 1.0, 2.0], dtype=np.float32))
-    arena_before = io_runner._arena.clone()
-    size = io_runner.load_inputs(np.array([5, 6, 7]), np.array([10, 11, 12]), np.array([100, 101, 102]),
-                                 np.array([11, 12, 13]), np.array([[1, 2], [3, 4], [5, 6]], dtype=np.int32),
-                                 np.array([-1, 0, 1]), race)
-    assert size == 4 and io_runner.last_io_slot == 0
-    assert torch.equal(io_runner._arena, arena_before)       # no copy into the device buffers
-    v = io.ints[0, :, :4].tolist()
-    assert v[:7] == [[5, 6, 7, 0], [10, 11, 12, 0], [100, 101, 102, -1], [-1, 0, 1, -1], [7, 8, 9, 0],
-                     [1, 2, 3, 0], [11, 12, 13, 0]]
-    assert v[7][0] == 1 and io.temps[0, :4].tolist() == [0.5, 1.0, 2.0, 1.0]
-    assert io_runner.block_table[:3, :2].tolist() == [[1, 2], [3, 4], [5, 6]]   # the block table still copied
-    io_runner.load_inputs(np.array([9]), np.array([13]), np.array([103]), np.array([14]),
-                          np.array([[1, 2]], dtype=np.int32))
-    assert io_runner.last_io_slot == 1 and io.ints[1, 7, 0].item() == 0 and io.ints[1, 3, 0].item() == -1
-    for want in (2, 3, 0):
-        io_runner.load_inputs(np.array([9]), np.array([13]), np.array([103]), np.array([14]),
-                              np.array([[1, 2]], dtype=np.int32))
-        assert io_runner.last_io_slot == want
-
-
-def test_larger_decode_graphs_keep_the_device_copy(io_runner):
-    n = SAMPLE_IN_GRAPH_MAX_SIZE + 1
-    size = io_runner.load_inputs(np.arange(n) + 3, np.arange(n), np.arange(n), np.arange(n) + 1,
-                                 np.zeros((n, 1), np.int32))
-    assert size == 24 and io_runner.last_io_slot is None and io_runner.host_io.count == 0
-    assert io_runner.input_ids[:n].tolist() == list(range(3, n + 3))
-
-
-def test_a_mixed_batch_has_no_host_io_slot(io_runner):
-    io_runner.mixed_graphs = {16: None}
-    bt = np.array([[1, 2]], dtype=np.int32)
-    assert io_runner.load(np.array([4]), np.array([5]), np.array([6]), np.array([0, 1]), np.array([6]), bt) \
-        == (False, 1)
-    assert io_runner.last_io_slot == 0
-    assert io_runner.load(np.arange(3), np.arange(3), np.arange(3), np.array([0, 3]), np.array([3]), bt) == (True, 16)
-    assert io_runner.last_io_slot is None and io_runner.host_io.count == 1
+@pytest.mark.parametrize("max_seqs,max_tokens", [(24, 16), (8, 512), (24, 512)])
+def test_one_logits_buffer_sized_as_the_profiler_reserves(max_seqs, max_tokens):
+    """Every graph writes its logits into one buffer: the rows the config's graph_output_rows reserves (the
+    largest graph), not the sum over graphs."""
+    cc = CompilationConfig(cudagraph_capture_sizes=SIZES)
+    sizes, mixed = cc.capture_sizes(max_seqs), cc.mixed_capture_sizes(max_tokens, max_seqs)
+    cg = CudaGraphRunner(None, [], sizes, max_model_len=64, max_blocks_per_req=4, device=torch.device("cpu"),
+                         mixed_sizes=mixed, vocab_size=10, dtype=torch.float16)
+    rows = cc.graph_output_rows(max_seqs, max_tokens)
+    assert cg.logits.shape == (rows, 10) and rows == max(sizes + [r for _, r in mixed])
+    assert rows < sum(sizes) + sum(r for _, r in mixed)
+    cg.graphs, cg.mixed_graphs = {(s, 1): None for s in sizes}, {t: None for t, _ in mixed}
+    for key in [GraphKey(s, 1) for s in sizes] + [GraphKey(t, 0) for t, _ in mixed]:
+        t, r = cg.tokens_and_reqs(key)
+        assert (t if key.q else r) <= rows     # each graph's logits fit the shared buffer

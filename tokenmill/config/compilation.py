@@ -34,6 +34,12 @@ def mixed_capture_sizes(max_tokens: int, max_reqs: int) -> list[tuple[int, int]]
     return [(t, min(t, max_reqs)) for t in MIXED_TOKEN_SIZES if t <= max_tokens]
 
 
+def logits_rows(capture_sizes: list[int], mixed_sizes: list[tuple[int, int]], tokens_per_request=(1,)) -> int:
+    """Rows of the one logits buffer the graphs share: a uniform graph of b requests with q tokens each returns
+    every token's logits (b * q rows), a mixed graph each request's last token's."""
+    return max([s * q for s in capture_sizes for q in tokens_per_request] + [r for _, r in mixed_sizes] + [0])
+
+
 @dataclass
 class CompilationConfig:
     """Which batches are captured as CUDA graphs: decode batch sizes, and the mixed-batch token capacities (ignored
@@ -107,12 +113,12 @@ class CompilationConfig:
         return self.cudagraph_mode != "NONE"
 
     def graph_output_rows(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-        """Rows of logits the captured graphs keep, one [rows, vocab] output per graph (the worker leaves them out
-        of the KV budget)."""
+        """Rows of the one [rows, vocab] logits buffer every captured graph writes into (they replay one at a time):
+        the largest graph's logits (the worker leaves it out of the KV budget)."""
         if not self.graphs_enabled:
             return 0
-        return (sum(self.capture_sizes(max_num_seqs))
-                + sum(r for _, r in self.mixed_capture_sizes(max_num_batched_tokens, max_num_seqs)))
+        return logits_rows(self.capture_sizes(max_num_seqs),
+                           self.mixed_capture_sizes(max_num_batched_tokens, max_num_seqs))
 
     def mixed_capture_sizes(self, max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
         """(tokens, requests) capacities of the mixed-batch graphs; none in FULL_DECODE_ONLY mode."""

@@ -1,17 +1,20 @@
-"""A small decode graph's per-step inputs, read by the graph itself from pinned host memory (Triton).
+"""A CUDA graph's per-step inputs, read by the graph itself from pinned host memory (Triton).
 
-Why: every op queued between two graph replays costs the stream a hand-off on each side. At batch 1 on the H200 the
-device idled ~21 us between decode graphs for two tiny copies, the inputs in and the sampled ids out (profiled in
-session 15, tools/step_gaps.py), against a 0.68 ms graph. Here the graph's first kernel reads the step's inputs
-over PCIe (pinned host memory is mapped into the device's address space) and the draw's last kernel writes the
-sampled ids back the same way, so nothing but the graph runs per step.
+Why: every op queued between two graph replays costs the stream a hand-off on each side (at batch 1 on an H200 the
+device idled ~21 us between decode graphs for two tiny copies, against a 0.68 ms graph). Here the graph's first
+kernel reads the step's inputs over PCIe (pinned host memory is mapped into the device's address space) and the
+in-graph draw writes the sampled ids back the same way, so nothing but the graph runs per step. It is the only way
+the graphs take their inputs (worker/cuda_graph.py); only the block table, large and rarely changed, is a copy.
 
-The host fills one slot of a small ring per step; the device keeps a step counter, so replay k reads slot k mod S.
-A slot is filled again S steps later, when the engine (at most one step in flight) has long consumed it.
+The host fills one slot of a small ring per replay; the device keeps a replay counter, so replay k reads slot
+k mod S. A slot is filled again S replays later, when the engine (at most one step in flight) has long consumed it.
 
-Layout of a slot (`WIDTH` columns, `size` of them used by a graph of that size): int64 rows 0-7 = input ids,
-positions, KV slots, placeholder sources (-1: none), draw seeds, draw RNG positions, context lengths, then the
-draw's on/off flag in row 7 column 0; and a float32 row of draw temperatures.
+Layout of a slot, int64 rows of `width` columns (a graph of T tokens and R requests uses the first T or R + 1):
+  0 input ids, 1 positions, 2 KV slots, 3 placeholder sources (-1: none; else the id is prev[src])   [T]
+  4 draw seeds, 5 draw RNG positions, 6 context lengths, 8 each request's last-token index            [R]
+  7 query_start_loc                                                                                  [R + 1]
+  9 column 0: the in-graph draw's on/off flag
+and a float32 row of draw temperatures [R].
 """
 from __future__ import annotations
 
@@ -19,66 +22,88 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = tl.constexpr(8)
+ROWS = tl.constexpr(10)
+IDS, POS, SLOTS, SRC, SEEDS, RPOS, CTX, QSL, LAST, FLAG = range(10)
+# Inert values of each row: what a column the host has not filled holds (no KV write, no placeholder, no context,
+# the draw off; query_start_loc is 0, 1, 2, ... instead, see HostStepIO).
+INERT = (0, 0, -1, -1, 0, 0, 0, 0, 0, 0)
+_BLOCK = 256  # columns per loop iteration of the one program
 
 
-@triton.jit
-def _load_step_kernel(stage_i_ptr, stage_f_ptr, counter_ptr, slot_ptr, vec_ptr, vec_stride, seq_ptr, temp_ptr,
-                      flag_ptr, prev_ptr, size, NUM_SLOTS: tl.constexpr, WIDTH: tl.constexpr):
+# One compiled variant for every graph: the sizes are plain runtime ints (a graph bakes its own into the launch).
+@triton.jit(do_not_specialize=["tokens", "reqs"])
+def _load_step_kernel(ring_ptr, temps_ring_ptr, counter_ptr, slot_ptr, tok_ptr, tok_stride, req_ptr, req_stride,
+                      qsl_ptr, seq_ptr, temp_ptr, flag_ptr, prev_ptr, tokens, reqs,
+                      NUM_SLOTS: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    # One program: the replay counter is read and advanced once, with no other program racing for it.
     c = tl.load(counter_ptr)
     s = c % NUM_SLOTS
-    i = tl.arange(0, WIDTH)
-    m = i < size
-    row = stage_i_ptr + s * (ROWS * WIDTH) + i
-    # .cv: fetch again from host memory every time (the host rewrites the slot between replays).
-    ids = tl.load(row, mask=m, other=0, cache_modifier=".cv")
-    pos = tl.load(row + WIDTH, mask=m, other=0, cache_modifier=".cv")
-    kv_slot = tl.load(row + 2 * WIDTH, mask=m, other=-1, cache_modifier=".cv")
-    src = tl.load(row + 3 * WIDTH, mask=m, other=-1, cache_modifier=".cv")
-    seed = tl.load(row + 4 * WIDTH, mask=m, other=0, cache_modifier=".cv")
-    rpos = tl.load(row + 5 * WIDTH, mask=m, other=0, cache_modifier=".cv")
-    ctx = tl.load(row + 6 * WIDTH, mask=m, other=0, cache_modifier=".cv")
-    flag = tl.load(stage_i_ptr + s * (ROWS * WIDTH) + 7 * WIDTH, cache_modifier=".cv")
-    temp = tl.load(stage_f_ptr + s * WIDTH + i, mask=m, other=1.0, cache_modifier=".cv")
-    take = m & (src >= 0)
-    prev = tl.load(prev_ptr + tl.where(take, src, 0), mask=take, other=0)
-    ids = tl.where(take, prev, ids)
-    tl.store(vec_ptr + i, ids, mask=m)
-    tl.store(vec_ptr + vec_stride + i, pos, mask=m)
-    tl.store(vec_ptr + 2 * vec_stride + i, kv_slot, mask=m)
-    tl.store(vec_ptr + 3 * vec_stride + i, src, mask=m)
-    tl.store(vec_ptr + 4 * vec_stride + i, seed, mask=m)
-    tl.store(vec_ptr + 5 * vec_stride + i, rpos, mask=m)
-    tl.store(seq_ptr + i, ctx.to(tl.int32), mask=m)
-    tl.store(temp_ptr + i, temp, mask=m)
+    base = ring_ptr + s * (ROWS * WIDTH)
+    for start in range(0, tokens, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        m = i < tokens
+        # .cv: fetch again from host memory every time (the host rewrites the slot between replays).
+        ids = tl.load(base + i, mask=m, other=0, cache_modifier=".cv")
+        pos = tl.load(base + WIDTH + i, mask=m, other=0, cache_modifier=".cv")
+        kv_slot = tl.load(base + 2 * WIDTH + i, mask=m, other=-1, cache_modifier=".cv")
+        src = tl.load(base + 3 * WIDTH + i, mask=m, other=-1, cache_modifier=".cv")
+        take = m & (src >= 0)
+        prev = tl.load(prev_ptr + tl.where(take, src, 0), mask=take, other=0)
+        tl.store(tok_ptr + i, tl.where(take, prev, ids), mask=m)
+        tl.store(tok_ptr + tok_stride + i, pos, mask=m)
+        tl.store(tok_ptr + 2 * tok_stride + i, kv_slot, mask=m)
+    for start in range(0, reqs + 1, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        m = i < reqs
+        seed = tl.load(base + 4 * WIDTH + i, mask=m, other=0, cache_modifier=".cv")
+        rpos = tl.load(base + 5 * WIDTH + i, mask=m, other=0, cache_modifier=".cv")
+        ctx = tl.load(base + 6 * WIDTH + i, mask=m, other=0, cache_modifier=".cv")
+        last = tl.load(base + 8 * WIDTH + i, mask=m, other=0, cache_modifier=".cv")
+        temp = tl.load(temps_ring_ptr + s * WIDTH + i, mask=m, other=1.0, cache_modifier=".cv")
+        mq = i < reqs + 1
+        qsl = tl.load(base + 7 * WIDTH + i, mask=mq, other=0, cache_modifier=".cv")
+        tl.store(req_ptr + i, seed, mask=m)
+        tl.store(req_ptr + req_stride + i, rpos, mask=m)
+        tl.store(req_ptr + 2 * req_stride + i, last, mask=m)
+        tl.store(seq_ptr + i, ctx.to(tl.int32), mask=m)
+        tl.store(temp_ptr + i, temp, mask=m)
+        tl.store(qsl_ptr + i, qsl.to(tl.int32), mask=mq)
+    flag = tl.load(base + 9 * WIDTH, cache_modifier=".cv")
     tl.store(flag_ptr, flag.to(tl.int32))
     tl.store(slot_ptr, s)
     tl.store(counter_ptr, c + 1)
 
 
 class HostStepIO:
-    """The pinned host ring a small decode graph reads its inputs from and writes its sampled ids to.
+    """The pinned host ring the CUDA graphs read their step inputs from and the in-graph draw writes its ids to.
 
-    Contract: the host calls `next_slot()` once per replay of such a graph, in replay order, fills the returned
-    slot's rows (`ints[slot]`, `temps[slot]`) before the replay, and after the replay has completed (an event)
-    reads that step's ids from `out[slot]`. The device's counter must equal the host's count of replays: `sync()`
-    sets it (after capture, whose warm-up runs advance it, or after replays outside the engine's loop). At most
-    NUM_SLOTS - 1 replays may be in flight or unread at once; the engine has one.
+    Contract: the host calls `next_slot()` once per replay, in replay order, fills the returned slot
+    (`ints_np[slot]`, `temps_np[slot]`, every column the graph reads) before the replay, and after the replay has
+    completed (an event) reads that step's drawn ids from `out[slot]`. Each `next_slot()` must be followed by
+    exactly one replay of a graph that starts with `load`; the device's counter must equal the host's count of
+    slots handed out, and `sync()` sets it (after capture, whose warm-up runs advance it, or after replays outside
+    that pairing). At most NUM_SLOTS - 1 replays may be in flight or unread at once; the engine has one.
     """
 
     NUM_SLOTS = 4
 
-    def __init__(self, width: int, device: torch.device) -> None:
+    def __init__(self, width: int, draw_width: int, device: torch.device) -> None:
+        """width: columns of a slot (the largest graph's tokens, or requests + 1); draw_width: the largest batch
+        the in-graph draw covers."""
         pin = device.type == "cuda"
         self.width = width
-        self.ints = torch.zeros((self.NUM_SLOTS, ROWS, width), dtype=torch.long, pin_memory=pin)
-        self.ints[:, 2:4] = -1                   # no KV slot, no placeholder: an untouched slot is inert
-        self.temps = torch.ones((self.NUM_SLOTS, width), dtype=torch.float32, pin_memory=pin)
-        self.out = torch.zeros((self.NUM_SLOTS, width), dtype=torch.long, pin_memory=pin)
+        self.ints = torch.tensor(INERT, dtype=torch.long).view(1, -1, 1).repeat(self.NUM_SLOTS, 1, width)
+        # query_start_loc of an untouched slot: one query token per request, as a decode batch of padding rows
+        # (context 0: attention skips them).
+        self.ints[:, QSL] = torch.arange(width)
+        self.temps = torch.ones((self.NUM_SLOTS, width), dtype=torch.float32)
+        self.out = torch.zeros((self.NUM_SLOTS, max(draw_width, 1)), dtype=torch.long)
+        if pin:
+            self.ints, self.temps, self.out = self.ints.pin_memory(), self.temps.pin_memory(), self.out.pin_memory()
         self.ints_np, self.temps_np = self.ints.numpy(), self.temps.numpy()
         self.counter = torch.zeros(1, dtype=torch.long, device=device)  # replays so far (device side)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)     # the slot of the replay in progress
-        self.count = 0                                                  # replays so far (host side)
+        self.count = 0                                                  # slots handed out (host side)
 
     def next_slot(self) -> int:
         s = self.count % self.NUM_SLOTS
@@ -88,10 +113,13 @@ class HostStepIO:
     def sync(self) -> None:
         self.counter.fill_(self.count)
 
-    def load(self, size: int, vec: torch.Tensor, seq_lens: torch.Tensor, temps: torch.Tensor, flag: torch.Tensor,
-             prev: torch.Tensor) -> None:
-        """Queue the kernel that copies the next slot's first `size` columns into the graph's device buffers
-        (vec: the [>= 6, n] int64 rows, stride-1 columns) and fills placeholder ids from `prev`."""
-        assert size <= self.width and vec.stride(1) == 1
-        _load_step_kernel[(1,)](self.ints, self.temps, self.counter, self.slot, vec, vec.stride(0), seq_lens, temps,
-                                flag, prev, size, NUM_SLOTS=self.NUM_SLOTS, WIDTH=self.width)
+    def load(self, tokens: int, reqs: int, tok: torch.Tensor, req: torch.Tensor, qsl: torch.Tensor,
+             seq_lens: torch.Tensor, temps: torch.Tensor, flag: torch.Tensor, prev: torch.Tensor) -> None:
+        """Queue the kernel that copies the next slot into a graph's device buffers: tok [>= 3, >= tokens] int64
+        (ids with placeholders filled from `prev`, positions, KV slots), req [>= 3, >= reqs] int64 (draw seeds,
+        draw RNG positions, last-token indices), qsl [>= reqs + 1] and seq_lens [>= reqs] int32, temps [>= reqs]
+        float32, flag [1] int32. Rows must have stride-1 columns."""
+        assert tokens <= self.width and reqs + 1 <= self.width and tok.stride(1) == 1 and req.stride(1) == 1
+        _load_step_kernel[(1,)](self.ints, self.temps, self.counter, self.slot, tok, tok.stride(0), req,
+                                req.stride(0), qsl, seq_lens, temps, flag, prev, tokens, reqs,
+                                NUM_SLOTS=self.NUM_SLOTS, WIDTH=self.width, BLOCK=_BLOCK, num_warps=4)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed import get_parallel_state
-from tokenmill.layers.linear_ops import linear
+# _gemv_config: the same product choice as `linear`, for the out= variant below.
+from tokenmill.layers.linear_ops import _gemv_config, linear
 from tokenmill.distributed.communication_op import (tensor_model_parallel_all_gather,
                                                     tensor_model_parallel_all_reduce)
 
@@ -48,15 +49,31 @@ class VocabParallelEmbedding(nn.Module):
         emb = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(emb, self.parallel)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H] -> logits [T, vocab], identical on every rank (gathered over the TP group)."""
-        logits = linear(hidden, self.weight)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [T, H] -> logits [T, vocab], identical on every rank (gathered over the TP group). out: a
+        contiguous [T, vocab] tensor of hidden's dtype to write them into (the CUDA graphs' shared logits buffer);
+        it is then the result."""
         if self.tp_size == 1:
-            return logits
-        logits = tensor_model_parallel_all_gather(logits, -1, self.parallel)
+            return linear(hidden, self.weight) if out is None else _linear_into(hidden, self.weight, out)
+        logits = tensor_model_parallel_all_gather(linear(hidden, self.weight), -1, self.parallel)
+        if out is not None:
+            return out.copy_(logits[..., :self.num_embeddings])
         if logits.shape[-1] != self.num_embeddings:  # drop the padding rows' logits (samplers want contiguous rows)
             logits = logits[..., :self.num_embeddings].contiguous()
         return logits
+
+
+def _linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ weight.T by the kernel `linear` would pick (the gemv where the device's table lists the product,
+    else cuBLAS: F.linear without a bias is this same mm), so a graph's logits equal the eager ones."""
+    if out.shape != (x.shape[0], weight.shape[0]) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"compute_logits: out must be a contiguous {(x.shape[0], weight.shape[0])} {x.dtype} "
+                         f"tensor, got {tuple(out.shape)} {out.dtype}")
+    cfg = _gemv_config(x, weight, None)
+    if cfg is None:
+        return torch.mm(x, weight.t(), out=out)
+    from tokenmill.kernels.triton_gemv import gemv
+    return gemv(x, weight, None, config=cfg, out=out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

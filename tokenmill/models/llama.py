@@ -192,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states on the last pipeline stage; IntermediateTensors for the next stage elsewhere."""
         return self.model(input_ids, positions, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: a preallocated [T, vocab] tensor to write into (the CUDA graphs' shared logits buffer)."""
+        return self.lm_head.compute_logits(hidden, out=out)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters (see models/weight_mapping.py); the names loaded."""

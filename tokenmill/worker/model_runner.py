@@ -10,16 +10,23 @@ from tokenmill.attention.registry import get_attention_backend
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.messages import LogprobsLists
-from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
 from tokenmill.distributed import get_parallel_state, kv_heads_per_rank
 from tokenmill.distributed.pp import StageLink, pp_layer_range
 from tokenmill.forward_context import set_forward_context
-from tokenmill.layers.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
+from tokenmill.layers.pooler import Pooler
+from tokenmill.layers.sampler import Sampler, compute_prompt_logprobs
 from tokenmill.metrics.step_timing import TIMER
 from tokenmill.models.loader import load_model
-from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.input_batch import InputBatch, PendingTokens
+from tokenmill.worker.runner_output import AsyncRunnerOutput, StepState
 from tokenmill.worker.sampling_state import SamplingState
-from tokenmill.worker.transfer import to_device, to_host
+from tokenmill.worker.transfer import to_device
+
+__all__ = ["AsyncRunnerOutput", "ModelRunner"]
+# The most tokens one request samples in one step (1; k + 1 once k draft tokens are verified): sizes the buffers
+# the sampled ids pass through.
+MAX_SAMPLED_PER_REQUEST = 1
 
 _KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn,
               "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -28,9 +35,14 @@ _KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch
 class ModelRunner:
     """Owns the model, its KV cache and the persistent per-request input state.
 
-    Per step: forget finished requests, add new ones, append new blocks, build flat inputs with numpy gathers, run
-    the model, sample the requests whose known tokens are all computed, and append the sampled ids. The only
-    device->host sync is the one that returns sampled ids.
+    One step path: `execute_model` applies the plan (forget finished requests, add new ones, append blocks),
+    `_prepare_inputs` builds the flat inputs with numpy gathers, and one forward runs them: `_forward_graph` (a
+    captured graph that fits) or else `_forward_eager`, both giving the logits of the tokens that sample; then
+    `sample_tokens` runs the sampler (or hands on the graph's own draw) and records the sampled ids as
+    placeholders for the next step. With a `pooler` set (a pooling model) the forward is eager and the pooled
+    hidden states of the requests whose prompt ends take the sampler's place. A request samples n_sample tokens
+    (1 today; k + 1 once k drafts are verified) and every step of the path carries that count. The only
+    device->host sync is the one that returns the step's results.
 
     Under pipeline parallelism the runner holds its stage's layers and their KV cache only: a stage other than the
     first receives the micro-batch's hidden states from the previous stage, one other than the last sends its own
@@ -56,15 +68,16 @@ class ModelRunner:
         self.batch: InputBatch | None = None
         self.sampling: SamplingState | None = None
         self.prompt_logprobs: dict[str, int] = {}
-        self._step: _StepState | None = None           # between execute_model and sample_tokens
+        self.pooler: Pooler | None = None  # set: the model runs as a pooling model (no sampling)
+        self.pending: PendingTokens | None = None       # where the step in flight's tokens go (placeholders)
+        self._step: StepState | None = None             # between execute_model and sample_tokens
         self._last_output: AsyncRunnerOutput | None = None
-        self._prev_sampled: torch.Tensor | None = None  # the last step's sampled ids, on the device
-        self._prev_index = np.zeros(self.max_num_reqs, dtype=np.int64)  # row -> index in _prev_sampled
-        self._prev_gen = np.full(self.max_num_reqs, -1, dtype=np.int64)  # row generation when it sampled
+        self._prev_sampled: torch.Tensor | None = None  # the last step's sampled ids (flat), on the device
         # Pinned host buffers the sampled ids are copied into, in turn (a fresh pinned tensor per step costs a
         # caching-allocator round trip). A buffer is reused three steps later: by then the runner has taken that
         # step's ids (`sample_tokens` calls the previous output's get() first).
-        self._ids_host = [torch.empty(self.max_num_reqs, dtype=torch.long, pin_memory=True) for _ in range(3)] \
+        self.max_sampled = self.max_num_reqs * MAX_SAMPLED_PER_REQUEST
+        self._ids_host = [torch.empty(self.max_sampled, dtype=torch.long, pin_memory=True) for _ in range(3)] \
             if device.type == "cuda" else []
         self._ids_host_i = 0
 
@@ -94,6 +107,7 @@ class ModelRunner:
                           else torch.empty(0, dtype=self.kv_dtype, device=self.device)
                           for i in range(self.num_layers)]
         self.batch = InputBatch(self.max_num_reqs, self.max_model_len, cdiv(self.max_model_len, self.block_size))
+        self.pending = PendingTokens(self.batch)
         self.sampling = SamplingState(self.max_num_reqs, self.vocab_size, self.device,
                                       global_seed=self.config.model_config.seed,
                                       logprobs_mode=self.config.model_config.logprobs_mode)
@@ -106,12 +120,14 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, sizes, self.max_model_len,
                                                cdiv(self.max_model_len, self.block_size), self.device,
                                                mixed_sizes=mixed,
-                                               prev_sampled=torch.zeros(self.max_num_reqs, dtype=torch.long,
-                                                                        device=self.device))
+                                               prev_sampled=torch.zeros(self.max_sampled, dtype=torch.long,
+                                                                        device=self.device),
+                                               vocab_size=self.vocab_size, dtype=self.dtype)
             self.cuda_graphs.capture()
 
     def cuda_graph_output_bytes(self) -> int:
-        """Device memory the CUDA graphs will keep for their logits (allocated after the KV cache is sized)."""
+        """Device memory the CUDA graphs will keep for their logits, one buffer all of them share (allocated after
+        the KV cache is sized)."""
         if not self.use_cuda_graphs():
             return 0
         rows = self.config.compilation_config.graph_output_rows(
@@ -139,7 +155,7 @@ class ModelRunner:
             if self.is_last_stage:
                 self.model.compute_logits(hidden[-min(num_tokens, self.max_num_reqs):])
 
-    # ----- one step -----
+    # ----- one step: prepare inputs -> forward (graph or eager) -> sampler | pooler -> outputs -----
     def _update_states(self, sched: SchedulerOutput) -> None:
         b = self.batch
         for rid in sched.finished_req_ids:
@@ -168,13 +184,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> None:
-        """Apply the plan's state changes, build the inputs and launch the forward pass (and the logits of the rows
-        that sample). Nothing waits for the device; `sample_tokens` finishes the step."""
+        """Apply the plan's state changes, build the inputs and launch the forward pass (and the logits of the
+        tokens that sample). Nothing waits for the device; `sample_tokens` finishes the step."""
         self._update_states(sched)
         self._step = None
         if sched.is_empty:
             return
-        b, dev = self.batch, self.device
+        inp = self._prepare_inputs(sched)
+        step = self._forward_graph(sched, inp)
+        self._step = step if step is not None else self._forward_eager(inp)
+
+    def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """The step's flat inputs, built with numpy gathers over the batch's rows (no per-token Python)."""
+        b = self.batch
         req_ids = list(sched.num_scheduled_tokens)
         rows = np.fromiter((b.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         n_sched = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
@@ -196,119 +218,137 @@ class ModelRunner:
         qsl[1:] = cu
         block_table = b.block_table[rows, :int(cdiv(int(seq_lens.max()), self.block_size))]
         sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
-        fixup = self._placeholder_fixup(input_ids, token_rows)
-        prompt_lp: dict[str, LogprobsLists] = {}
-        graph, graph_sampled, io_slot = None, False, None
-        if self.cuda_graphs is not None:
-            # Prompt logprobs need every token's hidden state; a mixed graph returns only each request's last.
-            wants_prompt_lp = bool(self.prompt_logprobs) and any(r in self.prompt_logprobs for r in req_ids)
-            fix_src = None
-            if fixup is not None:  # the graph fills these ids from cuda_graphs.prev_sampled itself
-                fix_src = np.full(total, -1, dtype=np.int64)
-                fix_src[fixup[0]] = fixup[1]
-            race = None
-            if (not sched.grammar_req_ids and len(sample_idx) == len(rows)
-                    and self.cuda_graphs.can_sample(len(rows), total)):
-                # Every row plain temperature sampling: the (small) decode graph draws the tokens itself.
-                race = self.sampling.plain_race_inputs(rows, b.num_prompt_tokens, b.num_tokens)
-            graph = self.cuda_graphs.load(input_ids, rope_positions, slots, qsl, seq_lens, block_table,
-                                          allow_mixed=not wants_prompt_lp, fix_src=fix_src, race=race)
-            graph_sampled = race is not None and graph is not None and not graph[0]
-            io_slot = self.cuda_graphs.last_io_slot if graph is not None else None
-        if graph is not None:
-            # The graph returns the logits of every request's last token (a chunk that does not end its prompt
-            # samples nothing, so keep only the rows that do).
-            TIMER.count("mixed_graph_steps" if graph[0] else "graph_steps")
-            logits = self.cuda_graphs.run(graph, len(rows))
-            if len(sample_idx) != len(rows):
-                logits = logits[to_device(sample_idx, dev)]
-        else:
-            TIMER.count("eager_steps")
-            md = AttentionMetadata(
-                num_actual_tokens=total, slot_mapping=to_device(slots, dev),
-                query_start_loc=to_device(qsl.astype(np.int32), dev),
-                seq_lens=to_device(seq_lens.astype(np.int32), dev),
-                block_table=to_device(block_table, dev),
-                max_query_len=int(n_sched.max()), max_seq_len=int(seq_lens.max()),
-                query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-            ids_t = to_device(input_ids, dev)
-            if fixup is not None:
-                self._apply_fixup(ids_t, fixup)
-            inter = None if self.is_first_stage else self.link.recv(total)
-            with set_forward_context(md, self.kv_caches):
-                hidden = self.model(ids_t, to_device(rope_positions, dev), inter)
-            if not self.is_last_stage:
-                self.link.send(hidden)  # returns at once: the next stage takes it from here
-                return
-            prompt_lp = self._prompt_logprobs(req_ids, rows, computed, n_sched, qsl, hidden)
-            logits = None
-            if len(sample_idx):
-                logits = self.model.compute_logits(hidden[to_device(cu[sample_idx] - 1, dev)])
-        self._step = _StepState(req_ids, rows, sample_idx, logits, prompt_lp, graph_sampled, io_slot)
+        # Tokens each sampling request samples: 1 (k + 1 once k draft tokens are verified).
+        n_sample = np.ones(len(sample_idx), dtype=np.int64)
+        fixup = self.pending.sources(input_ids, token_rows, positions)
+        return StepInputs(req_ids, rows, n_sched, computed, qsl, input_ids, rope_positions, slots, seq_lens,
+                          block_table, sample_idx, n_sample, fixup)
+
+    def _forward_graph(self, sched: SchedulerOutput, inp: StepInputs) -> StepState | None:
+        """Run the step through a captured graph (its first kernel takes the inputs from the host ring); None when
+        none applies (the eager path then runs the same inputs)."""
+        cg = self.cuda_graphs
+        if cg is None or self.pooler is not None:
+            return None
+        n, total = len(inp.rows), len(inp.input_ids)
+        # Prompt logprobs need every token's hidden state; a mixed graph returns only each request's last.
+        wants_prompt_lp = bool(self.prompt_logprobs) and any(r in self.prompt_logprobs for r in inp.req_ids)
+        fix_src = None
+        if inp.fixup is not None:  # the graph fills these ids from cuda_graphs.prev_sampled itself
+            fix_src = np.full(total, -1, dtype=np.int64)
+            fix_src[inp.fixup[0]] = inp.fixup[1]
+        race = None
+        if not sched.grammar_req_ids and len(inp.sample_idx) == n and cg.can_sample(n, total):
+            # Every row plain temperature sampling: the (small) decode graph draws the tokens itself.
+            race = self.sampling.plain_race_inputs(inp.rows, self.batch.num_prompt_tokens, self.batch.num_tokens)
+        key = cg.load(inp.input_ids, inp.rope_positions, inp.slots, inp.qsl, inp.seq_lens, inp.block_table,
+                      allow_mixed=not wants_prompt_lp and inp.one_token_each, fix_src=fix_src, race=race)
+        if key is None:
+            return None
+        TIMER.count("graph_steps" if key.q else "mixed_graph_steps")
+        logits = cg.run(key, n)
+        # A uniform graph returns every token's logits, a mixed one each request's last: keep the sampled ones
+        # (a chunk that does not end its prompt samples nothing). With one token per request (q <= 1) a token's
+        # row is its request's.
+        if len(inp.sample_idx) != n or key.q > 1:
+            sel = inp.sample_idx if key.q <= 1 else inp.sample_token_index()
+            if len(sel) != logits.shape[0]:
+                logits = logits[to_device(sel, self.device)]
+        graph_sampled = race is not None
+        return StepState(inp.req_ids, inp.rows, inp.sample_idx, inp.n_sample, logits, None, None, graph_sampled,
+                         cg.last_io_slot if graph_sampled else None)
+
+    def _forward_eager(self, inp: StepInputs) -> StepState | None:
+        """Run the step op by op; None on a pipeline stage that is not the last (it sends its hidden states on)."""
+        TIMER.count("eager_steps")
+        dev, total = self.device, len(inp.input_ids)
+        md = AttentionMetadata(
+            num_actual_tokens=total, slot_mapping=to_device(inp.slots, dev),
+            query_start_loc=to_device(inp.qsl.astype(np.int32), dev),
+            seq_lens=to_device(inp.seq_lens.astype(np.int32), dev),
+            block_table=to_device(inp.block_table, dev),
+            max_query_len=int(inp.n_sched.max()), max_seq_len=int(inp.seq_lens.max()),
+            query_start_loc_cpu=inp.qsl, seq_lens_cpu=inp.seq_lens)
+        ids_t = to_device(inp.input_ids, dev)
+        if inp.fixup is not None:
+            idx = to_device(inp.fixup, dev)
+            ids_t.index_copy_(0, idx[0], self._prev_sampled.index_select(0, idx[1]))
+        inter = None if self.is_first_stage else self.link.recv(total)
+        with set_forward_context(md, self.kv_caches):
+            hidden = self.model(ids_t, to_device(inp.rope_positions, dev), inter)
+        if not self.is_last_stage:
+            self.link.send(hidden)  # returns at once: the next stage takes it from here
+            return None
+        prompt_lp = self._prompt_logprobs(inp.req_ids, inp.rows, inp.computed, inp.n_sched, inp.qsl, hidden)
+        if self.pooler is not None:
+            return StepState(inp.req_ids, inp.rows, inp.sample_idx, inp.n_sample, None, prompt_lp,
+                             self._pool(inp, hidden))
+        logits = None
+        if len(inp.sample_idx):
+            logits = self.model.compute_logits(hidden[to_device(inp.sample_token_index(), dev)])
+        return StepState(inp.req_ids, inp.rows, inp.sample_idx, inp.n_sample, logits, prompt_lp)
+
+    def _pool(self, inp: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
+        """The pooled states of the requests whose prompt ends this step ([len(sample_idx), H] float32)."""
+        b = self.batch
+        if (inp.computed > 0).any() or (inp.seq_lens < b.num_prompt_tokens[inp.rows]).any():
+            raise NotImplementedError("A pooling model needs each prompt computed in one step: chunked prefill and "
+                                      "prefix-cache hits are not supported for pooling yet.")
+        pooled = self.pooler(hidden[:len(inp.input_ids)], to_device(inp.qsl, self.device))
+        return pooled if len(inp.sample_idx) == len(inp.rows) else pooled[to_device(inp.sample_idx, self.device)]
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar: GrammarOutput | None) -> "AsyncRunnerOutput":
-        """Mask constrained rows, sample, and start copying the ids to the host. The returned handle's `get()`
-        waits for them. The sampled ids stay on the device so the next step can use them as inputs before the
-        host sees them (the host records a placeholder -1 until then)."""
-        st, b = self._step, self.batch
+    def sample_tokens(self, grammar: GrammarOutput | None) -> AsyncRunnerOutput:
+        """Mask constrained rows, sample (or hand on the pooled states), and start copying the ids to the host.
+        The returned handle's `get()` waits for them. The sampled ids stay on the device so the next step can use
+        them as inputs before the host sees them (the batch holds a placeholder -1 until then)."""
+        st = self._step
         self._step = None
         if st is None:
             return AsyncRunnerOutput.empty()
         if self._last_output is not None:
             self._last_output.get()  # the previous step's tokens must be on the host (penalties read them)
-        sampled, lp, srows, pos, gens = None, None, st.rows[st.sample_idx], None, None
-        ids_host = None  # pinned host memory the ids are (or will be) in
+        if st.pooled is not None:
+            result = self._last_output = AsyncRunnerOutput(None, st, pooled=st.pooled)
+            return result
+        sampled, lp, ids_host, placed = None, None, None, None
         if len(st.sample_idx):
-            if st.graph_sampled and grammar is None:
-                # The decode graph drew them already (every row plain temperature sampling), and with host IO
-                # also wrote them to pinned host memory.
-                sampled = self.cuda_graphs.prev_sampled[:len(srows)]
-                self.cuda_graphs.sampled_replays += 1
-                if st.io_slot is not None:
-                    ids_host = self.cuda_graphs.host_io.out[st.io_slot, :len(srows)]
-            else:
-                if grammar is not None:
-                    self._apply_grammar(grammar, st.req_ids, st.sample_idx, st.logits)
-                meta = self.sampling.make_metadata(srows, b.token_ids, b.num_prompt_tokens, b.num_tokens)
-                out = self.sampler(st.logits, meta)
-                sampled, lp = out.sampled_token_ids, out.logprobs
-                if self.cuda_graphs is not None:  # where the next step's graph reads its placeholder ids
-                    self.cuda_graphs.prev_sampled[:len(srows)].copy_(sampled)
-            pos = b.num_tokens[srows].astype(np.int64)
-            gens = b.row_gen[srows].copy()
-            b.token_ids[srows, pos] = -1  # placeholder until get()
-            b.num_tokens[srows] += 1
+            sampled, lp, ids_host = self._sample(st, grammar)
+            placed = self.pending.record(st.rows[st.sample_idx], st.n_sample)
             self._prev_sampled = sampled
-            self._prev_index[srows] = np.arange(len(srows))
-            self._prev_gen[srows] = gens
         if ids_host is None and sampled is not None and self._ids_host:
             self._ids_host_i = (self._ids_host_i + 1) % len(self._ids_host)
-            ids_host = self._ids_host[self._ids_host_i][:len(srows)]
+            ids_host = self._ids_host[self._ids_host_i][:len(sampled)]
             ids_host.copy_(sampled, non_blocking=True)
-        result = AsyncRunnerOutput(self, st, srows, pos, gens, sampled, lp, ids_host)
-        self._last_output = result
+        result = self._last_output = AsyncRunnerOutput(self.pending, st, placed, sampled, lp, ids_host)
         return result
 
-    def _placeholder_fixup(self, input_ids: np.ndarray, token_rows: np.ndarray) -> np.ndarray | None:
-        """Input positions whose token is still being sampled by the previous step, and where that step's sampled
-        tensor holds it: a [2, n] (destination, source) index array, or None."""
-        ph = np.flatnonzero(input_ids < 0)
-        if not len(ph):
-            return None
-        r = token_rows[ph]
-        if (self._prev_gen[r] != self.batch.row_gen[r]).any():
-            raise RuntimeError("a placeholder token does not come from the previous step")
-        input_ids[ph] = 0
-        return np.stack([ph, self._prev_index[r]])
-
-    def _apply_fixup(self, ids_dev: torch.Tensor, fixup: np.ndarray) -> None:
-        idx = to_device(fixup, self.device)
-        ids_dev.index_copy_(0, idx[0], self._prev_sampled.index_select(0, idx[1]))
+    def _sample(self, st: StepState, grammar: GrammarOutput | None):
+        """(sampled ids [sum(n_sample)] on the device, logprobs or None, the pinned host buffer the ids already go
+        to or None)."""
+        b, cg = self.batch, self.cuda_graphs
+        srows = st.rows[st.sample_idx]
+        if st.graph_sampled and grammar is None:
+            # The decode graph drew them already (every row plain temperature sampling) and wrote them to the
+            # host ring too.
+            cg.sampled_replays += 1
+            return cg.prev_sampled[:len(srows)], None, cg.host_io.out[st.io_slot, :len(srows)]
+        if grammar is not None:
+            self._apply_grammar(grammar, st.req_ids, st.sample_idx, st.n_sample, st.logits)
+        offsets = None
+        if len(st.logits) != len(srows):   # several tokens per request: one logits row each, RNG positions apart
+            srows, offsets = _runs(srows, st.n_sample)
+        meta = self.sampling.make_metadata(srows, b.token_ids, b.num_prompt_tokens, b.num_tokens, offsets)
+        out = self.sampler(st.logits, meta)
+        if cg is not None:  # where the next step's graph reads its placeholder ids
+            cg.prev_sampled[:len(out.sampled_token_ids)].copy_(out.sampled_token_ids)
+        return out.sampled_token_ids, out.logprobs, None
 
     def _apply_grammar(self, grammar: GrammarOutput, req_ids: list[str], sample_idx: np.ndarray,
-                       logits: torch.Tensor) -> None:
+                       n_sample: np.ndarray, logits: torch.Tensor) -> None:
         """Mask the logits of constrained rows with their grammars' allowed tokens, for the batch at once."""
+        if len(logits) != len(sample_idx):
+            raise NotImplementedError("structured outputs with several tokens per request per step")
         from tokenmill.kernels.triton_bitmask import apply_bitmask
         pos = {req_ids[i]: j for j, i in enumerate(sample_idx)}
         rows = np.fromiter((pos[rid] for rid in grammar.req_ids), dtype=np.int64, count=len(grammar.req_ids))
@@ -344,65 +384,38 @@ class ModelRunner:
         return out
 
 
-class _StepState:
-    """What execute_model leaves for sample_tokens (graph_sampled: the decode graph drew the tokens; io_slot: the
-    host-IO slot that graph wrote them to, or None)."""
-    __slots__ = ("req_ids", "rows", "sample_idx", "logits", "prompt_lp", "graph_sampled", "io_slot")
-
-    def __init__(self, req_ids, rows, sample_idx, logits, prompt_lp, graph_sampled=False, io_slot=None) -> None:
-        self.req_ids, self.rows, self.sample_idx, self.logits, self.prompt_lp, self.graph_sampled = \
-            req_ids, rows, sample_idx, logits, prompt_lp, graph_sampled
-        self.io_slot = io_slot
 
 
-class AsyncRunnerOutput:
-    """One step's result while its sampled ids travel to the host.
+class StepInputs:
+    """One step's flat inputs (numpy, host side): per request (batch order) its runner row, scheduled and computed
+    token counts, query_start_loc, context length and block-table row; per token its id (placeholders set to 0,
+    see fixup), RoPE position and KV slot. sample_idx: the requests that sample; n_sample: how many tokens each
+    samples, from its last n_sample positions; fixup: [2, n] (input position, index in the previous step's sampled
+    ids) of the placeholder inputs, or None."""
+    __slots__ = ("req_ids", "rows", "n_sched", "computed", "qsl", "input_ids", "rope_positions", "slots",
+                 "seq_lens", "block_table", "sample_idx", "n_sample", "fixup")
 
-    Contract: `get()` waits for the copy (the step's one device->host sync), writes the ids over the runner's -1
-    placeholders (rows whose request left meanwhile are skipped by their generation counter) and returns the
-    ModelRunnerOutput. It is idempotent; the runner calls it itself before sampling the next step.
-    """
+    def __init__(self, req_ids, rows, n_sched, computed, qsl, input_ids, rope_positions, slots, seq_lens,
+                 block_table, sample_idx, n_sample, fixup) -> None:
+        self.req_ids, self.rows, self.n_sched, self.computed, self.qsl = req_ids, rows, n_sched, computed, qsl
+        self.input_ids, self.rope_positions, self.slots = input_ids, rope_positions, slots
+        self.seq_lens, self.block_table, self.sample_idx, self.n_sample = seq_lens, block_table, sample_idx, n_sample
+        self.fixup = fixup
 
-    def __init__(self, runner: ModelRunner | None, st: _StepState | None, srows=None, pos=None, gens=None,
-                 sampled: torch.Tensor | None = None, logprobs: LogprobsTensors | None = None,
-                 sampled_host: torch.Tensor | None = None) -> None:
-        """sampled_host: a pinned buffer the copy of `sampled` is already queued into (else one is made here)."""
-        self._runner, self._st, self._srows, self._pos, self._gens = runner, st, srows, pos, gens
-        self._result: ModelRunnerOutput | None = None
-        self._event = None
-        self._ids = sampled_host if sampled_host is not None else (
-            to_host(sampled) if sampled is not None else None)
-        self._lp = None if logprobs is None else LogprobsTensors(
-            to_host(logprobs.token_ids), to_host(logprobs.logprobs), to_host(logprobs.ranks))
-        if sampled is not None and sampled.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+    @property
+    def one_token_each(self) -> bool:
+        return not len(self.n_sample) or int(self.n_sample.max()) == 1
 
-    @classmethod
-    def empty(cls) -> "AsyncRunnerOutput":
-        out = cls(None, None)
-        out._result = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        return out
+    def sample_token_index(self) -> np.ndarray:
+        """The flat token index of each sampled token: the last n_sample[j] tokens of request sample_idx[j]."""
+        ends = self.qsl[1:][self.sample_idx]
+        if self.one_token_each:
+            return ends - 1
+        runs, offsets = _runs(ends - self.n_sample, self.n_sample)
+        return runs + offsets
 
-    def get(self) -> ModelRunnerOutput:
-        if self._result is not None:
-            return self._result
-        if self._event is not None:
-            with TIMER.phase("wait_for_sampled_ids"):
-                self._event.synchronize()
-        st = self._st
-        sampled: list[list[int]] = [[] for _ in st.req_ids]
-        logprobs = None
-        if self._ids is not None:
-            ids = self._ids.tolist()
-            b = self._runner.batch
-            valid = b.row_gen[self._srows] == self._gens
-            b.token_ids[self._srows[valid], self._pos[valid]] = np.asarray(ids, dtype=np.int32)[valid]
-            for j, i in enumerate(st.sample_idx):
-                sampled[i] = [ids[j]]
-            if self._lp is not None:  # one row per sampled token, in request order: already the output's layout
-                logprobs = self._lp.tolists()
-        self._result = ModelRunnerOutput(req_ids=st.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                         prompt_logprobs=st.prompt_lp)
-        self._runner = self._st = self._ids = self._lp = None
-        return self._result
+
+def _runs(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts[i] repeated counts[i] times, 0..counts[i]-1 within each run), vectorized."""
+    rep = np.repeat(starts, counts)
+    return rep, np.arange(len(rep)) - np.repeat(np.cumsum(counts) - counts, counts)

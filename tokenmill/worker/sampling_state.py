@@ -132,11 +132,13 @@ class SamplingState:
         return self._seed[rows], n_out, self._f[_TEMP, rows]
 
     def make_metadata(self, rows: np.ndarray, token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
-                      num_tokens: np.ndarray) -> SamplingMetadata:
+                      num_tokens: np.ndarray, position_offsets: np.ndarray | None = None) -> SamplingMetadata:
         """Metadata for sampling the next token of `rows` (runner rows, in batch order).
 
         token_ids[r, :num_tokens[r]] are row r's known tokens (prompt then outputs); the token being sampled is
-        output number num_tokens[r] - num_prompt_tokens[r], which is also its RNG position.
+        output number num_tokens[r] - num_prompt_tokens[r], which is also its RNG position. A request sampling
+        several tokens in one step appears in `rows` once per token, and position_offsets (0, 1, ... per run)
+        moves each token's RNG position past the ones before it (penalties see the known tokens only).
         """
         rows = np.asarray(rows, dtype=np.int64)
         dev = self.device
@@ -162,7 +164,8 @@ class SamplingState:
         need_min_p = not all_greedy and bool((f[_MIN_P] > 0).any())
         need_f = need_temp or need_top_p or need_min_p or has_freq or has_pres or has_rep
         top_k = self._top_k[rows]
-        ints_h = None if all_greedy else np.stack([self._seed[rows], n_out, top_k])
+        rng_pos = n_out if position_offsets is None else n_out + position_offsets
+        ints_h = None if all_greedy else np.stack([self._seed[rows], rng_pos, top_k])
         ints, ft = self._upload(ints_h, f if need_f else None)
         if need_f:
             md.temperature = ft[_TEMP] if need_temp else None
