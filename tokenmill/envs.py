@@ -116,6 +116,9 @@ _VARIABLES: dict[str, _Var] = {
     "PROMETHEUS_MULTIPROC_DIR": _str(),
     # Triton's CPU interpreter, as Triton reads it: the kernels take their interpreter-only branches.
     "TRITON_INTERPRET": _Var(bool, False, lenient=True),
+    # Where Triton keeps compiled kernels (None: its default, ~/.triton/cache); `tokenmill bench profile` counts the
+    # kernels compiled during a run there.
+    "TRITON_CACHE_DIR": _str(),
     # The locale variables, in the order that picks the language of `--help` (tokenmill/config/help_zh.py).
     "LANGUAGE": _str(),
     "LC_ALL": _str(),

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 
+from tokenmill import envs
 from tokenmill.benchmarks.offline_common import (ENGINE_FLAGS_EPILOG, add_dataset_args, add_sampling_args,
                                                  random_token_prompts, sampling_kwargs, split_engine_args, write_json)
 
@@ -82,7 +83,7 @@ class StepBuckets:
 
 
 def triton_cache_dir() -> str:
-    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return envs.TRITON_CACHE_DIR or os.path.join(os.path.expanduser("~"), ".triton", "cache")
 
 
 def files_written_since(root: str, since: float) -> list[str]:
