@@ -5,12 +5,14 @@ import json
 import re
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
 from tokenmill.structured import StructuredOutputsConfig, StructuredOutputsParams, from_response_format
-from tokenmill.structured.backend_xgrammar import (GrammarCompiler, RequestGrammar, allocate_bitmask,
-                                                   apply_bitmask, fill_bitmasks, validate_structured_outputs)
+from tokenmill.kernels import triton_bitmask
+from tokenmill.structured.backend_xgrammar import (GrammarCompiler, RequestGrammar, allocate_bitmask, fill_bitmasks,
+                                                   validate_structured_outputs)
 
 VOCAB = 49152
 
@@ -158,6 +160,29 @@ SCHEMAS = {
 
 def _outside_strings(text: str) -> str:
     return re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor,
+                  vocab_size: int | None = None) -> None:
+    """Set logits[r, t] = -inf for every disallowed token t of every row r in `rows`, in place; other rows are
+    untouched. bitmask row r belongs to logits row r. vocab_size (default: what the bitmask covers) is the grammar
+    vocabulary: logits columns beyond it (a model vocab padded past the tokenizer's) are masked too in the
+    constrained rows. The compact grammar mask widened on the host to the full-width mask that
+    tokenmill.kernels.triton_bitmask applies (the model runner builds that mask its own way)."""
+    rows = [int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)]
+    if not rows:
+        return
+    batch, width = logits.shape
+    covered = min(bitmask.shape[-1] * 32 if vocab_size is None else vocab_size, width)
+    words = -(-width // 32)
+    full = torch.full((batch, words), -1, dtype=torch.int32)
+    src = bitmask.cpu()[rows]
+    full[rows] = 0
+    whole, part = divmod(covered, 32)
+    full[rows, :whole] = src[:, :whole]
+    if part:  # the word holding the grammar's last tokens keeps only their bits
+        full[rows, whole] = src[:, whole] & ((1 << part) - 1)
+    triton_bitmask.apply_bitmask(logits, full.to(logits.device), np.asarray(rows, dtype=np.int64))
 
 
 # ----- simulated decoding -----------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@
     RequestGrammar    one per request: an xgrammar GrammarMatcher. accept_tokens / fill_bitmask / is_terminated /
                       rollback. Once the grammar is complete only stop tokens are allowed; once one is accepted the
                       grammar is terminated and its row allows only stop tokens (the request must end).
-    allocate_bitmask / fill_bitmasks / apply_bitmask
+    allocate_bitmask / fill_bitmasks
                       the batch path: a [max_batch, ceil(V/32)] int32 CPU buffer, filled row by row for the
-                      constrained rows only (multi-threaded), applied in place to those logits rows in one call.
+                      constrained rows only (multi-threaded). The model runner applies it to the logits
+                      (kernels/triton_bitmask.py); this package stays on the host.
 
 Bitmask rows and logits rows are aligned: bitmask row i masks logits row i (xgrammar's `indices` convention).
 """
@@ -25,7 +26,6 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -427,27 +427,3 @@ def fill_bitmasks(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor, row
         if _batch_matcher is None:
             _batch_matcher = xgr.BatchGrammarMatcher(_BATCH_FILL_THREADS)
         _batch_matcher.batch_fill_next_token_bitmask(live, bitmask, live_rows)
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | torch.Tensor,
-                  vocab_size: int | None = None) -> None:
-    """Set logits[r, t] = -inf for every disallowed token t of every row r in `rows`, in place; other rows are
-    untouched. bitmask row r belongs to logits row r. vocab_size (default: what the bitmask covers) is the grammar
-    vocabulary: logits columns beyond it (a model vocab padded past the tokenizer's) are masked too in the
-    constrained rows. A convenience over tokenmill.kernels.triton_bitmask (which the model runner calls directly
-    with a full-width mask): it builds that mask on the host."""
-    from tokenmill.kernels.triton_bitmask import apply_bitmask as apply_full
-    rows = [int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)]
-    if not rows:
-        return
-    batch, width = logits.shape
-    covered = min(bitmask.shape[-1] * 32 if vocab_size is None else vocab_size, width)
-    words = -(-width // 32)
-    full = torch.full((batch, words), -1, dtype=torch.int32)
-    src = bitmask.cpu()[rows]
-    full[rows] = 0
-    whole, part = divmod(covered, 32)
-    full[rows, :whole] = src[:, :whole]
-    if part:  # the word holding the grammar's last tokens keeps only their bits
-        full[rows, whole] = src[:, whole] & ((1 << part) - 1)
-    apply_full(logits, full.to(logits.device), np.asarray(rows, dtype=np.int64))
