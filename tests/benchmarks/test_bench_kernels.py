@@ -124,3 +124,23 @@ def test_refused_without_cuda(monkeypatch, capsys):
             bench(argv)
         assert e.value.code == 2
         assert "tokenmill bench kernels: needs 1 CUDA GPU; this machine has 0" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_measures_writes_and_checks_a_table_on_cuda(tmp_path, capsys):
+    """The whole command on a tiny model (quick sweep, rows 1-2): a table of this device that `--check` passes,
+    and `--update` keeps what a second run did not measure."""
+    (tmp_path / "config.json").write_text('{"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, '
+                                          '"num_key_value_heads": 2, "vocab_size": 1000}')
+    out = tmp_path / "table.json"
+    assert bk.main(["--model", str(tmp_path), "--max-rows", "2", "--quick", "--min-gain", "0", "-o", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    table = gc.read_table(str(out))
+    assert table.device == torch.cuda.get_device_name() and "tokenmill bench kernels" in table.measured
+    assert bk.main(["--check", str(out)]) == 0
+    keep = {(16, 999, 999, None): GemvEntry(GemvConfig())}
+    gc.write_table(str(out), gc.GemvTable({**table.entries, **keep}, device=table.device))
+    assert bk.main(["--model", str(tmp_path), "--max-rows", "1", "--quick", "--update", "-o", str(out)]) == 0
+    after = gc.read_table(str(out)).entries
+    assert keep.items() <= after.items()
+    assert {k: v for k, v in after.items() if k[0] == 2} == {k: v for k, v in table.entries.items() if k[0] == 2}
