@@ -427,7 +427,7 @@ def run_server(engine_kwargs: dict[str, Any], frontend: FrontendConfig) -> None:
     if frontend.headless or frontend.api_server_count > 1:
         from tokenmill.engine.headless import run_headless
         from tokenmill.entrypoints.openai.multi_server import run_api_servers
-        code = run_headless(engine_kwargs) if frontend.headless else run_api_servers(engine_kwargs, frontend)
+        code = run_headless(engine_kwargs) if frontend.headless else run_api_servers(engine_kwargs, frontend, serve)
         if code:
             sys.exit(code)
         return

@@ -3,7 +3,8 @@
 This parent process owns the engine cores (EngineManager: the local ranks and the handshake for headless nodes)
 and supervises everything; it serves no HTTP itself. Each child binds its own listening socket with SO_REUSEPORT,
 so the kernel spreads connections over them, and builds its own AsyncLLM as client `k` of the engines. Metrics go
-through prometheus_client's multiprocess mode, so /metrics on any of them shows the whole server.
+through prometheus_client's multiprocess mode, so /metrics on any of them shows the whole server. What a child
+serves is passed in (api_server.run_server passes its `serve`), so this supervisor does not import the app.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import socket
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from tokenmill.config.frontend import FrontendConfig
 from tokenmill.engine.launcher import EngineAddresses, EngineManager, make_addresses, stop_processes
@@ -24,6 +25,8 @@ from tokenmill.logger import init_logger
 
 logger = init_logger(__name__)
 STOP_GRACE_S = 30.0
+# serve(engine, frontend, sockets=[...]) -> exit code: one API server on already-listening sockets.
+ServeFn = Callable[..., Awaitable[int]]
 
 
 def reuseport_socket(frontend: FrontendConfig) -> socket.socket:
@@ -44,11 +47,10 @@ def reuseport_socket(frontend: FrontendConfig) -> socket.socket:
 
 
 def _api_server_main(engine_kwargs: dict[str, Any], frontend: FrontendConfig, index: int,
-                     addresses: EngineAddresses) -> None:
-    """Child process `index`: one AsyncLLM (client `index` of the engines) and one uvicorn on the shared port."""
+                     addresses: EngineAddresses, serve: ServeFn) -> None:
+    """Child process `index`: one AsyncLLM (client `index` of the engines) and one `serve` on the shared port."""
     from tokenmill.config.engine_args import create_engine_config
     from tokenmill.engine.async_llm import AsyncLLM
-    from tokenmill.entrypoints.openai.api_server import serve
 
     async def main() -> int:
         engine = AsyncLLM(create_engine_config(**engine_kwargs), log_stats=not frontend.disable_log_stats,
@@ -69,9 +71,9 @@ class APIServerSupervisor:
     API server that exits on its own, stops everything and returns 1 (or that server's exit code).
     """
 
-    def __init__(self, engine_kwargs: dict[str, Any], frontend: FrontendConfig) -> None:
+    def __init__(self, engine_kwargs: dict[str, Any], frontend: FrontendConfig, serve: ServeFn) -> None:
         from tokenmill.config.engine_args import create_engine_config
-        self.engine_kwargs, self.frontend = engine_kwargs, frontend
+        self.engine_kwargs, self.frontend, self.serve = engine_kwargs, frontend, serve
         self.config = create_engine_config(**engine_kwargs)
         reuseport_socket(frontend).close()  # a port taken by another program fails here, with a clear message
         self.stopping = False
@@ -93,7 +95,7 @@ class APIServerSupervisor:
             mp = multiprocessing.get_context("spawn")
             for k in range(n):
                 proc = mp.Process(target=_api_server_main, name=f"TokenmillAPIServer_{k}",
-                                  args=(self.engine_kwargs, self.frontend, k, addresses))
+                                  args=(self.engine_kwargs, self.frontend, k, addresses, self.serve))
                 proc.start()
                 self.servers.append(proc)
             logger.info("Started %d API server processes on port %d.", n, self.frontend.port)
@@ -129,9 +131,11 @@ class APIServerSupervisor:
         stop_processes(alive, timeout_s=1.0, sig=signal.SIGTERM)
 
 
-def run_api_servers(engine_kwargs: dict[str, Any], frontend: FrontendConfig) -> int:
+def run_api_servers(engine_kwargs: dict[str, Any], frontend: FrontendConfig, serve: ServeFn) -> int:
+    """Runs `frontend.api_server_count` API server processes, each running `serve`, until stopped; the exit code.
+    `serve` must be picklable by reference (a module-level function): the children are spawned."""
     try:
-        supervisor = APIServerSupervisor(engine_kwargs, frontend)
+        supervisor = APIServerSupervisor(engine_kwargs, frontend, serve)
     except (ValueError, TypeError, FileNotFoundError) as e:
         logger.error("Cannot start the server: %s", e)
         return 1
