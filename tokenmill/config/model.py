@@ -112,6 +112,8 @@ class ModelConfig:
         if archs:
             self.architecture = archs[0]
         else:  # GGUF-derived configs name only a model_type
+            # Upward import (config -> models), allowed in tests/test_import_layers.py: the registry is the one table
+            # of families, a name table that imports no model code, so a new family stays one registry line.
             from tokenmill.models.registry import architecture_for_model_type
             self.architecture = architecture_for_model_type(getattr(self.hf_config, "model_type", None))
         derived, source = get_max_model_len(self.hf_config), "from its config"
