@@ -297,7 +297,8 @@ def measure(products: list[Product], rows: list[int], device: torch.device, *, q
             candidates: Callable[[int, Product], list[GemvConfig]] | None = None
             ) -> tuple[dict[gc.Key, GemvEntry], set[gc.Key]]:
     """(the entries that beat cuBLAS, every key measured). `time_case` and `candidates` default to the CUDA-graph
-    timing and the two-pass sweep; the budget (0 = none) stops the sweep between products."""
+    timing and the two-pass sweep; once the budget (0 = none) is spent, the products not yet timed and the second
+    pass are skipped."""
     sms = gc.sm_count(device)
     if time_case is None:
         def time_case(case, cfg):
@@ -324,8 +325,11 @@ def measure(products: list[Product], rows: list[int], device: torch.device, *, q
                     timed.append((time_case(case, cfg), cfg))
                 except Exception as e:  # a config this device cannot launch (shared memory, registers)
                     out(f"#   {p.name} rows {m}: {_fmt(cfg)} failed: {type(e).__name__}: {str(e)[:120]}")
-            pending.append((p, m, case, time_case(case, None), timed))
-    if pending and not quick:
+            cublas_us = time_case(case, None)
+            pending.append((p, m, case, cublas_us, timed))
+            best_us = min((us for us, _ in timed), default=math.nan)
+            out(f"#   {p.name} rows {m}: cuBLAS {cublas_us:.2f} us, best of {len(timed)} configs {best_us:.2f} us")
+    if pending and not quick and time.time() <= deadline:
         best = {(p, m): [c for _, c in sorted(timed, key=lambda r: r[0])[:_REFINE]] for p, m, _, _, timed in pending}
         if on_cuda:
             precompile([(m, p, c) for (p, m), cfgs in best.items() for c in second_pass(cfgs)], out)
