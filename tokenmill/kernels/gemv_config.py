@@ -161,7 +161,8 @@ def table_from_json(data: Any, source: str = "gemv table") -> GemvTable:
         raise ValueError(f"{source}: expected an object with \"version\": {FORMAT_VERSION}")
     unknown = set(data) - _TOP_FIELDS
     if unknown or not isinstance(data.get("gemv"), list):
-        raise ValueError(f"{source}: needs a \"gemv\" list" + (f"; unknown fields {sorted(unknown)}" if unknown else ""))
+        raise ValueError(f"{source}: needs a \"gemv\" list"
+                         + (f"; unknown fields {sorted(unknown)}" if unknown else ""))
     entries: dict[Key, GemvEntry] = {}
     for i, row in enumerate(data["gemv"]):
         where = f"{source}: gemv entry {i}"
