@@ -85,6 +85,8 @@ def test_tables_round_trip_through_json(tmp_path):
     gemv_config.write_table(str(path), table)
     back = gemv_config.read_table(str(path))
     assert back.entries == table.entries and (back.device, back.measured) == ("Some GPU", "by hand")
+    with pytest.raises(TypeError):
+        back.entries[(1, 8, 8, None)] = GemvEntry(GemvConfig())          # read-only: `tuned` is derived from it
     assert len(path.read_text().splitlines()) == 5 + 3 + 2        # one line per entry
     gemv_config.write_table(str(path), GemvTable(device="x"))
     assert len(gemv_config.read_table(str(path))) == 0

@@ -18,7 +18,8 @@ import functools
 import json
 import os
 import re
-from typing import Any
+import types
+from typing import Any, Mapping
 
 import torch
 import triton
@@ -88,11 +89,11 @@ class GemvEntry:
 class GemvTable:
     """The products that take the gemv on one device, each with its launch config: `prefer` answers where a product
     goes (a config, or None for cuBLAS), `tuned` gives a shape's measured config for the heuristic to use. Entries
-    are fixed at construction; a table compares and hashes by identity (it keys default_config's cache)."""
+    are fixed at construction (read-only); a table compares and hashes by identity (it keys default_config's cache)."""
 
     def __init__(self, entries: dict[Key, GemvEntry] | None = None, device: str | None = None,
                  measured: str | None = None):
-        self.entries: dict[Key, GemvEntry] = dict(entries or {})
+        self.entries: Mapping[Key, GemvEntry] = types.MappingProxyType(dict(entries or {}))
         self.device, self.measured = device, measured
         for key in self.entries:
             check_key(key)
