@@ -116,7 +116,7 @@ from tokenmill.kernels.triton_step_inputs import _load_step_kernel
 sig = {"ring_ptr": "*i64", "temps_ring_ptr": "*fp32", "counter_ptr": "*i64", "slot_ptr": "*i64", "tok_ptr": "*i64",
        "tok_stride": "i32", "req_ptr": "*i64", "req_stride": "i32", "qsl_ptr": "*i32", "seq_ptr": "*i32",
        "temp_ptr": "*fp32", "flag_ptr": "*i32", "prev_ptr": "*i64", "tokens": "i32", "reqs": "i32",
-       "NUM_SLOTS": "constexpr", "WIDTH": "constexpr", "BLOCK": "constexpr"}
+       "span": "i32", "NUM_SLOTS": "constexpr", "WIDTH": "constexpr", "BLOCK": "constexpr"}
 src = ASTSource(fn=_load_step_kernel, signature=sig, constexprs={"NUM_SLOTS": 4, "WIDTH": 513, "BLOCK": 256})
 print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 """

@@ -12,10 +12,12 @@ from tokenmill.config.compilation import CompilationConfig
 from tokenmill.worker.cuda_graph import SAMPLE_IN_GRAPH_MAX_SIZE, CudaGraphRunner, GraphKey
 
 SIZES = [1, 2, 4, 8, 16, 24]
+# On a CUDA machine the load kernel runs compiled, reading the pinned ring through the device's mapping.
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _runner(tokens_per_request=(1,), mixed=((16, 8),), vocab=0) -> CudaGraphRunner:
-    cg = CudaGraphRunner(None, [], SIZES, max_model_len=64, max_blocks_per_req=4, device=torch.device("cpu"),
+    cg = CudaGraphRunner(None, [], SIZES, max_model_len=64, max_blocks_per_req=4, device=DEV,
                          mixed_sizes=list(mixed), vocab_size=vocab, tokens_per_request=tokens_per_request)
     cg.graphs = {(s, q): None for s in SIZES for q in tokens_per_request}   # as if captured
     cg.mixed_graphs = {t: None for t, _ in mixed}
@@ -159,7 +161,7 @@ def test_one_logits_buffer_sized_as_the_profiler_reserves(max_seqs, max_tokens):
     largest graph), not the sum over graphs."""
     cc = CompilationConfig(cudagraph_capture_sizes=SIZES)
     sizes, mixed = cc.capture_sizes(max_seqs), cc.mixed_capture_sizes(max_tokens, max_seqs)
-    cg = CudaGraphRunner(None, [], sizes, max_model_len=64, max_blocks_per_req=4, device=torch.device("cpu"),
+    cg = CudaGraphRunner(None, [], sizes, max_model_len=64, max_blocks_per_req=4, device=DEV,
                          mixed_sizes=mixed, vocab_size=10, dtype=torch.float16)
     rows = cc.graph_output_rows(max_seqs, max_tokens)
     assert cg.logits.shape == (rows, 10) and rows == max(sizes + [r for _, r in mixed])

@@ -31,44 +31,44 @@ _BLOCK = 256  # columns per loop iteration of the one program
 
 
 # One compiled variant for every graph: the sizes are plain runtime ints (a graph bakes its own into the launch).
-@triton.jit(do_not_specialize=["tokens", "reqs"])
+@triton.jit(do_not_specialize=["tokens", "reqs", "span"])
 def _load_step_kernel(ring_ptr, temps_ring_ptr, counter_ptr, slot_ptr, tok_ptr, tok_stride, req_ptr, req_stride,
-                      qsl_ptr, seq_ptr, temp_ptr, flag_ptr, prev_ptr, tokens, reqs,
+                      qsl_ptr, seq_ptr, temp_ptr, flag_ptr, prev_ptr, tokens, reqs, span,
                       NUM_SLOTS: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    # One program: the replay counter is read and advanced once, with no other program racing for it.
+    # One program: the replay counter is read and advanced once, with no other program racing for it. Every host
+    # read of a column block is issued before any of them is used, so a step costs one PCIe round trip per block
+    # of `span` = max(tokens, reqs + 1) columns (one block up to 256), plus the device gather of placeholder ids.
     c = tl.load(counter_ptr)
     s = c % NUM_SLOTS
     base = ring_ptr + s * (ROWS * WIDTH)
-    for start in range(0, tokens, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        m = i < tokens
-        # .cv: fetch again from host memory every time (the host rewrites the slot between replays).
-        ids = tl.load(base + i, mask=m, other=0, cache_modifier=".cv")
-        pos = tl.load(base + WIDTH + i, mask=m, other=0, cache_modifier=".cv")
-        kv_slot = tl.load(base + 2 * WIDTH + i, mask=m, other=-1, cache_modifier=".cv")
-        src = tl.load(base + 3 * WIDTH + i, mask=m, other=-1, cache_modifier=".cv")
-        take = m & (src >= 0)
-        prev = tl.load(prev_ptr + tl.where(take, src, 0), mask=take, other=0)
-        tl.store(tok_ptr + i, tl.where(take, prev, ids), mask=m)
-        tl.store(tok_ptr + tok_stride + i, pos, mask=m)
-        tl.store(tok_ptr + 2 * tok_stride + i, kv_slot, mask=m)
-    for start in range(0, reqs + 1, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        m = i < reqs
-        seed = tl.load(base + 4 * WIDTH + i, mask=m, other=0, cache_modifier=".cv")
-        rpos = tl.load(base + 5 * WIDTH + i, mask=m, other=0, cache_modifier=".cv")
-        ctx = tl.load(base + 6 * WIDTH + i, mask=m, other=0, cache_modifier=".cv")
-        last = tl.load(base + 8 * WIDTH + i, mask=m, other=0, cache_modifier=".cv")
-        temp = tl.load(temps_ring_ptr + s * WIDTH + i, mask=m, other=1.0, cache_modifier=".cv")
-        mq = i < reqs + 1
-        qsl = tl.load(base + 7 * WIDTH + i, mask=mq, other=0, cache_modifier=".cv")
-        tl.store(req_ptr + i, seed, mask=m)
-        tl.store(req_ptr + req_stride + i, rpos, mask=m)
-        tl.store(req_ptr + 2 * req_stride + i, last, mask=m)
-        tl.store(seq_ptr + i, ctx.to(tl.int32), mask=m)
-        tl.store(temp_ptr + i, temp, mask=m)
-        tl.store(qsl_ptr + i, qsl.to(tl.int32), mask=mq)
+    # .cv: fetch again from host memory every time (the host rewrites the slot between replays).
     flag = tl.load(base + 9 * WIDTH, cache_modifier=".cv")
+    for start in range(0, span, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        mt = i < tokens
+        mr = i < reqs
+        mq = i < reqs + 1
+        ids = tl.load(base + i, mask=mt, other=0, cache_modifier=".cv")
+        pos = tl.load(base + WIDTH + i, mask=mt, other=0, cache_modifier=".cv")
+        kv_slot = tl.load(base + 2 * WIDTH + i, mask=mt, other=-1, cache_modifier=".cv")
+        src = tl.load(base + 3 * WIDTH + i, mask=mt, other=-1, cache_modifier=".cv")
+        seed = tl.load(base + 4 * WIDTH + i, mask=mr, other=0, cache_modifier=".cv")
+        rpos = tl.load(base + 5 * WIDTH + i, mask=mr, other=0, cache_modifier=".cv")
+        ctx = tl.load(base + 6 * WIDTH + i, mask=mr, other=0, cache_modifier=".cv")
+        qsl = tl.load(base + 7 * WIDTH + i, mask=mq, other=0, cache_modifier=".cv")
+        last = tl.load(base + 8 * WIDTH + i, mask=mr, other=0, cache_modifier=".cv")
+        temp = tl.load(temps_ring_ptr + s * WIDTH + i, mask=mr, other=1.0, cache_modifier=".cv")
+        take = mt & (src >= 0)
+        prev = tl.load(prev_ptr + tl.where(take, src, 0), mask=take, other=0)
+        tl.store(tok_ptr + i, tl.where(take, prev, ids), mask=mt)
+        tl.store(tok_ptr + tok_stride + i, pos, mask=mt)
+        tl.store(tok_ptr + 2 * tok_stride + i, kv_slot, mask=mt)
+        tl.store(req_ptr + i, seed, mask=mr)
+        tl.store(req_ptr + req_stride + i, rpos, mask=mr)
+        tl.store(req_ptr + 2 * req_stride + i, last, mask=mr)
+        tl.store(seq_ptr + i, ctx.to(tl.int32), mask=mr)
+        tl.store(temp_ptr + i, temp, mask=mr)
+        tl.store(qsl_ptr + i, qsl.to(tl.int32), mask=mq)
     tl.store(flag_ptr, flag.to(tl.int32))
     tl.store(slot_ptr, s)
     tl.store(counter_ptr, c + 1)
@@ -121,5 +121,5 @@ class HostStepIO:
         float32, flag [1] int32. Rows must have stride-1 columns."""
         assert tokens <= self.width and reqs + 1 <= self.width and tok.stride(1) == 1 and req.stride(1) == 1
         _load_step_kernel[(1,)](self.ints, self.temps, self.counter, self.slot, tok, tok.stride(0), req,
-                                req.stride(0), qsl, seq_lens, temps, flag, prev, tokens, reqs,
+                                req.stride(0), qsl, seq_lens, temps, flag, prev, tokens, reqs, max(tokens, reqs + 1),
                                 NUM_SLOTS=self.NUM_SLOTS, WIDTH=self.width, BLOCK=_BLOCK, num_warps=4)
