@@ -311,19 +311,6 @@ def load_generation_config(model_config) -> dict[str, Any]:
     return gen
 
 
-def load_generation_config(model_config) -> dict[str, Any]:
-    """The generation config a config.ModelConfig selects: its model's (generation_config="auto"), another local
-    model's, or none ("vllm"); override_generation_config applied on top."""
-    mc = model_config
-    if mc.generation_config == "vllm":
-        gen: dict[str, Any] = {}
-    else:
-        resolved = mc.resolved if mc.generation_config == "auto" else resolve_model(mc.generation_config)
-        gen = dict(get_generation_config(resolved, mc.trust_remote_code) or {})
-    gen.update(mc.override_generation_config or {})
-    return gen
-
-
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
