@@ -18,7 +18,7 @@ def runner_and_hf(tiny_model_factory):
 
     from tokenmill import LLM
     d = tiny_model_factory("llama")
-    llm = LLM(d, max_model_len=64, num_gpu_blocks_override=16, max_num_seqs=4, enforce_eager=True)
+    llm = LLM(d, dtype="float32", max_model_len=64, num_gpu_blocks_override=16, max_num_seqs=4, enforce_eager=True)
     hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     yield llm.llm_engine.engine_core.executor.worker.runner, hf
     del llm
@@ -52,7 +52,9 @@ def test_pooled_states_match_hf(runner_and_hf, pooler, pick):
         want = pick(h)
         if pooler.normalize:
             want = want / want.norm()
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        # fp32 on both sides; on CUDA the Triton kernels' dots run in TF32.
+        tol = 3e-3 if torch.cuda.is_available() else 1e-4
+        torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
 
 
 def test_a_chunked_prompt_is_refused(runner_and_hf):
