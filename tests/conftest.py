@@ -8,6 +8,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without CUDA every Triton kernel runs in the interpreter. It must be on before any test module imports a kernel:
+# a @triton.jit helper created with it off cannot be called from an interpreted kernel.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
