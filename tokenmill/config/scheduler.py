@@ -9,8 +9,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_NUM_SEQS = 256
 # vLLM's default for its offline `LLM` class on GPUs of 70+ GiB other than the A100 (H100, H200, MI300): larger
 # prefill chunks, so fewer eager mixed steps while a batch of prompts is admitted. Its server keeps 8192 there, as
-# ours does. On the H200, Qwen3-0.6B's nano-vllm workload: 25,451 against 24,685 output tok/s, +3.1% (means of six
-# and five runs on four hosts; docs/benchmarks.md, session 13).
+# ours does. On the H200, Qwen3-0.6B's nano-vllm workload: 25,451 against 24,685 output tok/s, +3.1% (means of 11
+# runs on four hosts).
 OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS = 16384
 _LARGE_GPU_BYTES = 70 * 2**30
 
