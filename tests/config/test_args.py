@@ -196,8 +196,6 @@ def test_config_file_errors(tmp_path, capsys):
 
 def test_not_yet_supported_flags_fail_clearly(capsys):
     for cmd, said in (("--enable-lora", "`enable_lora=True` (--enable-lora)"),
-                      ("--speculative-config.method ngram", "`speculative_config={'method': 'ngram'}` "
-                                                            "(--speculative-config)"),
                       ("""--kv-transfer-config '{"kv_connector": "x"}'""", "(--kv-transfer-config)"),
                       ("--enable-sleep-mode", "(--enable-sleep-mode)"),
                       ("--max-loras 4", "`max_loras=4` (--max-loras)"),

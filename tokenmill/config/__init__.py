@@ -10,9 +10,10 @@ from tokenmill.config.load import LoadConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.parallel import ParallelConfig
 from tokenmill.config.scheduler import SchedulerConfig
+from tokenmill.config.speculative import SpeculativeArgs, SpeculativeConfig
 
 CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, LoadConfig, ParallelConfig, DeviceConfig,
-                  CompilationConfig)
+                  CompilationConfig, SpeculativeArgs)
 
 
 @dataclass
@@ -25,6 +26,7 @@ class TokenmillConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     compilation_config: CompilationConfig
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self.scheduler_config.finalize(self.model_config.max_model_len)
@@ -33,6 +35,14 @@ class TokenmillConfig:
             raise ValueError(f"async_scheduling=True cannot be combined with pipeline_parallel_size={pp}: the "
                              "pipeline overlaps micro-batches instead (a request waits for its sampled token "
                              "before it is scheduled again). Leave async_scheduling unset or pass False.")
+        if self.speculative_config is not None:
+            # The drafts of step N+1 come from step N's accepted tokens, so N+1 is scheduled once they are known.
+            if self.scheduler_config.async_scheduling:
+                raise ValueError("async_scheduling=True cannot be combined with speculative_config yet: the next "
+                                 "step's drafts need this step's accepted tokens. Leave async_scheduling unset.")
+            if pp > 1:
+                raise ValueError(f"speculative_config cannot be combined with pipeline_parallel_size={pp} yet.")
+            self.scheduler_config.async_scheduling = False
         if self.scheduler_config.async_scheduling is None:
             # Overlap pays where the device runs asynchronously to the host; on the CPU the forward is the host.
             # Pipeline parallelism keeps several micro-batches in flight instead.
@@ -43,4 +53,4 @@ class TokenmillConfig:
 
 
 __all__ = ["CacheConfig", "CompilationConfig", "DeviceConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
-           "TokenmillConfig", "CONFIG_CLASSES"]
+           "SpeculativeArgs", "SpeculativeConfig", "TokenmillConfig", "CONFIG_CLASSES"]

@@ -30,7 +30,8 @@ SHORT_ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-
                  "nnodes": ("-n",), "node_rank": ("-r",),
                  "data_parallel_size_local": ("-dpl",), "data_parallel_start_rank": ("-dpr",),
                  "data_parallel_address": ("-dpa",), "data_parallel_rpc_port": ("-dpp",),
-                 "compilation_config": ("-cc",), "optimization_level": ("-O",)}
+                 "compilation_config": ("-cc",), "optimization_level": ("-O",),
+                 "speculative_config": ("-sc",)}
 PARSER_CLASSES = (*CONFIG_CLASSES, FrontendConfig)
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _DOTTED = "\x00dotted:"

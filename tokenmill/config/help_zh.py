@@ -109,6 +109,7 @@ GROUP_DOCS_EN = {
                       "torchrun or a Ray cluster) and data parallelism (engine replicas).",
     "DeviceConfig": "Which device runs the model.",
     "CompilationConfig": "CUDA graphs for decode steps and small mixed batches (GPU only).",
+    "SpeculativeArgs": "Speculative decoding: drafts proposed per request and verified in one forward.",
     "FrontendConfig": "The OpenAI-compatible HTTP server: socket, CORS, authentication, TLS, chat templates, tools "
                       "and logging.",
     "NotYetSupported": "vLLM options that tokenmill accepts only with their default value, so existing command "
@@ -187,6 +188,7 @@ GROUP_TITLES_ZH = {
     "ParallelConfig": "ParallelConfig（并行）",
     "DeviceConfig": "DeviceConfig（设备）",
     "CompilationConfig": "CompilationConfig（CUDA Graph）",
+    "SpeculativeArgs": "SpeculativeArgs（推测解码）",
     "FrontendConfig": "FrontendConfig（API 服务前端）",
     "NotYetSupported": "NotYetSupported（暂不支持的 vLLM 选项）",
 }
@@ -201,6 +203,7 @@ GROUP_DOCS_ZH = {
                       "（多个引擎副本）。",
     "DeviceConfig": "用哪种设备运行模型。",
     "CompilationConfig": "解码步骤与小型混合批使用的 CUDA Graph（仅 GPU）。",
+    "SpeculativeArgs": "推测解码：每个请求先起草若干 token，再用一次前向一并验证。",
     "FrontendConfig": "兼容 OpenAI 的 HTTP 服务：监听地址、跨域、鉴权、TLS、聊天模板、工具调用与日志。",
     "NotYetSupported": "tokenmill 还做不到的 vLLM 选项：为了让现有命令行能直接解析，这些选项可以写，但只能取默认值；"
                        "写成其他值会直接报错，而不是悄悄忽略。",
@@ -512,9 +515,24 @@ HELP_ZH: dict[str, str] = {
     "ir_op_priority": "vLLM IR 算子的优先级。",
     "enable_flashinfer_autotune": "为 FlashInfer 内核做自动调优。",
     "moe_backend": "MoE 专家计算使用的内核后端。",
-    "speculative_config": "推测解码的设置（简写 -sc）。",
-    "speculative_model": "推测解码的草稿模型（vLLM 0.7 的选项）。",
-    "num_speculative_tokens": "每步推测的 token 数（vLLM 0.7 的选项）。",
+    "speculative_config": ("推测解码的设置，一个 JSON 对象（简写 -sc），例如 '{\"method\": \"ngram\", "
+                           "\"num_speculative_tokens\": 4}' 或 '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}'。"
+                           "键：method（ngram、suffix）、num_speculative_tokens（1..16）、prompt_lookup_min/max、"
+                           "disable_by_batch_size、suffix_decoding_*、benchmark_acceptance_rate（仅用于随机权重测速）。"
+                           "草稿模型、EAGLE 与 MTP 暂不支持。"),
+    "speculative_model": "推测解码的草稿模型（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "num_speculative_tokens": "每步推测的 token 数（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "ngram_prompt_lookup_max": "ngram 提示查找的最大窗口（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "ngram_prompt_lookup_min": "ngram 提示查找的最小窗口（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "speculative_disable_by_batch_size": "请求数超过此值时不做推测（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "speculative_draft_tensor_parallel_size": "草稿模型的张量并行数（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "speculative_max_model_len": "草稿模型支持的最大序列长度（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "speculative_model_quantization": "草稿模型的量化方法（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "speculative_disable_mqa_scorer": "不用 MQA scorer 而用批扩展（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "spec_decoding_acceptance_method": "草稿 token 的接受方法（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "typical_acceptance_sampler_posterior_threshold": "典型接受采样的阈值（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "typical_acceptance_sampler_posterior_alpha": "典型接受采样的 alpha（vLLM 0.7 的选项，请改用 --speculative-config）。",
+    "disable_logprobs_during_spec_decoding": "推测解码时不算 logprobs（vLLM 0.7 的选项，请改用 --speculative-config）。",
     "kv_transfer_config": "分布式 KV 缓存传输（预填充与解码分离部署）的设置。",
     "kv_events_config": "KV 缓存事件发布的设置。",
     "ec_transfer_config": "分布式编码器缓存传输的设置。",

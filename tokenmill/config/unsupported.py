@@ -24,6 +24,7 @@ class NotYetSupported:
     aliases: tuple[str, ...] = ()
     accepted: tuple = ()  # other values that describe what tokenmill does anyway
     frontend: bool = False  # an API-server flag, not an engine argument
+    instead: str = ""  # an old vLLM flag: the current spelling to use instead (any value but the default refused)
 
 
 def _n(kind: str, default: Any, help: str, *aliases: str, ok: tuple = ()) -> NotYetSupported:
@@ -32,6 +33,12 @@ def _n(kind: str, default: Any, help: str, *aliases: str, ok: tuple = ()) -> Not
 
 def _f(kind: str, default: Any, help: str) -> NotYetSupported:
     return NotYetSupported(kind, default, help, frontend=True)
+
+
+def _old_spec(kind: str, default: Any, help: str, example: str, *aliases: str) -> NotYetSupported:
+    """A vLLM 0.7 speculative-decoding flag (seed 003), replaced by one key of --speculative-config."""
+    return NotYetSupported(kind, default, help + " (vLLM 0.7)", aliases,
+                           instead=f"--speculative-config '{example}'")
 
 
 NOT_YET_SUPPORTED: dict[str, NotYetSupported] = {
@@ -155,9 +162,37 @@ NOT_YET_SUPPORTED: dict[str, NotYetSupported] = {
     "ir_op_priority": _n("json", None, "vLLM IR op priorities."),
     "enable_flashinfer_autotune": _n("bool", None, "Autotune FlashInfer kernels."),
     "moe_backend": _n("str", "auto", "MoE kernel backend."),
-    "speculative_config": _n("json", None, "Speculative decoding.", "-sc"),
-    "speculative_model": _n("str", None, "Draft model (vLLM 0.7)."),
-    "num_speculative_tokens": _n("int", None, "Speculative tokens per step (vLLM 0.7)."),
+    # vLLM 0.7's speculative-decoding flags: one JSON object (--speculative-config) replaced them.
+    "speculative_model": _old_spec("str", None, "Draft model", '{"model": "/path/to/draft", '
+                                   '"num_speculative_tokens": 4}'),
+    "num_speculative_tokens": _old_spec("int", None, "Speculative tokens per step",
+                                        '{"method": "ngram", "num_speculative_tokens": 4}'),
+    "ngram_prompt_lookup_max": _old_spec("int", None, "Largest n-gram of prompt lookup",
+                                         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'),
+    "ngram_prompt_lookup_min": _old_spec("int", None, "Smallest n-gram of prompt lookup",
+                                         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}'),
+    "speculative_disable_by_batch_size": _old_spec(
+        "int", None, "Decode without drafts above this many requests",
+        '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}'),
+    "speculative_draft_tensor_parallel_size": _old_spec(
+        "int", None, "Tensor-parallel size of the draft model",
+        '{"model": "/path/to/draft", "num_speculative_tokens": 4, "draft_tensor_parallel_size": 1}', "-spec-draft-tp"),
+    "speculative_max_model_len": _old_spec("int", None, "Longest sequence the draft model serves",
+                                           '{"model": "/path/to/draft", "num_speculative_tokens": 4, '
+                                           '"max_model_len": 4096}'),
+    "speculative_model_quantization": _old_spec("str", None, "Quantization of the draft model",
+                                                '{"model": "/path/to/draft", "num_speculative_tokens": 4, '
+                                                '"quantization": "fp8"}'),
+    "speculative_disable_mqa_scorer": _old_spec("bool", False, "Batch expansion instead of the MQA scorer",
+                                                '{"method": "ngram", "num_speculative_tokens": 4}'),
+    "spec_decoding_acceptance_method": _old_spec("str", "rejection_sampler", "Draft acceptance method",
+                                                 '{"method": "ngram", "num_speculative_tokens": 4}'),
+    "typical_acceptance_sampler_posterior_threshold": _old_spec(
+        "float", None, "Typical acceptance threshold", '{"method": "ngram", "num_speculative_tokens": 4}'),
+    "typical_acceptance_sampler_posterior_alpha": _old_spec(
+        "float", None, "Typical acceptance alpha", '{"method": "ngram", "num_speculative_tokens": 4}'),
+    "disable_logprobs_during_spec_decoding": _old_spec(
+        "bool", None, "Skip logprobs of speculated tokens", '{"method": "ngram", "num_speculative_tokens": 4}'),
     "kv_transfer_config": _n("json", None, "Distributed KV cache transfer (disaggregated prefill)."),
     "kv_events_config": _n("json", None, "KV cache event publishing."),
     "ec_transfer_config": _n("json", None, "Distributed encoder cache transfer."),
@@ -182,6 +217,9 @@ def check_not_yet_supported(name: str, value: Any) -> None:
     if is_accepted(name, value):
         return
     nys = NOT_YET_SUPPORTED[name]
+    if nys.instead:
+        raise ValueError(f"`{name}={value!r}` (--{name.replace('_', '-')}) is a vLLM 0.7 option that vLLM 0.20 "
+                         f"replaced: use {nys.instead} instead.")
     allowed = " or ".join(repr(v) for v in (nys.default, *nys.accepted) if v is not None)
     if nys.default is None:
         why = f"Leave it unset{' or pass ' + allowed if allowed else ''}."
