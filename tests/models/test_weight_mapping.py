@@ -75,7 +75,7 @@ def test_quant_config_none_for_dense_and_gguf():
 
 
 def test_unregistered_checkpoint_method_is_refused_by_name():
-    with pytest.raises(ValueError, match="quantization='awq'.*not supported yet"):
-        get_quant_config(_model_config({"quant_method": "awq", "bits": 4}))
-    with pytest.raises(ValueError, match="'fp8'"):
-        get_quant_config(_model_config(quantization="fp8"))
+    with pytest.raises(ValueError, match="quantization='hqq'.*not supported yet"):
+        get_quant_config(_model_config({"quant_method": "hqq", "bits": 4}))
+    with pytest.raises(ValueError, match="'bitsandbytes'"):
+        get_quant_config(_model_config(quantization="bitsandbytes"))

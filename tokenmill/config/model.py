@@ -9,6 +9,8 @@ import torch
 from tokenmill.config.utils import check_choices, check_range, config_field, not_supported_yet
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+# --quantization values with a linear method (tokenmill/layers/quantization's registry; vLLM's aliases included).
+QUANTIZATION_METHODS = ("gguf", "fp8", "compressed-tensors", "compressed_tensors")
 _DTYPE_MAP = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
               "float": torch.float32, "float32": torch.float32}
 
@@ -51,8 +53,11 @@ class ModelConfig:
     hf_config_path: str | None = config_field(None, help="Read the HF config from here instead of the model.")
     max_model_len: int | None = config_field(None, help="Context length (prompt + output); default: the "
                                                         "model's. Accepts 32k, 1K, auto.")
-    quantization: str | None = config_field(None, help="Weight quantization method (GGUF files are dequantized "
-                                                       "at load; others are not supported yet).")
+    quantization: str | None = config_field(
+        None, help="Weight quantization method; default: the checkpoint's quantization_config. fp8 (FP8 "
+                   "checkpoints, or a dense one quantized at load), compressed-tensors; vLLM's aliases "
+                   "(compressed_tensors) accepted; GGUF files are dequantized at load. Naming another method than "
+                   "the checkpoint's is an error.")
     enforce_eager: bool = config_field(False, help="Never use CUDA graphs.")
     max_logprobs: int = config_field(20, help="Most logprobs a request may ask for (-1 = no limit).")
     logprobs_mode: str = config_field("raw_logprobs", help="What logprobs report.",
@@ -92,8 +97,9 @@ class ModelConfig:
             raise ValueError(f"Invalid value {self.max_logprobs} for `max_logprobs`: must be -1 or >= 0.")
         if self.tokenizer_mode in ("mistral", "deepseek_v32"):
             raise not_supported_yet("tokenizer_mode", self.tokenizer_mode, "Use auto, hf or slow.")
-        if self.quantization not in (None, "gguf"):
-            raise not_supported_yet("quantization", self.quantization)
+        if self.quantization is not None and self.quantization.lower() not in QUANTIZATION_METHODS:
+            raise not_supported_yet("quantization", self.quantization,
+                                    f"Supported: {', '.join(QUANTIZATION_METHODS)}.")
         if self.enable_prompt_embeds:
             raise not_supported_yet("enable_prompt_embeds", True)
         self._resolve(download_dir)

@@ -68,9 +68,21 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
             raise ValueError(f"The checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:5]}.")
     with torch.no_grad():
         process_weights_after_loading(model)
-    logger.info("Loaded %s (%s, %.1f M parameters, %s) on %s", mc.architecture, fmt,
-                sum(p.numel() for p in model.parameters()) / 1e6, dtype, device)
+    logger.info("Loaded %s (%s, %.1f M parameters, %s%s) on %s; weights %s", mc.architecture, fmt,
+                sum(p.numel() for p in model.parameters()) / 1e6, dtype,
+                f", {quant_config.name}" if quant_config is not None else "", device, weight_memory_summary(model))
     return model
+
+
+def weight_memory_summary(model: nn.Module) -> str:
+    """'1.23 GiB: float8_e4m3fn 1.00 GiB, bfloat16 0.23 GiB' over the model's parameters (each storage once)."""
+    by_dtype: dict[str, int] = {}
+    for p in model.parameters():
+        name = str(p.dtype).removeprefix("torch.")
+        by_dtype[name] = by_dtype.get(name, 0) + p.numel() * p.element_size()
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    parts = sorted(by_dtype.items(), key=lambda kv: -kv[1])
+    return f"{gib(sum(by_dtype.values()))}: " + ", ".join(f"{d} {gib(b)}" for d, b in parts)
 
 
 def _load_dummy(model: nn.Module, seed: int) -> None:

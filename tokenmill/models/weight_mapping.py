@@ -68,6 +68,9 @@ def _cast(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if tensor.dtype == param.dtype:
         return tensor
     if param.dtype.is_floating_point and tensor.dtype.is_floating_point:
+        if param.element_size() == 1 and tensor.element_size() > 1:  # into float8: a cast would drop the scale
+            raise ValueError(f"Checkpoint tensor of dtype {tensor.dtype} cannot load into a {param.dtype} "
+                             "parameter: the quantization_config declares fp8 weights but this tensor is not fp8.")
         return tensor.to(param.dtype)
     raise ValueError(f"Checkpoint tensor of dtype {tensor.dtype} cannot load into a parameter of dtype "
                      f"{param.dtype}.")
@@ -115,7 +118,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], 
             raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}; "
                              "is this the right architecture?")
         loader = getattr(param, "weight_loader", default_weight_loader)
-        loader(param, _cast(tensor, param), shard)
+        try:
+            loader(param, _cast(tensor, param), shard)
+        except ValueError as e:  # name the tensor: the layers' messages name only the parameter
+            raise ValueError(f"Checkpoint tensor {name!r} (into {pname}): {e}") from None
         loaded.add(pname)
     return loaded
 

@@ -12,7 +12,10 @@ from tokenmill.layers.quantization.base import LinearMethod, LinearShape, Quanti
 __all__ = ["LinearMethod", "LinearShape", "QuantizationConfig", "get_quant_config", "registered_methods"]
 
 # method name (config.json's quant_method or --quantization) -> (module, QuantizationConfig class)
-_METHODS: dict[str, tuple[str, str]] = {}
+_METHODS: dict[str, tuple[str, str]] = {
+    "fp8": ("tokenmill.layers.quantization.fp8", "Fp8Config"),
+    "compressed-tensors": ("tokenmill.layers.quantization.compressed_tensors", "CompressedTensorsConfig"),
+}
 
 
 def registered_methods() -> list[str]:
@@ -37,13 +40,9 @@ def get_quant_config(model_config) -> QuantizationConfig | None:
         return None
     method, qc = _checkpoint_method(model_config.hf_config)
     forced = model_config.quantization
-    if forced is not None and forced != "gguf":
-        method = forced
+    from tokenmill.layers.quantization.selection import select_method
+    method = select_method(None if forced == "gguf" else forced, method, registered_methods())
     if method is None:
         return None
-    if method not in _METHODS:
-        from tokenmill.config.utils import not_supported_yet
-        raise not_supported_yet("quantization", method, "This checkpoint is quantized (config.json's "
-                                "quantization_config); tokenmill loads dense or GGUF weights only so far.")
     module, name = _METHODS[method]
     return getattr(importlib.import_module(module), name).from_config(qc)

@@ -1,0 +1,122 @@
+"""Matrix products with quantized weights dequantized in registers: y[M, N] = x[M, K] W^T, W read in its stored form.
+
+Two kernels share one tiling (a program per BLOCK_M x BLOCK_N output tile, a loop over K):
+- `fp8_matmul`: W is float8 e4m3 [N, K] with either one float32 scale per output row (per-tensor and per-channel
+  checkpoints, whose per-slot scales the linear method expands to rows) or one scale per (block_n x block_k) block
+  (DeepSeek-V3 / Qwen3-FP8 block-wise checkpoints). A row scale multiplies the accumulator once at the end; block
+  scales multiply the weight tile before the dot.
+- `int_matmul`: W is 4- or 8-bit integers packed along K into int32 ([K * bits / 32, N], value j of a word in bits
+  j*bits .. j*bits + bits - 1), with a scale and an integer zero point per (group, output column): w = (q - z) * s.
+  The group of input k is `g_idx[k]` when given (GPTQ act-order), else k // group_size.
+
+The activations stay in their dtype (bf16 / fp16 / fp32) and the dot runs in it with fp32 accumulation, so these are
+weight-only products: at a few rows (decode) the cost is the weight bytes streamed, which is what quantization
+shrinks. BLOCK_M follows the row count (16 rows or fewer is the GEMV shape; tl.dot's minimum is 16).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _tiles(m: int, n: int) -> tuple[int, int, int]:
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n = 64 if n >= 64 else 32 if n >= 32 else 16
+    return block_m, block_n, 64
+
+
+@triton.jit
+def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, s_cols, BN_SCALE, BK_SCALE,
+                       BLOCK_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < M, rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if BLOCK_SCALES:
+            s = tl.load(s_ptr + (rn[None, :] // BN_SCALE) * s_cols + rk[:, None] // BK_SCALE,
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wd = (w.to(tl.float32) * s).to(x.dtype)
+        else:
+            wd = w.to(x.dtype)
+        acc += tl.dot(x, wd)
+    if not BLOCK_SCALES:
+        acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [..., K] @ (weight [N, K] float8_e4m3fn, dequantized)^T in x's dtype. `scale` is float32 [N] (one per
+    row) or, with `block` = (block_n, block_k), float32 [ceil(N / block_n), ceil(K / block_k)]."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm, bn, bk = _tiles(m, n)
+    bn_s, bk_s = block if block is not None else (1, 1)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _fp8_matmul_kernel[grid](x2, weight, scale, y, m, n, k, x2.stride(0), y.stride(0),
+                             scale.shape[1] if block is not None else 0, bn_s, bk_s,
+                             BLOCK_SCALES=block is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@triton.jit
+def _int_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride_xm, stride_ym, GROUP,
+                       BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < M, rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        kn_ok = k_ok[:, None] & n_ok[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        # each packed word is loaded by the PACK rows that share it (one cache line, no extra HBM traffic)
+        word = tl.load(q_ptr + (rk[:, None] // PACK) * N + rn[None, :], mask=kn_ok, other=0)
+        q = (word >> ((rk[:, None] % PACK) * BITS)) & MASK
+        if HAS_G_IDX:
+            g = tl.load(g_ptr + rk, mask=k_ok, other=0)
+        else:
+            g = rk // GROUP
+        s = tl.load(s_ptr + g[:, None] * N + rn[None, :], mask=kn_ok, other=0.0)
+        z = tl.load(z_ptr + g[:, None] * N + rn[None, :], mask=kn_ok, other=0)
+        w = ((q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+        acc += tl.dot(x, w)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W with W [K, N] = (unpack(qweight) - zeros[g]) * scales[g]; qweight int32 [K * bits / 32, N],
+    scales [G, N] (any float dtype), zeros uint8 [G, N], g = g_idx[k] (int32 [K]) or k // group_size."""
+    n = qweight.shape[1]
+    k = qweight.shape[0] * (32 // bits)
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm, bn, bk = _tiles(m, n)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _int_matmul_kernel[grid](x2, qweight, scales, zeros, g_idx if g_idx is not None else qweight, y, m, n, k,
+                             x2.stride(0), y.stride(0), group_size, BITS=bits, HAS_G_IDX=g_idx is not None,
+                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y.reshape(*x.shape[:-1], n)
