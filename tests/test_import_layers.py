@@ -35,6 +35,8 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
      "structured-output params, grammar compilation and bitmask filling, all on the host (the worker applies "
      "the masks)"),
     ("sampling_params", ("tokenmill.sampling_params",), "SamplingParams, which holds a StructuredOutputsParams"),
+    ("lora_request", ("tokenmill.lora.request",),
+     "LoRARequest, which the engine's messages carry (msgspec only; the rest of tokenmill.lora sits above layers)"),
     ("core", ("tokenmill.core",),
      "CPU-only scheduling: requests, KV blocks, the scheduler, and the messages in and out of the engine core "
      "(the lowest layer that builds them)"),
@@ -45,6 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("attention", ("tokenmill.attention", "tokenmill.forward_context"),
      "attention backends and layer; the per-step forward context carries their metadata"),
     ("layers", ("tokenmill.layers",), "linear (with quantization methods), norm, rotary, embedding, sampler"),
+    ("lora", ("tokenmill.lora",), "PEFT adapter loading, adapter slots, the deltas hooked into the linear layers"),
     ("models", ("tokenmill.models",), "model families, registry, weight loading"),
     ("worker", ("tokenmill.worker",), "one device's model runner, CUDA graphs, step inputs, the PP result path"),
     ("executor", ("tokenmill.executor",), "runs the workers: one process, several, or Ray"),

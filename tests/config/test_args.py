@@ -195,10 +195,11 @@ def test_config_file_errors(tmp_path, capsys):
 # ---- not yet supported -----------------------------------------------------------------------------------------
 
 def test_not_yet_supported_flags_fail_clearly(capsys):
-    for cmd, said in (("--enable-lora", "`enable_lora=True` (--enable-lora)"),
+    for cmd, said in (("--enable-tower-connector-lora", "`enable_tower_connector_lora=True` "
+                       "(--enable-tower-connector-lora)"),
                       ("""--kv-transfer-config '{"kv_connector": "x"}'""", "(--kv-transfer-config)"),
                       ("--enable-sleep-mode", "(--enable-sleep-mode)"),
-                      ("--max-loras 4", "`max_loras=4` (--max-loras)"),
+                      ("--specialize-active-lora", "`specialize_active_lora=True` (--specialize-active-lora)"),
                       ("--kv-offloading-size 10", "(--kv-offloading-size)"),
                       ("--limit-mm-per-prompt.image 10", "(--limit-mm-per-prompt)")):
         assert f"{said} is not supported yet by tokenmill" in fails(cmd, capsys), cmd
@@ -212,7 +213,7 @@ def test_vllm_compilation_flags_parse():
 
 
 def test_not_yet_supported_flags_with_default_values_parse():
-    engine, _ = parse("--no-enable-lora --max-loras 1 --runner generate --model-impl auto --task generate "
+    engine, _ = parse("--no-enable-tower-connector-lora --runner generate --model-impl auto --task generate "
                       "--additional-config '{}' --preemption-mode recompute --attention-backend auto")
     assert engine == {}
 

@@ -63,7 +63,7 @@ def test_every_not_yet_supported_option_is_refused_alike_everywhere(name, capsys
 
 
 def test_lora_and_speculative_decoding_same_message_on_cli_and_llm(capsys):
-    for argv, kwargs in ((["--enable-lora"], {"enable_lora": True}),
+    for argv, kwargs in ((["--enable-tower-connector-lora"], {"enable_tower_connector_lora": True}),
                          (shlex.split("--speculative-config.method eagle "
                                       "--speculative-config.num_speculative_tokens 3"),
                           {"speculative_config": {"method": "eagle", "num_speculative_tokens": 3}})):
@@ -73,10 +73,10 @@ def test_lora_and_speculative_decoding_same_message_on_cli_and_llm(capsys):
 
 
 def test_accepted_values_pass_on_both_paths_and_change_nothing():
-    engine, _ = parse_serve_args(shlex.split("--no-enable-lora --max-loras 1 --runner generate"))
+    engine, _ = parse_serve_args(shlex.split("--no-enable-tower-connector-lora --runner generate"))
     assert engine == {}
-    args = EngineArgs(enable_lora=False, max_loras=1, runner="generate", speculative_config=None, hf_token=False)
-    assert args.enable_lora is False and EngineArgs().max_lora_rank == 16  # unset: the table's default
+    args = EngineArgs(enable_tower_connector_lora=False, runner="generate", speculative_config=None, hf_token=False)
+    assert args.enable_tower_connector_lora is False and EngineArgs().max_lora_rank == 16  # unset: the default
     assert args.create_engine_config() == create_engine_config()
 
 

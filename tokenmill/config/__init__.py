@@ -7,13 +7,14 @@ from tokenmill.config.cache import CacheConfig
 from tokenmill.config.compilation import CompilationConfig
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.load import LoadConfig
+from tokenmill.config.lora import LoRAConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.parallel import ParallelConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.config.speculative import SpeculativeArgs, SpeculativeConfig
 
 CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, LoadConfig, ParallelConfig, DeviceConfig,
-                  CompilationConfig, SpeculativeArgs)
+                  CompilationConfig, SpeculativeArgs, LoRAConfig)
 
 
 @dataclass
@@ -27,6 +28,7 @@ class TokenmillConfig:
     device_config: DeviceConfig
     compilation_config: CompilationConfig
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None  # set when enable_lora
 
     def __post_init__(self) -> None:
         self.scheduler_config.finalize(self.model_config.max_model_len)
@@ -50,7 +52,9 @@ class TokenmillConfig:
         self.cache_config.verify_swap_space(self.parallel_config.tensor_parallel_size)
         self.parallel_config.verify_model(self.model_config.get_text_config())
         self.parallel_config.verify_devices(self.device_config.device)
+        if self.lora_config is not None:
+            self.lora_config.verify_parallel(self.parallel_config.tensor_parallel_size)
 
 
-__all__ = ["CacheConfig", "CompilationConfig", "DeviceConfig", "LoadConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
-           "SpeculativeArgs", "SpeculativeConfig", "TokenmillConfig", "CONFIG_CLASSES"]
+__all__ = ["CacheConfig", "CompilationConfig", "DeviceConfig", "LoadConfig", "LoRAConfig", "ModelConfig", "ParallelConfig",
+           "SchedulerConfig", "SpeculativeArgs", "SpeculativeConfig", "TokenmillConfig", "CONFIG_CLASSES"]

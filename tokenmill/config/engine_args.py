@@ -61,12 +61,13 @@ def create_engine_config(**kwargs: Any) -> TokenmillConfig:
     per_cls[_Model]["download_dir"] = per_cls[_Load].get("download_dir")
     configs = {cls: cls(**per_cls[cls]) for cls in CONFIG_CLASSES}
     from tokenmill.config import (CacheConfig, CompilationConfig, DeviceConfig, LoadConfig, ModelConfig,
-                                  ParallelConfig, SchedulerConfig, SpeculativeArgs)
+                                  LoRAConfig, ParallelConfig, SchedulerConfig, SpeculativeArgs)
     return TokenmillConfig(model_config=configs[ModelConfig], cache_config=configs[CacheConfig],
                            scheduler_config=configs[SchedulerConfig], load_config=configs[LoadConfig],
                            parallel_config=configs[ParallelConfig], device_config=configs[DeviceConfig],
                            compilation_config=configs[CompilationConfig],
-                           speculative_config=configs[SpeculativeArgs].parsed)
+                           speculative_config=configs[SpeculativeArgs].parsed,
+                           lora_config=configs[LoRAConfig] if configs[LoRAConfig].enable_lora else None)
 
 
 class EngineArgs:

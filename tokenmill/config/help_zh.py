@@ -110,6 +110,7 @@ GROUP_DOCS_EN = {
     "DeviceConfig": "Which device runs the model.",
     "CompilationConfig": "CUDA graphs for decode steps and small mixed batches (GPU only).",
     "SpeculativeArgs": "Speculative decoding: drafts proposed per request and verified in one forward.",
+    "LoRAConfig": "LoRA adapters served next to the base model: batch slots, host cache, ranks and targets.",
     "FrontendConfig": "The OpenAI-compatible HTTP server: socket, CORS, authentication, TLS, chat templates, tools "
                       "and logging.",
     "NotYetSupported": "vLLM options that tokenmill accepts only with their default value, so existing command "
@@ -189,6 +190,7 @@ GROUP_TITLES_ZH = {
     "DeviceConfig": "DeviceConfig（设备）",
     "CompilationConfig": "CompilationConfig（CUDA Graph）",
     "SpeculativeArgs": "SpeculativeArgs（推测解码）",
+    "LoRAConfig": "LoRAConfig（LoRA 适配器）",
     "FrontendConfig": "FrontendConfig（API 服务前端）",
     "NotYetSupported": "NotYetSupported（暂不支持的 vLLM 选项）",
 }
@@ -204,6 +206,7 @@ GROUP_DOCS_ZH = {
     "DeviceConfig": "用哪种设备运行模型。",
     "CompilationConfig": "解码步骤与小型混合批使用的 CUDA Graph（仅 GPU）。",
     "SpeculativeArgs": "推测解码：每个请求先起草若干 token，再用一次前向一并验证。",
+    "LoRAConfig": "与基础模型一同提供服务的 LoRA 适配器：批内槽位、主机内存缓存、秩与作用模块。",
     "FrontendConfig": "兼容 OpenAI 的 HTTP 服务：监听地址、跨域、鉴权、TLS、聊天模板、工具调用与日志。",
     "NotYetSupported": "tokenmill 还做不到的 vLLM 选项：为了让现有命令行能直接解析，这些选项可以写，但只能取默认值；"
                        "写成其他值会直接报错，而不是悄悄忽略。",
@@ -481,13 +484,13 @@ HELP_ZH: dict[str, str] = {
     "limit_mm_per_prompt": "每个提示词中每种模态最多允许多少项输入，例如 '{\"image\": 10, \"video\": 2}'。",
     "enable_mm_embeds": "允许请求直接传入多模态嵌入向量。",
     "enable_lora": "启用 LoRA 适配器。",
-    "max_loras": "一个批次中最多同时使用的 LoRA 数。",
-    "max_lora_rank": "LoRA 的最大秩。",
-    "lora_dtype": "LoRA 的数据类型。",
+    "max_loras": "一个批次中最多同时使用的 LoRA 数（设备上的槽位数）。",
+    "max_lora_rank": "适配器允许的最大 LoRA 秩。",
+    "lora_dtype": "适配器权重的数据类型；auto 表示与模型相同。",
     "enable_tower_connector_lora": "对多模态模型的视觉塔和连接层也应用 LoRA。",
-    "max_cpu_loras": "CPU 内存中最多缓存多少个 LoRA。",
-    "fully_sharded_loras": "使用完全分片的 LoRA 层。",
-    "lora_target_modules": "只在这些模块上应用 LoRA。",
+    "max_cpu_loras": "主机内存中最多缓存多少个已加载的 LoRA（最久未用的先淘汰）；必须 >= max_loras，默认等于 max_loras。",
+    "fully_sharded_loras": "把适配器计算完全分片到各张量并行进程上（目前只支持单进程，此时没有区别）。",
+    "lora_target_modules": "只在这些投影上应用适配器（模块后缀，如 o_proj qkv_proj）；默认：适配器包含的全部投影。",
     "default_mm_loras": "按模态自动启用的 LoRA。",
     "specialize_active_lora": "按活跃 LoRA 的数量分别捕获 CUDA Graph。",
     "enable_prompt_adapter": "启用提示词适配器（vLLM 0.7 的选项）。",

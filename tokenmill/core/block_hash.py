@@ -3,7 +3,8 @@
 A full block's key is hash(parent block's key, the block's token ids). Chaining makes one key identify the whole
 prefix up to and including that block, so a lookup walks the request's keys until the first miss. A request's
 `cache_salt` goes into the root of its chain: requests share cached blocks only when their salts are equal (vLLM's
-`cache_salt`, which keeps one tenant from probing another's prompts through cache-hit timing).
+`cache_salt`, which keeps one tenant from probing another's prompts through cache-hit timing). A request's LoRA
+adapter goes into the root the same way: the same prompt under two adapters (or one and none) has different KV.
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ class BlockHasher:
             parent = request.block_hashes[-1]
         else:
             salt = request.cache_salt
+            lora = getattr(request, "lora_request", None)
+            if lora is not None:
+                salt = f"{salt or ''}\x00lora:{lora.cache_key()}"
             if self.long_rope_prompt_len is not None and request.num_prompt_tokens > self.long_rope_prompt_len:
                 salt = f"{salt or ''}\x00long-rope"
             parent = salted_root(self.hash_fn, salt)

@@ -10,6 +10,7 @@ import enum
 
 import msgspec
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None  # isolates this request's prefix-cache entries (see core/block_hash.py)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (its prefix-cache entries are its own)
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

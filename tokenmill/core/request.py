@@ -43,13 +43,15 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  arrival_time: float, priority: int = 0, max_model_len: int | None = None,
-                 block_hasher: BlockHasher | None = None, cache_salt: str | None = None) -> None:
+                 block_hasher: BlockHasher | None = None, cache_salt: str | None = None,
+                 lora_request=None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # a LoRARequest or None
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -57,6 +59,7 @@ class Request:
         # Tokens being sampled by steps still in flight (async scheduling): counted as if known when deciding what
         # to schedule next, replaced by real tokens when their step's output arrives.
         self.num_output_placeholders = 0
+        self.spec_token_ids: list[int] = []  # speculative decoding: drafts proposed for its next step
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 = not scheduled yet
         self.num_recomputed_tokens = 0  # cached prompt tokens computed anyway at first scheduling
         self.num_preemptions = 0
@@ -83,7 +86,7 @@ class Request:
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int | None,
                                  block_hasher: BlockHasher | None) -> "Request":
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, req.priority,
-                   max_model_len, block_hasher, req.cache_salt)
+                   max_model_len, block_hasher, req.cache_salt, req.lora_request)
 
     @property
     def num_tokens(self) -> int:

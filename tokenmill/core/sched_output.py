@@ -17,6 +17,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: Any = None  # the LoRARequest it runs under, or None
 
 
 @dataclass

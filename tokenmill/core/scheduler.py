@@ -68,6 +68,9 @@ class Scheduler:
         self._rejected: list[EngineCoreOutput] = []  # requests that failed before running (e.g. bad grammar)
         from tokenmill.structured.manager import StructuredOutputManager
         self.structured = StructuredOutputManager(config)
+        # LoRA: the adapters of the running requests never outnumber the runner's slots (a step runs a subset).
+        lora = getattr(config, "lora_config", None)  # absent from tests' minimal configs
+        self.max_loras = lora.max_loras if lora is not None else None
 
     # ----- admission -----
     def check_request(self, prompt_len: int) -> None:
@@ -148,7 +151,9 @@ class Scheduler:
             budget -= n
             i += 1
 
-        deferred: list[Request] = []  # waiting for their grammar to compile
+        deferred: list[Request] = []  # waiting for their grammar to compile, or for an adapter slot
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None} \
+            if self.max_loras is not None else set()
         while (not preempted_any and len(self.waiting) and budget > 0
                and len(self.running) < self.max_num_seqs and len(num_scheduled) < max_reqs):
             req = self.waiting.peek()
@@ -159,6 +164,11 @@ class Scheduler:
                 if not ready:
                     deferred.append(self.waiting.pop())
                     continue
+            lora = req.lora_request
+            if lora is not None and self.max_loras is not None and lora.lora_int_id not in loras \
+                    and len(loras) >= self.max_loras:
+                deferred.append(self.waiting.pop())  # every slot holds another running request's adapter
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = self._num_tokens_to_schedule(req, num_hit, budget)
             if n <= 0:
@@ -176,12 +186,14 @@ class Scheduler:
                 req.num_recomputed_tokens = self.kv.num_recomputed_tokens(req, num_hit)
                 req.scheduled_ts = time.monotonic()
             self.running.append(req)
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             if pp:
                 self._runner_num_tokens[req.request_id] = req.num_tokens
             new_reqs.append(NewRequestData(
                 req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
-                block_ids=new_block_ids, num_computed_tokens=num_hit))
+                block_ids=new_block_ids, num_computed_tokens=num_hit, lora_request=req.lora_request))
             num_scheduled[req.request_id] = n
             budget -= n
 

@@ -23,6 +23,7 @@ class Processor:
         self.extra_eos_ids = eos_token_ids[1:]
         self.block_size = config.cache_config.block_size
         self.num_blocks: int | None = None  # the KV cache's size, known once the engine core is up
+        self._loras: dict[int, Any] = {}  # lora_int_id -> the LoRARequest checked for it
 
     # ----- prompts -----
     _PROMPT_KEYS = tuple(dict.fromkeys((*TextPrompt.__annotations__, *TokensPrompt.__annotations__)))
@@ -98,9 +99,35 @@ class Processor:
         return out
 
     # ----- requests -----
+    def check_lora(self, lora: Any) -> None:
+        """Refuse (ValueError; LoRAAdapterError for the adapter itself) a LoRARequest the engine cannot serve; an
+        adapter is read and checked against the model once per lora_int_id (and again with load_inplace)."""
+        from tokenmill.lora.request import LoRARequest
+        if not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora).__name__}.")
+        lc = self.config.lora_config
+        if lc is None:
+            raise ValueError(f"lora_request ({lora.lora_name!r}) needs an engine started with enable_lora=True "
+                             "(--enable-lora).")
+        seen = self._loras.get(lora.lora_int_id)
+        if seen is not None and not lora.load_inplace:
+            if (seen.lora_name, seen.lora_path) != (lora.lora_name, lora.lora_path):
+                raise ValueError(f"lora_int_id {lora.lora_int_id} already names adapter {seen.lora_name!r} "
+                                 f"({seen.lora_path}); give {lora.lora_name!r} another id.")
+            return
+        from tokenmill.lora.peft import read_adapter
+        mc = self.config.model_config
+        read_adapter(lora.lora_name, lora.lora_int_id, lora.lora_path, max_rank=lc.max_lora_rank,
+                     text_config=mc.get_text_config(), served_names=[*mc.served_model_name, mc.model or ""],
+                     base_model_name=lora.base_model_name)
+        self._loras[lora.lora_int_id] = lora
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                arrival_time: float | None = None, priority: int = 0) -> tuple[str | None, list[EngineCoreRequest]]:
+                arrival_time: float | None = None, priority: int = 0,
+                lora_request: Any = None) -> tuple[str | None, list[EngineCoreRequest]]:
         """Returns the prompt text and one EngineCoreRequest per sample (n > 1 fans out into n children)."""
+        if lora_request is not None:
+            self.check_lora(lora_request)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
@@ -133,7 +160,7 @@ class Processor:
             params.all_stop_token_ids.update(self.extra_eos_ids)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
-            return text, [EngineCoreRequest(request_id, ids, params, arrival, priority, salt)]
+            return text, [EngineCoreRequest(request_id, ids, params, arrival, priority, salt, lora_request)]
         children = []
         for i in range(params.n):
             child = params.clone()
@@ -141,5 +168,6 @@ class Processor:
             child._all_stop_token_ids = set(params.all_stop_token_ids)
             if params.seed is not None:
                 child.seed = params.seed + i  # distinct but reproducible samples
-            children.append(EngineCoreRequest(f"{i}_{request_id}", ids, child, arrival, priority, salt))
+            children.append(EngineCoreRequest(f"{i}_{request_id}", ids, child, arrival, priority, salt,
+                                              lora_request))
         return text, children

@@ -78,14 +78,15 @@ class LLM:
                  use_tqdm: bool = True, priority: list[int] | None = None,
                  lora_request: Any = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. prompts: a str, a dict, a list of token ids, or a list of
-        those."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA is not supported yet by tokenmill.")
+        those. lora_request: one LoRARequest for every prompt, or a list with one (or None) per prompt."""
         prompt_list = self._as_prompt_list(prompts)
         params = self._params_for(prompt_list, sampling_params)
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts.")
-        return self._run(prompt_list, params, priority, use_tqdm)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompt_list)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompt_list)} prompts.")
+        return self._run(prompt_list, params, priority, use_tqdm, loras)
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
@@ -93,9 +94,8 @@ class LLM:
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
              lora_request: Any = None) -> list[RequestOutput]:
-        """Render each conversation with the chat template, then generate. Accepts one conversation or a list."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA is not supported yet by tokenmill.")
+        """Render each conversation with the chat template, then generate. Accepts one conversation or a list;
+        lora_request as in generate()."""
         if not messages:
             raise ValueError("messages is empty.")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -108,7 +108,7 @@ class LLM:
                                chat_template_kwargs=chat_template_kwargs)
             # The template already carries BOS and other special tokens.
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Any, params: "BeamSearchParams", *, use_tqdm: bool = False,
                     lora_request: Any = None) -> list["BeamSearchOutput"]:
@@ -116,7 +116,7 @@ class LLM:
         sequences best first."""
         from tokenmill.beam_search import beam_search
         if lora_request is not None:
-            raise ValueError("lora_request: LoRA is not supported yet by tokenmill.")
+            raise ValueError("lora_request: beam search under a LoRA adapter is not supported yet by tokenmill.")
 
         def generate(step_prompts: list, step_params: SamplingParams) -> list[RequestOutput]:
             return self.generate(step_prompts, step_params, use_tqdm=use_tqdm)
@@ -147,7 +147,7 @@ class LLM:
         return sp
 
     def _run(self, prompts: list, params: list[SamplingParams], priority: list[int] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, loras: list | None = None) -> list[RequestOutput]:
         from tokenmill.entrypoints import best_of
         engine = self.llm_engine
         ids = []
@@ -162,7 +162,8 @@ class LLM:
                     so.disable_any_whitespace |= self.structured_outputs_config.disable_any_whitespace
                     so.disable_additional_properties |= self.structured_outputs_config.disable_additional_properties
                 rid = str(next(self._counter))
-                engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0)
+                engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0,
+                                   lora_request=loras[i] if loras else None)
                 ids.append(rid)
                 if pick is not None:
                     picks[rid] = pick

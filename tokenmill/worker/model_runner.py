@@ -69,6 +69,7 @@ class ModelRunner:
         self.sampling: SamplingState | None = None
         self.prompt_logprobs: dict[str, int] = {}
         self.pooler: Pooler | None = None  # set: the model runs as a pooling model (no sampling)
+        self.lora = None  # a LoRAModelManager when enable_lora
         self.pending: PendingTokens | None = None       # where the step in flight's tokens go (placeholders)
         self._step: StepState | None = None             # between execute_model and sample_tokens
         self._last_output: AsyncRunnerOutput | None = None
@@ -87,6 +88,11 @@ class ModelRunner:
         # (prompt length, position offset): requests with longer prompts read the second RoPE table (LongRoPE).
         self.rope_long_switch: tuple[int, int] | None = getattr(self.model, "rope_long_switch", None)
         text = self.config.model_config.get_text_config()
+        if self.config.lora_config is not None:
+            from tokenmill.lora.manager import LoRAModelManager
+            mc = self.config.model_config
+            self.lora = LoRAModelManager(self.model, self.config.lora_config, self.dtype, self.device, text,
+                                         [*mc.served_model_name, mc.model or ""])
         ps = self.parallel = get_parallel_state()  # called inside the worker's use_parallel_state
         self.is_first_stage, self.is_last_stage = ps.pp_rank == 0, ps.pp_rank == ps.pp_size - 1
         self.num_layers = text.num_hidden_layers
@@ -163,10 +169,14 @@ class ModelRunner:
             if row is not None:
                 self.sampling.remove_request(row)
             self.prompt_logprobs.pop(rid, None)
+            if self.lora is not None:
+                self.lora.remove_request(rid)
         for new in sched.scheduled_new_reqs:
             row = b.add(new.req_id, new.prompt_token_ids, new.output_token_ids, new.block_ids,
                         new.num_computed_tokens)
             self.sampling.add_request(row, new.sampling_params)
+            if self.lora is not None:
+                self.lora.add_request(new.req_id, new.lora_request)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprobs[new.req_id] = new.sampling_params.prompt_logprobs
         c = sched.scheduled_cached_reqs
@@ -191,8 +201,14 @@ class ModelRunner:
         if sched.is_empty:
             return
         inp = self._prepare_inputs(sched)
-        step = self._forward_graph(sched, inp)
-        self._step = step if step is not None else self._forward_eager(inp)
+        # A step with adapters runs eagerly: the captured graphs hold the base model's fused path only.
+        with_lora = self.lora is not None and self.lora.activate(inp.req_ids, inp.n_sched)
+        try:
+            step = self._forward_graph(sched, inp) if not with_lora else None
+            self._step = step if step is not None else self._forward_eager(inp)
+        finally:
+            if with_lora:
+                self.lora.deactivate()
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """The step's flat inputs, built with numpy gathers over the batch's rows (no per-token Python)."""

@@ -1,0 +1,189 @@
+"""The worker's adapters: max_loras device slots, an LRU of max_cpu_loras adapters in host memory, and the output
+deltas that apply each token's adapter inside the model's linear layers.
+
+Every projection an adapter may target (q/k/v, o, gate/up, down, restricted by lora_target_modules) gets stacked
+slot buffers once, at start: per output slice j of the layer (q, k, v of a fused qkv_proj), A_j [max_loras, R, in]
+and B_j [max_loras, n_j, R] with R = max_lora_rank, on this rank's share of the layer (column-parallel layers
+keep B's rows of their output slice, row-parallel ones A's columns of their input slice, so the partial products
+sum in the layer's own all-reduce). A slot not used by an adapter for a module is zero there.
+
+Per step the runner calls `activate(req_ids, n_sched)`: adapters of the step's requests are moved into slots
+(least recently used slots of adapters the step does not need are reused; the scheduler never puts more distinct
+adapters in a step than there are slots), the tokens are grouped by slot, and the deltas are attached to the
+layers; `deactivate()` detaches them, so steps without adapters run the fused, graph-captured path untouched.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from tokenmill.config.lora import LoRAConfig
+from tokenmill.layers.linear import LinearBase, MergedColumnParallelLinear
+from tokenmill.lora.ops import lora_delta_ref
+from tokenmill.lora.peft import LoRAAdapter, read_adapter
+from tokenmill.lora.request import LoRARequest
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# tokenmill's projection -> the module names an adapter may target it by.
+_LEAVES = {"qkv_proj": ("qkv_proj", "q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+           "gate_up_proj": ("gate_up_proj", "gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+class _LayerSlots:
+    """One linear layer's slot buffers and the layout of its output slices."""
+
+    def __init__(self, layer: LinearBase, max_loras: int, rank: int, dtype, device) -> None:
+        self.layer = layer
+        if isinstance(layer, MergedColumnParallelLinear):
+            self.slices = list(layer.shards)  # shard ids in output order
+            self.offsets = [layer.shards[s][0] for s in self.slices]
+            sizes = [layer.shards[s][1] for s in self.slices]
+        else:
+            self.slices, self.offsets, sizes = [None], [0], [layer.shape.output_size_per_rank]
+        fin = layer.shape.input_size_per_rank
+        self.a = [torch.zeros(max_loras, rank, fin, dtype=dtype, device=device) for _ in sizes]
+        self.b = [torch.zeros(max_loras, n, rank, dtype=dtype, device=device) for n in sizes]
+
+    def clear(self, slot: int) -> None:
+        for a, b in zip(self.a, self.b):
+            a[slot].zero_()
+            b[slot].zero_()
+
+    def write(self, slot: int, shard, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Copy one adapter module's full (A [r, in], B [out, r]) into `slot`, this rank's share; shard None with
+        several slices: a fused module (qkv_proj, gate_up_proj) whose B stacks every slice."""
+        layer, r = self.layer, a.shape[0]
+        if shard is None and len(self.slices) > 1:
+            full = [layer.shards[s][2] for s in self.slices]
+            for sid, piece in zip(self.slices, b.split(full, dim=0)):
+                self.write(slot, sid, a, piece)
+            return
+        j = self.slices.index(shard)
+        if layer.sums_over_ranks:  # row-parallel: this rank's input columns
+            n = layer.shape.input_size_per_rank
+            a = a[:, layer.tp_rank * n:(layer.tp_rank + 1) * n]
+        else:
+            n = self.b[j].shape[1]
+            start = layer.shard_start(shard) if shard is not None else layer.tp_rank * n
+            b = b[start:start + n]
+        self.a[j][slot, :r].copy_(a)
+        self.b[j][slot, :, :r].copy_(b)
+
+
+class LoRAModelManager:
+    """Adapters of one model replica (one rank's share): see the module docstring. Requests are registered with
+    `add_request(req_id, lora_request)` and dropped with `remove_request`."""
+
+    def __init__(self, model: torch.nn.Module, config: LoRAConfig, model_dtype: torch.dtype, device: torch.device,
+                 text_config, served_names: list[str]) -> None:
+        self.config, self.device = config, device
+        self.dtype = _DTYPES.get(config.lora_dtype, model_dtype)
+        self.text_config, self.served_names = text_config, served_names
+        self.mapping = model.weight_mapping
+        self.layers: dict[str, _LayerSlots] = {}
+        for mod in model.modules():
+            leaf = mod.prefix.rsplit(".", 1)[-1] if isinstance(mod, LinearBase) else None
+            if leaf in _LEAVES and any(config.targets(m) for m in _LEAVES[leaf]):
+                self.layers[mod.prefix] = _LayerSlots(mod, config.max_loras, config.max_lora_rank, self.dtype, device)
+        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, most recent last
+        self.slots: list[int | None] = [None] * config.max_loras
+        self._slot_lru: list[int] = list(range(config.max_loras))  # least recently used first
+        self.req_lora: dict[str, LoRARequest] = {}
+        self._groups: list[tuple[int, torch.Tensor]] = []
+        self.active = False
+        self.loads = 0  # adapters read from disk (the host LRU's misses)
+
+    # ----- requests -----
+    def add_request(self, req_id: str, lora: LoRARequest | None) -> None:
+        if lora is not None:
+            self.req_lora[req_id] = lora
+
+    def remove_request(self, req_id: str) -> None:
+        self.req_lora.pop(req_id, None)
+
+    # ----- adapters -----
+    def _host_adapter(self, lora: LoRARequest) -> LoRAAdapter:
+        ad = self.host.get(lora.lora_int_id)
+        if ad is not None and not lora.load_inplace:
+            self.host.move_to_end(lora.lora_int_id)
+            return ad
+        ad = read_adapter(lora.lora_name, lora.lora_int_id, lora.lora_path, max_rank=self.config.max_lora_rank,
+                          text_config=self.text_config, served_names=self.served_names,
+                          base_model_name=lora.base_model_name)
+        self.loads += 1
+        if lora.lora_int_id in self.slots:  # reloaded in place: its slot holds the old weights
+            self.slots[self.slots.index(lora.lora_int_id)] = None
+        self.host[lora.lora_int_id] = ad
+        self.host.move_to_end(lora.lora_int_id)
+        while len(self.host) > self.config.max_cpu_loras:
+            self.host.popitem(last=False)
+        return ad
+
+    def remove_adapter(self, lora_int_id: int) -> None:
+        """Forget an adapter (host copy and slot); requests still running under it must be gone."""
+        self.host.pop(lora_int_id, None)
+        if lora_int_id in self.slots:
+            self.slots[self.slots.index(lora_int_id)] = None
+
+    def _slot_for(self, lora: LoRARequest, needed: set[int]) -> int:
+        lid = lora.lora_int_id
+        if lid in self.slots and not lora.load_inplace:
+            slot = self.slots.index(lid)
+        else:
+            ad = self._host_adapter(lora)
+            free = [s for s in self._slot_lru if self.slots[s] is None or self.slots[s] not in needed]
+            if not free:
+                raise RuntimeError(f"A step needs more than max_loras={len(self.slots)} adapters; the scheduler "
+                                   "must not plan that.")
+            slot = free[0]
+            self._write_slot(slot, ad)
+        self._slot_lru.remove(slot)
+        self._slot_lru.append(slot)
+        return slot
+
+    def _write_slot(self, slot: int, ad: LoRAAdapter) -> None:
+        for ls in self.layers.values():
+            ls.clear(slot)
+        for module, (a, b) in ad.weights.items():
+            leaf = module.rsplit(".", 1)[-1]
+            if not self.config.targets(leaf):
+                continue
+            target, shard = self.mapping.target(self.mapping.rename(module + ".weight"))
+            ls = self.layers.get(target[:-len(".weight")])
+            if ls is None:
+                continue  # a module on another pipeline stage
+            ls.write(slot, shard, a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+        self.slots[slot] = ad.lora_int_id
+
+    # ----- one step -----
+    def activate(self, req_ids: list[str], n_sched: np.ndarray) -> bool:
+        """Put the step's adapters into slots and attach the deltas; False (nothing attached) when no request of
+        the step has an adapter."""
+        loras = [self.req_lora.get(r) for r in req_ids]
+        if not any(loras):
+            return False
+        needed = {lo.lora_int_id for lo in loras if lo is not None}
+        slot_of: dict[int, int] = {}
+        for lo in loras:
+            if lo is not None and lo.lora_int_id not in slot_of:
+                slot_of[lo.lora_int_id] = self._slot_for(lo, needed)
+        per_req = np.array([slot_of[lo.lora_int_id] if lo is not None else -1 for lo in loras], dtype=np.int64)
+        tok = np.repeat(per_req, n_sched)
+        self._groups = [(s, torch.from_numpy(np.nonzero(tok == s)[0]).to(self.device)) for s in slot_of.values()]
+        for ls in self.layers.values():
+            ls.layer.set_output_delta(self._delta(ls))
+        self.active = True
+        return True
+
+    def deactivate(self) -> None:
+        if self.active:
+            for ls in self.layers.values():
+                ls.layer.set_output_delta(None)
+            self.active, self._groups = False, []
+
+    def _delta(self, ls: _LayerSlots):
+        def delta(x: torch.Tensor, y: torch.Tensor) -> None:
+            lora_delta_ref(x, y, self._groups, ls.a, ls.b, ls.offsets)
+        return delta
