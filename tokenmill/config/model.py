@@ -10,7 +10,8 @@ from tokenmill.config.utils import check_choices, check_range, config_field, not
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 # --quantization values with a linear method (tokenmill/layers/quantization's registry; vLLM's aliases included).
-QUANTIZATION_METHODS = ("gguf", "fp8", "compressed-tensors", "compressed_tensors")
+QUANTIZATION_METHODS = ("gguf", "fp8", "compressed-tensors", "compressed_tensors", "awq", "awq_marlin", "gptq",
+                        "gptq_marlin")
 _DTYPE_MAP = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
               "float": torch.float32, "float32": torch.float32}
 
@@ -55,9 +56,9 @@ class ModelConfig:
                                                         "model's. Accepts 32k, 1K, auto.")
     quantization: str | None = config_field(
         None, help="Weight quantization method; default: the checkpoint's quantization_config. fp8 (FP8 "
-                   "checkpoints, or a dense one quantized at load), compressed-tensors; vLLM's aliases "
-                   "(compressed_tensors) accepted; GGUF files are dequantized at load. Naming another method than "
-                   "the checkpoint's is an error.")
+                   "checkpoints, or a dense one quantized at load), compressed-tensors, awq, gptq; vLLM's aliases "
+                   "(compressed_tensors, awq_marlin, gptq_marlin) accepted; GGUF files are dequantized at load. "
+                   "Naming another method than the checkpoint's is an error.")
     enforce_eager: bool = config_field(False, help="Never use CUDA graphs.")
     max_logprobs: int = config_field(20, help="Most logprobs a request may ask for (-1 = no limit).")
     logprobs_mode: str = config_field("raw_logprobs", help="What logprobs report.",

@@ -57,6 +57,8 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] float8_e4m3fn, dequantized)^T in x's dtype. `scale` is float32 [N] (one per
     row) or, with `block` = (block_n, block_k), float32 [ceil(N / block_n), ceil(K / block_k)]."""
+    if not (weight.is_contiguous() and scale.is_contiguous()):
+        raise ValueError("fp8_matmul: weight and scale must be contiguous (the kernel reads them row-major)")
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -107,6 +109,8 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W with W [K, N] = (unpack(qweight) - zeros[g]) * scales[g]; qweight int32 [K * bits / 32, N],
     scales [G, N] (any float dtype), zeros uint8 [G, N], g = g_idx[k] (int32 [K]) or k // group_size."""
+    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+        raise ValueError("int_matmul: qweight, scales and zeros must be contiguous (the kernel reads them row-major)")
     n = qweight.shape[1]
     k = qweight.shape[0] * (32 // bits)
     x2 = x.reshape(-1, k)

@@ -15,6 +15,8 @@ __all__ = ["LinearMethod", "LinearShape", "QuantizationConfig", "get_quant_confi
 _METHODS: dict[str, tuple[str, str]] = {
     "fp8": ("tokenmill.layers.quantization.fp8", "Fp8Config"),
     "compressed-tensors": ("tokenmill.layers.quantization.compressed_tensors", "CompressedTensorsConfig"),
+    "awq": ("tokenmill.layers.quantization.wna16", "AWQConfig"),
+    "gptq": ("tokenmill.layers.quantization.wna16", "GPTQConfig"),
 }
 
 

@@ -1,0 +1,124 @@
+"""AWQ and GPTQ weights packed by their documented rules (written independently here), against dequantize-then-
+matmul; the repacked storage through the Triton kernel; a tiny GPTQ Llama end to end; and the refusals."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tokenmill.kernels.triton_quant_matmul import int_matmul
+from tokenmill.layers.linear import QKVParallelLinear, RowParallelLinear
+from tokenmill.layers.quantization.wna16 import AWQConfig, GPTQConfig
+
+
+def _word(vals: list[torch.Tensor], bits: int) -> torch.Tensor:
+    w = sum(v.to(torch.int64) << (i * bits) for i, v in enumerate(vals))
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+
+
+def gptq_pack(q, z, bits, v1=True):
+    """q [K, N], z [G, N] -> (qweight [K/pack, N] packed along K, qzeros [G, N/pack] along N, v1 stores z - 1)."""
+    pack = 32 // bits
+    qw = _word([q[i::pack] for i in range(pack)], bits)
+    zz = (z - 1) if v1 else z
+    qz = _word([zz[:, i::pack] for i in range(pack)], bits)
+    return qw.contiguous(), qz.contiguous()
+
+
+def awq_pack(t):
+    """[R, C] 4-bit -> [R, C/8], value i of a word = column 8c + (0, 2, 4, 6, 1, 3, 5, 7)[i]."""
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    return _word([t[:, order[i]::8] for i in range(8)], 4)
+
+
+def _check(layer, x, w_t):
+    torch.testing.assert_close(layer(x), x @ w_t, rtol=1e-4, atol=1e-4)
+    m = layer.quant_method
+    k = layer.qweight.shape[0] * 32 // m.bits
+    got = int_matmul(x, layer.qweight, layer.scales, layer.qzeros, m.bits, k // m.groups, getattr(layer, "g_idx", None))
+    torch.testing.assert_close(got, x @ w_t, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("bits, sym, desc_act, v2", [(4, False, False, False), (4, True, True, False),
+                                                     (8, False, True, True), (8, True, False, False)])
+def test_gptq_row_parallel(bits, sym, desc_act, v2):
+    g = torch.Generator().manual_seed(bits + 2 * sym + 4 * desc_act)
+    k, n, group = 128, 48, 32
+    qc = GPTQConfig.from_config({"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
+                                 "desc_act": desc_act, "checkpoint_format": "gptq_v2" if v2 else "gptq"})
+    layer = RowParallelLinear(k, n, quant_config=qc, prefix="model.layers.0.mlp.down_proj")
+    q = torch.randint(0, 2 ** bits, (k, n), generator=g)
+    z = torch.full((k // group, n), 2 ** (bits - 1)) if sym else torch.randint(1, 2 ** bits, (k // group, n), generator=g)
+    s = torch.rand(k // group, n, generator=g) * 0.02 + 0.001
+    g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=g)] if desc_act else torch.arange(k) // group
+    qw, qz = gptq_pack(q, z, bits, v1=not v2)
+    for name, t in (("qweight", qw), ("qzeros", qz), ("scales", s), ("g_idx", g_idx.to(torch.int32))):
+        getattr(layer, name).weight_loader(getattr(layer, name), t)
+    layer.process_weights_after_loading()
+    assert hasattr(layer, "g_idx") == desc_act
+    _check(layer, torch.randn(5, k, generator=g), (q - z[g_idx]).float() * s[g_idx])
+
+
+def test_awq_stacked_qkv():
+    g = torch.Generator().manual_seed(0)
+    k, group = 64, 32
+    layer = QKVParallelLinear(k, 16, 2, 1, quant_config=AWQConfig.from_config(
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}), prefix="attn.qkv_proj")
+    parts = []
+    for slot, n in (("q", 32), ("k", 16), ("v", 16)):
+        q = torch.randint(0, 16, (k, n), generator=g)
+        z = torch.randint(0, 16, (k // group, n), generator=g)
+        s = torch.rand(k // group, n, generator=g) * 0.05
+        for name, t in (("qweight", awq_pack(q)), ("qzeros", awq_pack(z)), ("scales", s)):
+            getattr(layer, name).weight_loader(getattr(layer, name), t, slot)
+        parts.append((q - z.repeat_interleave(group, 0)).float() * s.repeat_interleave(group, 0))
+    layer.process_weights_after_loading()
+    _check(layer, torch.randn(3, k, generator=g), torch.cat(parts, dim=1))
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (dict(quant_method="gptq", bits=3, group_size=128), "bits 3 is not supported \\(first layer it applies to: "
+                                                        "model.layers.0.mlp.down_proj\\). Supported: 4, 8"),
+    (dict(quant_method="gptq", bits=4, group_size=100), "group_size 100"),
+    (dict(quant_method="awq", bits=8, group_size=128), "bits 8 .*Supported: 4"),
+])
+def test_unsupported_bits_and_groups_name_the_first_layer(cfg, match):
+    qc = (GPTQConfig if cfg["quant_method"] == "gptq" else AWQConfig).from_config(cfg)
+    with pytest.raises(ValueError, match=match):
+        RowParallelLinear(128, 64, quant_config=qc, prefix="model.layers.0.mlp.down_proj")
+    with pytest.raises(ValueError, match="checkpoint_format 'marlin'"):
+        GPTQConfig.from_config(dict(quant_method="gptq", bits=4, checkpoint_format="marlin"))
+
+
+def test_tiny_gptq_llama_matches_its_dequantized_weights(tiny_model_factory, tmp_path):
+    from tests.layers.quantization.test_quant_checkpoints import _is_linear, _rewrite, greedy
+    src = tiny_model_factory("llama")
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    group, packed, dense = 32, {}, {}
+    for name, t in sd.items():
+        if not _is_linear(name):
+            packed[name] = dense[name] = t
+            continue
+        w = t.t()                                             # [K, N]
+        wg = w.reshape(-1, group, w.shape[1])
+        lo, hi = wg.amin(1), wg.amax(1)
+        s = ((hi - lo) / 15).clamp_min(1e-6)
+        z = (-lo / s).round().clamp(1, 15)
+        q = (wg / s[:, None] + z[:, None]).round().clamp(0, 15).reshape(w.shape).long()
+        zl = z.long()
+        qw, qz = gptq_pack(q, zl, 4)
+        base = name[:-len("weight")]
+        g_idx = torch.arange(w.shape[0], dtype=torch.int32) // group
+        packed.update({base + "qweight": qw, base + "qzeros": qz, base + "scales": s, base + "g_idx": g_idx})
+        dense[name] = ((q - zl.repeat_interleave(group, 0)).float() * s.repeat_interleave(group, 0)).t().contiguous()
+    qcfg = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": False, "desc_act": False}
+    gptq_dir = _rewrite(src, str(tmp_path / "q"), packed, qcfg)
+    assert greedy(gptq_dir, quantization="gptq_marlin") == greedy(_rewrite(src, str(tmp_path / "d"), dense, None))
+    with pytest.raises(ValueError, match="--quantization awq needs a checkpoint quantized with awq"):
+        greedy(src, quantization="awq")
+    with pytest.raises(ValueError, match="--quantization awq does not match .*'gptq'"):
+        greedy(gptq_dir, quantization="awq_marlin")
