@@ -80,3 +80,18 @@ def test_bad_lora_requests_are_refused_by_name(llm, lora_adapters, tmp_path):
         llm.generate("a", sp, use_tqdm=False, lora_request=LoRARequest("all", 1, path))
         llm.generate("a", sp, use_tqdm=False, lora_request=LoRARequest("other", 1, path + "/"))
     assert llm.generate("a", sp, use_tqdm=False)[0].outputs[0].token_ids  # the engine keeps serving
+
+
+def test_the_triton_kernels_in_the_engine_match_peft(llm, lora_adapters, peft_greedy):
+    """The CUDA path's deltas (Triton, here interpreted) inside the whole engine."""
+    manager = llm.llm_engine.engine_core.executor.worker.runner.lora
+    loras = _requests(lora_adapters)
+    reqs = [loras["all"], None, loras["qv_rslora"]]
+    manager.use_triton = True
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outs = llm.generate([PROMPTS[1]] * 3, sp, use_tqdm=False, lora_request=reqs)
+    finally:
+        manager.use_triton = False
+    for r, out in zip(reqs, outs):
+        assert out.outputs[0].token_ids == peft_greedy(r.lora_path if r else None, out.prompt_token_ids, 4)

@@ -11,6 +11,9 @@ Per step the runner calls `activate(req_ids, n_sched)`: adapters of the step's r
 (least recently used slots of adapters the step does not need are reused; the scheduler never puts more distinct
 adapters in a step than there are slots), the tokens are grouped by slot, and the deltas are attached to the
 layers; `deactivate()` detaches them, so steps without adapters run the fused, graph-captured path untouched.
+Steps with adapters run eagerly (no CUDA graph holds the deltas yet). Adapters are read from disk on the step
+that first needs them (loading them off the step loop is not done yet). The deltas are the Triton kernels of
+lora/triton_ops.py on CUDA and the torch reference (lora/ops.py) elsewhere.
 """
 from __future__ import annotations
 
@@ -92,6 +95,9 @@ class LoRAModelManager:
         self._slot_lru: list[int] = list(range(config.max_loras))  # least recently used first
         self.req_lora: dict[str, LoRARequest] = {}
         self._groups: list[tuple[int, torch.Tensor]] = []
+        # On CUDA the Triton kernels run over tiles of the step's tokens; elsewhere the torch reference by group.
+        self.use_triton = device.type == "cuda"
+        self._tiles = None
         self.active = False
         self.loads = 0  # adapters read from disk (the host LRU's misses)
 
@@ -171,7 +177,11 @@ class LoRAModelManager:
                 slot_of[lo.lora_int_id] = self._slot_for(lo, needed)
         per_req = np.array([slot_of[lo.lora_int_id] if lo is not None else -1 for lo in loras], dtype=np.int64)
         tok = np.repeat(per_req, n_sched)
-        self._groups = [(s, torch.from_numpy(np.nonzero(tok == s)[0]).to(self.device)) for s in slot_of.values()]
+        if self.use_triton:
+            from tokenmill.lora.triton_ops import make_tiles
+            self._tiles = make_tiles(tok, self.device)
+        else:
+            self._groups = [(s, torch.from_numpy(np.nonzero(tok == s)[0]).to(self.device)) for s in slot_of.values()]
         for ls in self.layers.values():
             ls.layer.set_output_delta(self._delta(ls))
         self.active = True
@@ -181,9 +191,16 @@ class LoRAModelManager:
         if self.active:
             for ls in self.layers.values():
                 ls.layer.set_output_delta(None)
-            self.active, self._groups = False, []
+            self.active, self._groups, self._tiles = False, [], None
 
     def _delta(self, ls: _LayerSlots):
+        if self.use_triton:
+            from tokenmill.lora.triton_ops import lora_delta_triton
+
+            def delta(x: torch.Tensor, y: torch.Tensor) -> None:
+                lora_delta_triton(x, y, self._tiles, ls.a, ls.b, ls.offsets)
+            return delta
+
         def delta(x: torch.Tensor, y: torch.Tensor) -> None:
             lora_delta_ref(x, y, self._groups, ls.a, ls.b, ls.offsets)
         return delta
