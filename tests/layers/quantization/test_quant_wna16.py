@@ -122,3 +122,49 @@ def test_tiny_gptq_llama_matches_its_dequantized_weights(tiny_model_factory, tmp
         greedy(src, quantization="awq")
     with pytest.raises(ValueError, match="--quantization awq does not match .*'gptq'"):
         greedy(gptq_dir, quantization="awq_marlin")
+
+
+@pytest.mark.parametrize("bits, sym", [(4, False), (8, True)])
+def test_compressed_tensors_pack_quantized_matches_transformers(tiny_model_factory, tmp_path, bits, sym):
+    """A W4A16 / W8A16 checkpoint written by the compressed-tensors library (min-max qparams per group of 32 from
+    its own calculate_qparams), run by tokenmill and by HF transformers (which decompresses it on the CPU)."""
+    pytest.importorskip("compressed_tensors")
+    import transformers as tf
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from tests.layers.quantization.test_quant_checkpoints import PROMPTS, greedy, hf_greedy
+    src = tiny_model_factory("llama")
+    model = tf.AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32).eval()
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy="group", group_size=32)
+    apply_quantization_config(model, QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for mod in model.modules():
+            if hasattr(mod, "weight_scale"):
+                wg = mod.weight.reshape(mod.weight.shape[0], -1, 32)
+                scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
+                mod.weight_scale.copy_(scale)
+                mod.weight_zero_point.copy_(zp)
+    comp = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    comp.compress_model(model)
+    d = str(tmp_path / "ct")
+    model.save_pretrained(d)
+    comp.update_config(d)
+    for f in os.listdir(src):
+        if f.startswith("tokenizer") or f == "special_tokens_map.json":
+            shutil.copy(os.path.join(src, f), d)
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    assert sd["model.layers.0.mlp.down_proj.weight_packed"].shape == (64, 128 * bits // 32)
+    assert ("model.layers.0.mlp.down_proj.weight_zero_point" in sd) == (not sym)
+    ours = greedy(d)
+    if sym:
+        assert ours == hf_greedy(d)
+    # transformers 5.24 with compressed-tensors 0.20 cannot load the packed zero points (a size mismatch on
+    # weight_zero_point), so the reference is the library's own decompression of the model it compressed.
+    comp.decompress_model(model)
+    with torch.no_grad():
+        ref = [model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):]
+               .tolist() for p in PROMPTS]
+    assert ours == ref

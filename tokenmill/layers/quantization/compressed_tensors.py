@@ -7,6 +7,8 @@ layer takes the scheme of the first group that targets it. Supported schemes:
   static per tensor (`input_scale`), dynamic per token or per tensor (computed per call, per token here), or none;
   format `float-quantized` / `naive-quantized`. They run as fp8.py's Fp8LinearMethod (tensors `weight`,
   `weight_scale`, `input_scale`).
+- Integer weights of 4 or 8 bits with 16-bit activations (W4A16 / W8A16, format `pack-quantized`), strategy `group`
+  or `channel`, symmetric or with zero points, no act-order: wna16.py's method.
 Anything else (int8 activations, sparse compression, 2:4, block or tensor-group strategies, ...) is refused at start-up
 naming the scheme, the first layer it applies to and what is supported.
 """
@@ -18,7 +20,8 @@ from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
 
 METHOD = "compressed-tensors"
 SUPPORTED = ("FP8 weights (tensor / channel) with static-tensor, dynamic-token or no FP8 activations "
-             "(float-quantized, naive-quantized)")
+             "(float-quantized, naive-quantized); 4- or 8-bit integer weights, group or channel strategy, with "
+             "16-bit activations (pack-quantized)")
 
 
 def _targets(prefix: str, targets: list[str]) -> bool:
@@ -67,8 +70,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         if wtype == "float":
             return self._fp8(w, a, fmt, prefix)
         if wtype == "int" and a is None:
-            raise refuse(METHOD, "scheme", f"{bits}-bit int weights (W{bits}A16, not supported yet)",
-                         SUPPORTED, prefix)
+            from tokenmill.layers.quantization.wna16 import compressed_tensors_method
+            return compressed_tensors_method(w, fmt, prefix)
         what = f"{bits}-bit {wtype} weights with {a.get('num_bits')}-bit {a.get('type')} activations" if a else \
             f"{bits}-bit {wtype} weights, strategy {strategy}"
         raise refuse(METHOD, "scheme", what, SUPPORTED, prefix)

@@ -8,6 +8,10 @@ Checkpoint layouts (K input features, N output features, G = K / group_size grou
   `scales` [G, N]; `g_idx` int32 [K] (each input's group; a permutation of the groups with desc_act). The original
   format (`checkpoint_format: gptq`, GPTQ v1) stores each zero point minus one, so z = stored + 1; `gptq_v2` stores z.
   A symmetric checkpoint's zero point is 2^(bits - 1).
+- compressed-tensors pack-quantized (W4A16 / W8A16): `weight_packed` int32 [N, K / pack] packed along K in order,
+  each value stored as q + 2^(bits - 1) (the library's signed-to-unsigned offset); `weight_scale` [N, G];
+  `weight_zero_point` int32 [N / pack, G] packed along N the same way (asymmetric only; a symmetric zero point is
+  2^(bits - 1) in stored units); `weight_shape` [2] (checked).
 After loading every format is repacked once into the layout kernels/triton_quant_matmul.int_matmul reads: `qweight`
 int32 [K / pack, N] packed along K, `scales` [G, N] in the model dtype, `qzeros` uint8 [G, N] unpacked, and `g_idx`
 only where the groups are not in input order. On CUDA the product is that kernel (the weights stay packed); elsewhere
@@ -74,6 +78,14 @@ class WNA16LinearMethod(LinearMethod):
             raise ValueError(f"{layer.prefix}: GPTQ desc_act (act-order) weights of a row-parallel layer with "
                              "tensor parallelism are not supported yet.")
         self.groups = k // group
+        if self.fmt == "compressed-tensors":
+            self._param(layer, "weight_packed", (n, k // pack), torch.int32, 0, 1)
+            self._param(layer, "weight_scale", (n, self.groups), dtype, 0, 1)
+            if not self.sym:
+                self._param(layer, "weight_zero_point", (n // pack, self.groups), torch.int32, 0, 1)
+            self._param(layer, "weight_shape", (2,), torch.int64, None, None)
+            layer.weight_shape.weight_loader = lambda p, t, shard=None: _check_shape(layer, t)
+            return
         if self.fmt == "awq":
             self._param(layer, "qweight", (k, n // pack), torch.int32, 1, 0)
             self._param(layer, "qzeros", (self.groups, n // pack), torch.int32, 1, 0)
@@ -84,7 +96,18 @@ class WNA16LinearMethod(LinearMethod):
         self._param(layer, "scales", (self.groups, n), dtype, 1, 0)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if self.fmt == "awq":
+        if self.fmt == "compressed-tensors":
+            q = unpack_cols(layer.weight_packed.data, self.bits).t()
+            if self.sym:
+                z = torch.full((self.groups, q.shape[1]), 1 << (self.bits - 1), dtype=torch.int32, device=q.device)
+            else:
+                z = unpack_rows(layer.weight_zero_point.data, self.bits).t()
+                delattr(layer, "weight_zero_point")
+            replace_param(layer, "scales", layer.weight_scale.data.t())
+            for name in ("weight_packed", "weight_scale", "weight_shape"):
+                delattr(layer, name)
+            g_idx = None
+        elif self.fmt == "awq":
             q = unpack_cols(layer.qweight.data, self.bits, AWQ_ORDER)
             z = unpack_cols(layer.qzeros.data, self.bits, AWQ_ORDER)
             g_idx = None
@@ -125,6 +148,32 @@ class WNA16LinearMethod(LinearMethod):
         else:
             y = x @ self.dequantize(layer, x.dtype)
         return y if bias is None else y + bias
+
+
+def _check_shape(layer: nn.Module, loaded: torch.Tensor) -> None:
+    """compressed-tensors' weight_shape: [output rows of this checkpoint tensor, input features]."""
+    if loaded.numel() != 2 or int(loaded.reshape(-1)[1]) != layer.shape.input_size:
+        raise ValueError(f"{layer.prefix}.weight_shape: {loaded.tolist()} does not describe a weight with "
+                         f"{layer.shape.input_size} input features.")
+
+
+def compressed_tensors_method(w: dict, fmt: str, prefix: str) -> LinearMethod:
+    """The method for compressed-tensors integer weights `w` (a config group's `weights`) with 16-bit activations."""
+    from tokenmill.layers.quantization.compressed_tensors import METHOD, SUPPORTED
+    bits, strategy, group = w.get("num_bits"), w.get("strategy"), w.get("group_size")
+    if fmt != "pack-quantized":
+        raise refuse(METHOD, "format for integer weights", fmt, "pack-quantized", prefix)
+    if bits not in (4, 8):
+        raise refuse(METHOD, "num_bits", bits, "4, 8", prefix)
+    if strategy not in ("group", "channel"):
+        raise refuse(METHOD, "integer weight strategy", strategy, "group, channel", prefix)
+    if w.get("actorder"):
+        raise refuse(METHOD, "actorder", w["actorder"], f"none (act-order not supported yet); {SUPPORTED}", prefix)
+    if strategy == "channel":
+        group = -1
+    elif not (isinstance(group, int) and group > 0 and group % 8 == 0):
+        raise refuse(METHOD, "group_size", group, "a positive multiple of 8 (32, 64, 128, ...)", prefix)
+    return WNA16LinearMethod("compressed-tensors", bits, group, bool(w.get("symmetric", True)), False, 0)
 
 
 class _WNA16Config(QuantizationConfig):
