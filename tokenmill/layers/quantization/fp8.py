@@ -20,7 +20,8 @@ activations in the model dtype (more precise than the scheme asks: the decode pa
 the product is the scheme's definition: activations rounded through fp8 as the scheme quantizes them (the static
 scale, else per token), the weight dequantized into the activation dtype per call (kept in 1 byte per value), then
 F.linear - what compressed-tensors' own reference forward computes. Block-wise checkpoints run weights-only on every
-device (their authors' 1 x 128 activation groups are not emulated).
+device (their authors' 1 x 128 activation groups are not emulated). GPUs older than sm_89 (no fp8 arithmetic)
+convert the weight per call and run F.linear.
 """
 from __future__ import annotations
 
@@ -144,6 +145,10 @@ class Fp8LinearMethod(LinearMethod):
         return y if bias is None else y + bias
 
     def _apply_cuda(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.get_device_capability(x.device) < (8, 9):
+            # No fp8 arithmetic before Ada / Hopper (Triton's e4m3 and torch._scaled_mm need sm_89): convert the
+            # weight per call instead, still stored in 1 byte per value.
+            return F.linear(x, dequantize(layer, x.dtype))
         from tokenmill.kernels.triton_quant_matmul import fp8_matmul
         if self.scheme.weight == "block":
             return fp8_matmul(x, layer.weight, layer.weight_scale_inv, self.scheme.block)
