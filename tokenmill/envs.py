@@ -114,6 +114,8 @@ _VARIABLES: dict[str, _Var] = {
     # prometheus_client's multiprocess directory; set by tokenmill when several API server processes share the
     # metrics (--api-server-count > 1).
     "PROMETHEUS_MULTIPROC_DIR": _str(),
+    # vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: the routes answer 404).
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": _Var(bool, False),
     # Triton's CPU interpreter, as Triton reads it: the kernels take their interpreter-only branches.
     "TRITON_INTERPRET": _Var(bool, False, lenient=True),
     # Where Triton keeps compiled kernels (None: its default, ~/.triton/cache); `tokenmill bench profile` counts the

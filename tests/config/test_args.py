@@ -221,7 +221,7 @@ def test_not_yet_supported_flags_with_default_values_parse():
 def test_config_fields_validate_themselves(capsys):
     assert "tool_call_parser" in fails("--enable-auto-tool-choice", capsys)
     assert "port" in fails("--port 70000", capsys)
-    assert "not supported yet" in fails("--lora-modules name=/path", capsys)
+    assert "neither name=path nor a JSON object" in fails("--lora-modules name", capsys)
     assert "cannot be combined with uds" in fails("--api-server-count 2 --uds /tmp/tm.sock", capsys)
 
 

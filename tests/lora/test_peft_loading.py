@@ -137,3 +137,15 @@ def test_lora_request_checks_its_fields():
     import msgspec
     r = LoRARequest("x", 3, "/p", base_model_name="m")
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(r), type=LoRARequest) == r
+
+
+def test_lora_modules_parse_both_forms_and_refuse_bad_entries():
+    from tokenmill.config.lora import LoRAModulePath, parse_lora_modules
+    assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}']) == [
+        LoRAModulePath("a", "/x"), LoRAModulePath("b", "/y", "m")]
+    for bad, said in ((["a"], "neither name=path"), (["a=/x", "a=/y"], "'a' is given twice"),
+                      (['{"name": "b"}'], "needs `name` and `path`"), (['{"name": "b", "path": "/y", "r": 1}'],
+                                                                      "unknown key\\(s\\) r"),
+                      (["{bad"], "not valid JSON")):
+        with pytest.raises(ValueError, match=said):
+            parse_lora_modules(bad)

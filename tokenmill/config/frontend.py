@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.config.utils import check_choices, check_range, config_field, not_supported_yet
+from tokenmill.config.utils import check_choices, check_range, config_field
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
@@ -66,7 +66,9 @@ class FrontendConfig:
                                                         "change.")
     # --- models, chat templates, tools and reasoning -------------------------------------------------------------
     lora_modules: list[str] | None = config_field(
-        None, help="LoRA adapters to serve, as name=path or JSON (not supported yet).")
+        None, help="LoRA adapters to serve (with --enable-lora), each as name=path or a JSON object "
+                   "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; they appear in /v1/models and a "
+                   "request picks one by \"model\": \"<name>\".")
     chat_template: str | None = config_field(None, help="Chat template: a Jinja file path or the template text; "
                                                         "default: the tokenizer's.")
     chat_template_content_format: str = config_field(
@@ -148,7 +150,8 @@ class FrontendConfig:
         if self.headless and self.api_server_count > 1:
             raise ValueError("headless runs no API server; api_server_count must stay 1.")
         if self.lora_modules:
-            raise not_supported_yet("lora_modules", self.lora_modules, "tokenmill does not serve LoRA adapters.")
+            from tokenmill.config.lora import parse_lora_modules
+            parse_lora_modules(self.lora_modules)  # a malformed entry fails at start, naming it
 
     @property
     def url(self) -> str:

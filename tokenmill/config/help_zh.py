@@ -369,7 +369,9 @@ HELP_ZH: dict[str, str] = {
     "ssl_ca_certs": "用于校验客户端证书的 CA 证书文件。",
     "ssl_cert_reqs": "是否要求客户端证书：0 不要求，1 可选，2 必须（对应 Python ssl 模块的 CERT_* 常量）。",
     "enable_ssl_refresh": "证书或私钥文件变化时自动重新加载。",
-    "lora_modules": "要提供服务的 LoRA 适配器，写成 name=path 或 JSON（暂不支持）。",
+    "lora_modules": "要提供服务的 LoRA 适配器（需 --enable-lora），每个写成 name=path 或 JSON 对象 "
+                    "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'；它们出现在 /v1/models 中，"
+                    "请求用 \"model\": \"<名称>\" 选择。",
     "chat_template": "聊天模板：Jinja 模板文件的路径，或直接写模板内容；默认使用分词器自带的模板。",
     "chat_template_content_format": "消息内容以什么形式交给模板：string 为纯文本，openai 为带类型的分段列表（如 "
                                     "[{\"type\": \"text\", \"text\": \"...\"}]）；auto 根据模板自动判断。",

@@ -79,3 +79,40 @@ class LoRAConfig:
         stacked = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
                    "up_proj": "gate_up_proj"}
         return module in self.lora_target_modules or stacked.get(module) in self.lora_target_modules
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """One `--lora-modules` entry: the adapter's served name, its PEFT directory and (optionally) the base model
+    name /v1/models lists as its parent."""
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_modules(entries: list[str] | None) -> list[LoRAModulePath]:
+    """`--lora-modules` values (name=path, or a JSON object with name, path and optionally base_model_name);
+    ValueError naming a malformed or repeated entry."""
+    import json
+    out: list[LoRAModulePath] = []
+    for entry in entries or ():
+        text = entry.strip() if isinstance(entry, str) else entry
+        if isinstance(text, dict) or (isinstance(text, str) and text.startswith("{")):
+            try:
+                d = text if isinstance(text, dict) else json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules: {entry!r} is not valid JSON ({e}).") from None
+            unknown = sorted(set(d) - {"name", "path", "base_model_name"})
+            if unknown or not d.get("name") or not d.get("path"):
+                raise ValueError(f"--lora-modules: {entry!r} needs `name` and `path` (and optionally "
+                                 f"`base_model_name`){'; unknown key(s) ' + ', '.join(unknown) if unknown else ''}.")
+            m = LoRAModulePath(str(d["name"]), str(d["path"]), d.get("base_model_name"))
+        elif isinstance(text, str) and "=" in text and text.split("=", 1)[0] and text.split("=", 1)[1]:
+            name, path = text.split("=", 1)
+            m = LoRAModulePath(name, path)
+        else:
+            raise ValueError(f"--lora-modules: {entry!r} is neither name=path nor a JSON object.")
+        if any(o.name == m.name for o in out):
+            raise ValueError(f"--lora-modules: the adapter name {m.name!r} is given twice.")
+        out.append(m)
+    return out

@@ -88,13 +88,14 @@ class AsyncLLM(EngineClient):
 
     # ----- requests -----
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         self._ensure_output_task()
         if self.errored:
             raise EngineDeadError(self.client.dead_error or "the engine core is not running")
         if request_id in self._queues:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        text, reqs = self.processor.process(request_id, prompt, sampling_params, priority=priority)
+        text, reqs = self.processor.process(request_id, prompt, sampling_params, priority=priority,
+                                            lora_request=lora_request)
         queue = RequestOutputCollector(delta=sampling_params.output_kind == RequestOutputKind.DELTA)
         self._queues[request_id] = queue
         for i, r in enumerate(reqs):

@@ -113,6 +113,54 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 # ----------------------------------------------------------------------------------------------------------------
 # the app
 # ----------------------------------------------------------------------------------------------------------------
+def _lora_checker(engine: EngineClient, frontend: FrontendConfig | None):
+    """The engine's adapter check (its processor's check_lora), or a refusal when LoRA is off."""
+    lora_on = getattr(getattr(engine, "config", None), "lora_config", None) is not None
+    processor = getattr(engine, "processor", None)
+
+    def check(lora) -> None:
+        if not lora_on:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: the server was started without --enable-lora.")
+        if processor is not None:
+            processor.check_lora(lora)
+    return check
+
+
+def _add_lora_routes(app: FastAPI, models: OpenAIServingModels, check_lora) -> None:
+    """vLLM's runtime adapter routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): load answers 400 for an adapter that
+    cannot be served (named, the server keeps serving); unload of an unknown name 404. Unloading stops new requests
+    from naming the adapter; those already running under it finish."""
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str) or not body["lora_name"]:
+            raise ServingError("The body must be a JSON object with a non-empty `lora_name`.", 400, "lora_name")
+        return body
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await body_of(request)
+        name, path = body["lora_name"], body.get("lora_path")
+        if not isinstance(path, str) or not path:
+            raise ServingError("`lora_path` is required.", 400, "lora_path")
+        try:
+            models.add_lora(name, path, body.get("base_model_name"), check=check_lora,
+                            load_inplace=bool(body.get("load_inplace", False)))
+        except ValueError as e:
+            raise ServingError(str(e), 400, "lora_path") from None
+        return Response(content=f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        name = (await body_of(request))["lora_name"]
+        if not models.remove_lora(name):
+            raise ServingError(f"The lora adapter '{name}' cannot be found.", 404, "lora_name", "NotFoundError")
+        return Response(content=f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+
 def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> FastAPI:
     """The FastAPI app serving `engine`. run_server sets `app.state.server` (the uvicorn server) so that a dead
     engine can stop it; `app.state.exit_code` turns 1 then."""
@@ -145,6 +193,10 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
 
     tracker = RequestTracker()
     models = OpenAIServingModels(engine.config)
+    check_lora = _lora_checker(engine, frontend)
+    from tokenmill.config.lora import parse_lora_modules
+    for m in parse_lora_modules(frontend.lora_modules):  # refused by name before the server listens
+        models.add_lora(m.name, m.path, m.base_model_name, check=check_lora)
     renderer = ChatRenderer(engine.tokenizer, frontend)
     completion = OpenAIServingCompletion(engine, models, frontend, tracker)
     chat = OpenAIServingChat(engine, models, frontend, tracker, renderer)
@@ -234,6 +286,9 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
         if card is None:
             raise ServingError(f"The model `{model_id}` does not exist.", 404, "model", "NotFoundError")
         return Response(content=card.model_dump_json(), media_type="application/json")
+
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        _add_lora_routes(app, models, check_lora)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:

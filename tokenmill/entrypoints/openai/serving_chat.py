@@ -142,11 +142,14 @@ class OpenAIServingChat(OpenAIServing):
         if beam is not None and parsing.forced is not None:
             raise ServingError("tool_choice 'required' or a named function cannot be combined with "
                                "use_beam_search.", 400, "tool_choice")
+        lora = self.models.lora_for(request.model)
+        if beam is not None and lora is not None:
+            raise ServingError("use_beam_search under a LoRA adapter is not supported yet.", 400, "model")
         if beam is not None:
             gen = self.start_beam(engine_id, prompt, ids, beam, request.priority, request.cache_salt,
                                   params.skip_special_tokens)
         else:
-            gen = self.start(engine_id, prompt, ids, params, request.priority, request.cache_salt)
+            gen = self.start(engine_id, prompt, ids, params, request.priority, request.cache_salt, lora)
         created = int(time.time())
         if request.stream:
             streams = await prime_all([gen])

@@ -42,11 +42,14 @@ class OpenAIServingCompletion(OpenAIServing):
                                           request.stream)
             engine_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             beam = self.beam_params(request, params)
+            lora = self.models.lora_for(request.model)
+            if beam is not None and lora is not None:
+                raise ServingError("use_beam_search under a LoRA adapter is not supported yet.", 400, "model")
             if beam is not None:
                 gens.append(self.start_beam(engine_id, text, ids, beam, request.priority, request.cache_salt,
                                             params.skip_special_tokens))
                 continue
-            gens.append(self.start(engine_id, text, ids, params, request.priority, request.cache_salt))
+            gens.append(self.start(engine_id, text, ids, params, request.priority, request.cache_salt, lora))
         created = int(time.time())
         if request.stream:
             streams = await prime_all(gens)

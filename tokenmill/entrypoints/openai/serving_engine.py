@@ -401,8 +401,8 @@ class OpenAIServing:
 
     # ----- generation -----
     def start(self, engine_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
-              priority: int, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The engine's stream for one prompt, tracked while it runs."""
+              priority: int, cache_salt: str | None = None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+        """The engine's stream for one prompt (under `lora_request`'s adapter when given), tracked while it runs."""
         engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if prompt is not None:
             engine_prompt["prompt"] = prompt
@@ -410,7 +410,8 @@ class OpenAIServing:
             engine_prompt["cache_salt"] = cache_salt
         self.log_request(engine_id, prompt, ids, params)
         params, pick = best_of.expand(params)
-        gen = self.engine.generate(engine_prompt, params, engine_id, priority=priority)
+        extra = {"lora_request": lora_request} if lora_request is not None else {}
+        gen = self.engine.generate(engine_prompt, params, engine_id, priority=priority, **extra)
         if pick is not None:
             gen = best_of.select_final(gen, pick)
         return self._tracked(engine_id, gen)
