@@ -127,3 +127,40 @@ def test_compressed_tensors_refuses_schemes_without_a_kernel_naming_the_first_la
         QKVParallelLinear(32, 8, 4, 2, quant_config=qc, prefix="model.layers.0.self_attn.qkv_proj")
     with pytest.raises(ValueError, match="sparsity_config"):
         CompressedTensorsConfig.from_config(dict(w8a8_int, sparsity_config={"format": "sparse-24-bitmask"}))
+
+
+def test_tensor_parallel_fp8_shards():
+    """Block-wise row-parallel: each rank's input slice of weight and block scales; per-tensor q/k/v
+    column-parallel: each rank keeps every slot's scale for its rows."""
+    from tests.layers.test_linear_method import as_rank
+    torch.manual_seed(5)
+    block = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [16, 16]})
+    tensor = Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic"})
+    w = (torch.randn(32, 64) * 100).clamp(-448, 448).to(FP8)
+    bs = torch.rand(2, 4) + 0.1
+    slots = {s: ((torch.randn(n, 64) * 100).clamp(-448, 448).to(FP8), torch.rand(()) + 0.1)
+             for s, n in (("q", 32), ("k", 16), ("v", 16))}
+    x = torch.randn(3, 64)
+    want_row = F.linear(x, w.float() * bs.repeat_interleave(16, 0).repeat_interleave(16, 1))
+    partial, outs = [], []
+    for r in range(2):
+        with as_rank(r, 2):
+            row = RowParallelLinear(64, 32, quant_config=block, prefix="down_proj")
+            qkv = QKVParallelLinear(64, 8, 4, 2, quant_config=tensor, prefix="qkv_proj")
+        row.weight.weight_loader(row.weight, w)
+        row.weight_scale_inv.weight_loader(row.weight_scale_inv, bs)
+        for s, (q, sc) in slots.items():
+            qkv.weight.weight_loader(qkv.weight, q, s)
+            qkv.weight_scale.weight_loader(qkv.weight_scale, sc, s)
+        row.process_weights_after_loading()
+        qkv.process_weights_after_loading()
+        partial.append(row.quant_method.apply(row, x[:, r * 32:(r + 1) * 32], None))
+        outs.append(qkv(x))
+    torch.testing.assert_close(partial[0] + partial[1], want_row, rtol=1e-4, atol=1e-3)
+    xs = x.abs().amax(1, keepdim=True) / 448
+    xq = _quant(x, xs).float() * xs
+    ref = {s: F.linear(xq, q.float() * sc) for s, (q, sc) in slots.items()}
+    got = {"q": torch.cat([o[:, :16] for o in outs], 1), "k": torch.cat([o[:, 16:24] for o in outs], 1),
+           "v": torch.cat([o[:, 24:32] for o in outs], 1)}
+    for s in "qkv":
+        torch.testing.assert_close(got[s], ref[s], rtol=1e-4, atol=1e-3)

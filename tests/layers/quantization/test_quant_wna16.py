@@ -2,13 +2,12 @@
 matmul; the repacked storage through the Triton kernel; a tiny GPTQ Llama end to end; and the refusals."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tokenmill.kernels.triton_quant_matmul import int_matmul
 from tokenmill.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -52,7 +51,8 @@ def test_gptq_row_parallel(bits, sym, desc_act, v2):
                                  "desc_act": desc_act, "checkpoint_format": "gptq_v2" if v2 else "gptq"})
     layer = RowParallelLinear(k, n, quant_config=qc, prefix="model.layers.0.mlp.down_proj")
     q = torch.randint(0, 2 ** bits, (k, n), generator=g)
-    z = torch.full((k // group, n), 2 ** (bits - 1)) if sym else torch.randint(1, 2 ** bits, (k // group, n), generator=g)
+    groups = k // group
+    z = torch.full((groups, n), 2 ** (bits - 1)) if sym else torch.randint(1, 2 ** bits, (groups, n), generator=g)
     s = torch.rand(k // group, n, generator=g) * 0.02 + 0.001
     g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=g)] if desc_act else torch.arange(k) // group
     qw, qz = gptq_pack(q, z, bits, v1=not v2)
@@ -66,8 +66,9 @@ def test_gptq_row_parallel(bits, sym, desc_act, v2):
 def test_awq_stacked_qkv():
     g = torch.Generator().manual_seed(0)
     k, group = 64, 32
-    layer = QKVParallelLinear(k, 16, 2, 1, quant_config=AWQConfig.from_config(
-        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}), prefix="attn.qkv_proj")
+    qc = AWQConfig.from_config({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                "version": "gemm"})
+    layer = QKVParallelLinear(k, 16, 2, 1, quant_config=qc, prefix="attn.qkv_proj")
     parts = []
     for slot, n in (("q", 32), ("k", 16), ("v", 16)):
         q = torch.randint(0, 16, (k, n), generator=g)
@@ -168,3 +169,46 @@ def test_compressed_tensors_pack_quantized_matches_transformers(tiny_model_facto
         ref = [model.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(p):]
                .tolist() for p in PROMPTS]
     assert ours == ref
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_tensor_parallel_shards_sum_to_the_one_rank_product(fmt):
+    """Row-parallel: each rank loads its input slice of the packed weights, zero points and scales; the partial
+    products sum to the one-rank product. Column-parallel q/k/v: the ranks' outputs concatenate per slot."""
+    from tests.layers.test_linear_method import as_rank
+    g = torch.Generator().manual_seed(7)
+    k, n, group = 128, 64, 32
+    cfg = {"quant_method": fmt, "bits": 4, "group_size": group, "sym": False, "desc_act": False}
+    qc = GPTQConfig.from_config(cfg) if fmt == "gptq" else AWQConfig.from_config(cfg)
+    q = torch.randint(0, 16, (k, n), generator=g)
+    z = torch.randint(1, 16, (k // group, n), generator=g)
+    s = torch.rand(k // group, n, generator=g) * 0.02
+    tensors = dict(zip(("qweight", "qzeros"), gptq_pack(q, z, 4) if fmt == "gptq" else (awq_pack(q), awq_pack(z))))
+    tensors["scales"] = s
+    if fmt == "gptq":
+        tensors["g_idx"] = (torch.arange(k) // group).to(torch.int32)
+    x = torch.randn(3, k, generator=g)
+    want = x @ ((q - z.repeat_interleave(group, 0)).float() * s.repeat_interleave(group, 0))
+    rows, cols = [], []
+    for r in range(2):
+        with as_rank(r, 2):
+            row = RowParallelLinear(k, n, quant_config=qc, prefix="down_proj")
+            col = QKVParallelLinear(k, 16, 2, 1, quant_config=qc, prefix="qkv_proj")  # the KV head replicated
+        for name, t in tensors.items():
+            getattr(row, name).weight_loader(getattr(row, name), t)
+            if name == "g_idx":
+                getattr(col, name).weight_loader(getattr(col, name), t, None)
+                continue
+            # q, k and v slots: the first 32 / next 16 / last 16 output features of the same tensors
+            for slot, lo, hi in (("q", 0, 32), ("k", 32, 48), ("v", 48, 64)):
+                dim_cols = t.shape[1] * lo // n, t.shape[1] * hi // n
+                getattr(col, name).weight_loader(getattr(col, name), t[:, dim_cols[0]:dim_cols[1]], slot)
+        row.process_weights_after_loading()
+        col.process_weights_after_loading()
+        rows.append(row.quant_method.apply(row, x[:, r * k // 2:(r + 1) * k // 2], None))
+        cols.append(col(x))
+    torch.testing.assert_close(rows[0] + rows[1], want, rtol=1e-4, atol=1e-4)
+    # rank r: query head r (16 features), then the one KV head's k and v (16 each) that both ranks hold
+    got = torch.cat([cols[0][:, :16], cols[1][:, :16], cols[0][:, 16:48]], 1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cols[1][:, 16:48], cols[0][:, 16:48])
