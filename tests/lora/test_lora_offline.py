@@ -95,3 +95,18 @@ def test_the_triton_kernels_in_the_engine_match_peft(llm, lora_adapters, peft_gr
         manager.use_triton = False
     for r, out in zip(reqs, outs):
         assert out.outputs[0].token_ids == peft_greedy(r.lora_path if r else None, out.prompt_token_ids, 4)
+
+
+def test_scheduler_stats_count_adapters_for_the_metric(llm, lora_adapters):
+    engine = llm.llm_engine
+    r = _requests(lora_adapters)["all"]
+    engine.add_request("lora-stats", "hello", SamplingParams(max_tokens=50, ignore_eos=True), lora_request=r)
+    sched = engine.engine_core.scheduler
+    try:
+        assert sched.make_stats().waiting_lora_adapters == {"all": 1}
+        engine.step()
+        stats = sched.make_stats()
+        assert stats.running_lora_adapters == {"all": 1} and stats.waiting_lora_adapters == {}
+    finally:
+        engine.abort_request("lora-stats")
+    assert sched.make_stats().running_lora_adapters == {}

@@ -57,6 +57,11 @@ def test_model_field_picks_the_adapter(http, lora_adapters, peft_greedy, smollm2
         assert _token_ids(body) == peft_greedy(adapter, ids, N), model
 
 
+def test_the_lora_info_metric(http):
+    lines = [ln for ln in http.get("/metrics").text.splitlines() if ln.startswith("vllm:lora_requests_info{")]
+    assert len(lines) == 1 and 'max_lora="2"' in lines[0] and 'running_lora_adapters=""' in lines[0]
+
+
 def test_unknown_model_is_openais_404(http):
     status, body = _complete(http, "nope", "hi")
     assert status == 404

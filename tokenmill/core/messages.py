@@ -86,6 +86,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_batched_tokens: int = 0    # tokens scheduled since the previous snapshot (vllm:iteration_tokens_total)
     num_deferred_reqs: int = 0     # of the waiting requests, those held back by a transient constraint (a grammar
                                    # still compiling) rather than by capacity
+    # LoRA (enable_lora): adapter name -> requests under it, running and waiting (vllm:lora_requests_info).
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
 
 
 def combine_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats | None:

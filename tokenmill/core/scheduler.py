@@ -359,11 +359,21 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """A snapshot; `num_batched_tokens` counts the tokens scheduled since the previous snapshot."""
         batched, self._num_batched_tokens = self._num_batched_tokens, 0
-        return SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+        return self._with_lora(SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
                               kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_queries,
                               prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self._num_preemptions,
                               num_batched_tokens=batched,
-                              num_deferred_reqs=min(self._num_deferred, len(self.waiting)))
+                              num_deferred_reqs=min(self._num_deferred, len(self.waiting))))
+
+    def _with_lora(self, stats: SchedulerStats) -> SchedulerStats:
+        """`stats` with the adapters of the running and waiting requests counted (when LoRA is on)."""
+        if self.max_loras is not None:
+            for reqs, out in ((self.running, stats.running_lora_adapters),
+                              (list(self.waiting), stats.waiting_lora_adapters)):
+                for r in reqs:
+                    if r.lora_request is not None:
+                        out[r.lora_request.lora_name] = out.get(r.lora_request.lora_name, 0) + 1
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

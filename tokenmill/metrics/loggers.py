@@ -62,6 +62,9 @@ class StatLogger:
         m = vllm_metrics(config.model_config.max_model_len, config.cache_config)
         self.engines = [_EngineStats(m, self.model_name, e) for e in range(num_engines)]
         self.record_engine_counters = record_engine_counters
+        lora = getattr(config, "lora_config", None)
+        self.max_lora = lora.max_loras if lora is not None else None
+        self._lora_info = m.lora_info
         info = {k: str(v) for k, v in dataclasses.asdict(config.cache_config).items()}
         info["num_gpu_blocks"] = str(num_gpu_blocks)
         for e in range(num_engines):
@@ -84,6 +87,10 @@ class StatLogger:
         self.maybe_log()
 
     def _record_scheduler(self, e: _EngineStats, stats: SchedulerStats) -> None:
+        if self.max_lora is not None:  # one sample: the latest snapshot's adapters (vLLM's shape)
+            self._lora_info.clear()
+            self._lora_info.labels(str(self.max_lora), ",".join(sorted(stats.waiting_lora_adapters)),
+                                   ",".join(sorted(stats.running_lora_adapters))).set(time.time())
         e.running.set(stats.num_running_reqs)
         e.waiting.set(stats.num_waiting_reqs)
         e.waiting_deferred.set(stats.num_deferred_reqs)

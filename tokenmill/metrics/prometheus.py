@@ -78,6 +78,10 @@ class VllmMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
         self.cache_config_info = Gauge("vllm:cache_config_info", "The KV-cache configuration, as labels (value 1).",
                                        cache_config_labels(cache_config), multiprocess_mode=mode)
+        self.lora_info = Gauge("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests "
+                               "(comma-separated names) as labels, the value the time of the snapshot.",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                               multiprocess_mode=mode)
         # Counters
         self.prefix_queries = Counter("vllm:prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.", L)
