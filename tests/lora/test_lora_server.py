@@ -55,6 +55,10 @@ def test_model_field_picks_the_adapter(http, lora_adapters, peft_greedy, smollm2
         status, body = _complete(http, model, prompt)
         assert status == 200, body
         assert _token_ids(body) == peft_greedy(adapter, ids, N), model
+        assert body["model"] == model
+    chat = http.post("/v1/chat/completions", json={"model": "qv", "max_tokens": 2,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and chat.json()["model"] == "qv"
 
 
 def test_the_lora_info_metric(http):

@@ -222,7 +222,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(choice)
         choices.sort(key=lambda c: c.index)
         self.log_output(response_id, [c.message.content or "" for c in choices])
-        return ChatCompletionResponse(id=response_id, created=created, model=self.models.model_name,
+        return ChatCompletionResponse(id=response_id, created=created, model=self.models.response_name(request.model),
                                       choices=choices, system_fingerprint=self.fingerprint,
                                       usage=self.usage(len(prompt_ids), completion_tokens, res.num_cached_tokens),
                                       prompt_logprobs=self.prompt_logprobs_json(res),
@@ -231,7 +231,7 @@ class OpenAIServingChat(OpenAIServing):
     # ----- streaming -----
     async def _stream(self, request: ChatCompletionRequest, response_id: str, created: int, prompt_ids: list[int],
                       stream: Primed, parsing: RequestParsing) -> AsyncIterator[str]:
-        model = self.models.model_name
+        model = self.models.response_name(request.model)
         role = self.request_role(request)
         echo = self._echo_text(request, role)
         include_usage, continuous = self.usage_flags(request)

@@ -152,7 +152,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(choice)
         choices.sort(key=lambda c: c.index)
         self.log_output(response_id, [c.text for c in choices])
-        return CompletionResponse(id=response_id, created=created, model=self.models.model_name, choices=choices,
+        return CompletionResponse(id=response_id, created=created, model=self.models.response_name(request.model),
+                                  choices=choices,
                                   usage=self.usage(prompt_tokens, completion_tokens, cached),
                                   system_fingerprint=self.fingerprint)
 
@@ -160,7 +161,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request: CompletionRequest, response_id: str, created: int, prompts: list[Prompt],
                       streams: list[Primed]) -> AsyncIterator[str]:
         n = request.n
-        model = self.models.model_name
+        model = self.models.response_name(request.model)
         num_choices = n * len(prompts)
         echoed = [False] * num_choices
         text_len = [0] * num_choices

@@ -49,6 +49,11 @@ class OpenAIServingModels:
         self._lora_parent.pop(name, None)
         return self.lora_requests.pop(name, None) is not None
 
+    def response_name(self, name: str | None) -> str:
+        """The `model` a response carries: the adapter's name for a request under one (as vLLM), else the first
+        served name."""
+        return name if name and name in self.lora_requests else self.model_name
+
     def lora_for(self, name: str | None) -> Any:
         """The LoRARequest a request's `model` names, or None (the base model)."""
         return self.lora_requests.get(name) if name else None
