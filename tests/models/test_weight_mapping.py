@@ -77,5 +77,5 @@ def test_quant_config_none_for_dense_and_gguf():
 def test_unregistered_checkpoint_method_is_refused_by_name():
     with pytest.raises(ValueError, match="quantization='hqq'.*not supported yet"):
         get_quant_config(_model_config({"quant_method": "hqq", "bits": 4}))
-    with pytest.raises(ValueError, match="'bitsandbytes'"):
-        get_quant_config(_model_config(quantization="bitsandbytes"))
+    with pytest.raises(ValueError, match="'marlin'"):
+        get_quant_config(_model_config(quantization="marlin"))

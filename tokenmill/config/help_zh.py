@@ -238,7 +238,8 @@ HELP_ZH: dict[str, str] = {
                      "支持易读写法：32k 表示 32000，1K 表示 1024（小写按 1000 进位，大写按 1024 进位），auto 或 -1 "
                      "表示用默认值。调小它可以省下显存、容纳更多并发。",
     "quantization": "权重量化方法（简写 -q）；默认取检查点的 quantization_config。fp8（FP8 检查点，或在加载时量化"
-                    "稠密检查点）、compressed-tensors、awq、gptq；接受 vLLM 的别名（compressed_tensors、"
+                    "稠密检查点）、compressed-tensors、awq、gptq、bitsandbytes（加载时把稠密检查点量化为 NF4）；"
+                    "接受 vLLM 的别名（compressed_tensors、"
                     "awq_marlin、gptq_marlin）；GGUF 文件在加载时反量化。"
                     "指定与检查点不同的方法会报错。",
     "enforce_eager": "始终以 eager 模式执行，不使用 CUDA Graph。可以省下图捕获占用的显存、缩短启动时间，但解码会变慢。",

@@ -11,7 +11,7 @@ from tokenmill.config.utils import check_choices, check_range, config_field, not
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 # --quantization values with a linear method (tokenmill/layers/quantization's registry; vLLM's aliases included).
 QUANTIZATION_METHODS = ("gguf", "fp8", "compressed-tensors", "compressed_tensors", "awq", "awq_marlin", "gptq",
-                        "gptq_marlin")
+                        "gptq_marlin", "bitsandbytes")
 _DTYPE_MAP = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
               "float": torch.float32, "float32": torch.float32}
 
@@ -56,7 +56,8 @@ class ModelConfig:
                                                         "model's. Accepts 32k, 1K, auto.")
     quantization: str | None = config_field(
         None, help="Weight quantization method; default: the checkpoint's quantization_config. fp8 (FP8 "
-                   "checkpoints, or a dense one quantized at load), compressed-tensors, awq, gptq; vLLM's aliases "
+                   "checkpoints, or a dense one quantized at load), compressed-tensors, awq, gptq, bitsandbytes "
+                   "(NF4 of a dense checkpoint at load); vLLM's aliases "
                    "(compressed_tensors, awq_marlin, gptq_marlin) accepted; GGUF files are dequantized at load. "
                    "Naming another method than the checkpoint's is an error.")
     enforce_eager: bool = config_field(False, help="Never use CUDA graphs.")

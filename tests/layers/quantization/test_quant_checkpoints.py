@@ -162,8 +162,8 @@ def test_method_mismatches_are_refused_before_loading(tiny_model_factory, fp8_ch
         greedy(tiny_model_factory("llama"), quantization="compressed-tensors")
     with pytest.raises(ValueError, match="--quantization fp8 does not match .*'compressed-tensors'"):
         greedy(ct_fp8_dir, quantization="fp8")
-    with pytest.raises(ValueError, match="quantization='bitsandbytes'.*not supported yet"):
-        LLM(fp8_checkpoints[0], quantization="bitsandbytes", **ENGINE)
+    with pytest.raises(ValueError, match="quantization='hqq'.*not supported yet"):
+        LLM(fp8_checkpoints[0], quantization="hqq", **ENGINE)
 
 
 def test_dense_tensor_under_an_fp8_config_names_the_tensor(fp8_checkpoints, tmp_path):

@@ -23,12 +23,12 @@ def test_mismatches_and_unknown_methods():
         select_method("gptq", "awq", reg)
     with pytest.raises(ValueError, match="--quantization awq needs a checkpoint quantized with awq.*Only fp8"):
         select_method("awq_marlin", None, reg)
-    with pytest.raises(ValueError, match="quantization='bitsandbytes'.*not supported yet.*Supported: awq, "
+    with pytest.raises(ValueError, match="quantization='hqq'.*not supported yet.*Supported: awq, bitsandbytes, "
                                          "compressed-tensors, fp8, gptq"):
-        select_method(None, "bitsandbytes", reg)
+        select_method(None, "hqq", reg)
 
 
 def test_model_config_refuses_methods_without_a_kernel_listing_the_accepted_names():
     from tokenmill.config.model import ModelConfig
-    with pytest.raises(ValueError, match="quantization='bitsandbytes'.*Supported: gguf, fp8, compressed-tensors"):
-        ModelConfig(quantization="bitsandbytes")
+    with pytest.raises(ValueError, match="quantization='hqq'.*Supported: gguf, fp8, compressed-tensors"):
+        ModelConfig(quantization="hqq")

@@ -17,6 +17,7 @@ _METHODS: dict[str, tuple[str, str]] = {
     "compressed-tensors": ("tokenmill.layers.quantization.compressed_tensors", "CompressedTensorsConfig"),
     "awq": ("tokenmill.layers.quantization.wna16", "AWQConfig"),
     "gptq": ("tokenmill.layers.quantization.wna16", "GPTQConfig"),
+    "bitsandbytes": ("tokenmill.layers.quantization.bnb", "BnbConfig"),
 }
 
 

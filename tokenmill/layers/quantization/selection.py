@@ -4,14 +4,14 @@ against it, as vLLM does.
 - A checkpoint's `quant_method` picks the format; `--quantization` may name the same format (or one of vLLM's
   names for it: awq_marlin for awq, gptq_marlin for gptq, compressed_tensors for compressed-tensors), and naming
   another is an error: the tensors on disk are in the checkpoint's format.
-- Without a quantization_config, `--quantization fp8` quantizes the dense weights at load; every other method needs
-  a checkpoint quantized in it.
+- Without a quantization_config, `--quantization fp8` (or `bitsandbytes`, NF4) quantizes the dense weights at load;
+  every other method needs a checkpoint quantized in it.
 """
 from __future__ import annotations
 
 ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
 # Formats whose tensors can be produced from a dense checkpoint at load.
-ONLINE = ("fp8",)
+ONLINE = ("fp8", "bitsandbytes")
 
 
 def canonical(method: str | None) -> str | None:
