@@ -212,3 +212,30 @@ def test_tensor_parallel_shards_sum_to_the_one_rank_product(fmt):
     got = torch.cat([cols[0][:, :16], cols[1][:, :16], cols[0][:, 16:48]], 1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cols[1][:, 16:48], cols[0][:, 16:48])
+
+
+def test_tiny_awq_llama_matches_its_dequantized_weights(tiny_model_factory, tmp_path):
+    """AWQ GEMM checkpoint ([K, N/8] interleaved words), HF needs autoawq's CUDA kernels: the reference is
+    tokenmill on the dequantized dense weights."""
+    from tests.layers.quantization.test_quant_checkpoints import _is_linear, _rewrite, greedy
+    src = tiny_model_factory("llama")
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    group, packed, dense = 32, {}, {}
+    for name, t in sd.items():
+        if not _is_linear(name):
+            packed[name] = dense[name] = t
+            continue
+        w = t.t()
+        wg = w.reshape(-1, group, w.shape[1])
+        lo, hi = wg.amin(1), wg.amax(1)
+        s = ((hi - lo) / 15).clamp_min(1e-6)
+        z = (-lo / s).round().clamp(0, 15)
+        q = (wg / s[:, None] + z[:, None]).round().clamp(0, 15).reshape(w.shape).long()
+        base = name[:-len("weight")]
+        packed.update({base + "qweight": awq_pack(q).contiguous(), base + "qzeros": awq_pack(z.long()).contiguous(),
+                       base + "scales": s})
+        dense[name] = ((q - z.long().repeat_interleave(group, 0)).float() * s.repeat_interleave(group, 0)).t()
+        dense[name] = dense[name].contiguous()
+    qcfg = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    assert greedy(_rewrite(src, str(tmp_path / "q"), packed, qcfg)) == \
+        greedy(_rewrite(src, str(tmp_path / "d"), dense, None))
