@@ -70,8 +70,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         if wtype == "float":
             return self._fp8(w, a, fmt, prefix)
         if wtype == "int" and a is None:
-            from tokenmill.layers.quantization.wna16 import compressed_tensors_method
-            return compressed_tensors_method(w, fmt, prefix)
+            return _int_weights_method(w, fmt, prefix)
         what = f"{bits}-bit {wtype} weights with {a.get('num_bits')}-bit {a.get('type')} activations" if a else \
             f"{bits}-bit {wtype} weights, strategy {strategy}"
         raise refuse(METHOD, "scheme", what, SUPPORTED, prefix)
@@ -99,3 +98,22 @@ class CompressedTensorsConfig(QuantizationConfig):
                 raise refuse(METHOD, "activation strategy", f"{strategy} (dynamic={dynamic})",
                              "static tensor, dynamic token, dynamic tensor", prefix)
         return Fp8LinearMethod(Fp8Scheme(w["strategy"], act))
+
+
+def _int_weights_method(w: dict, fmt: str, prefix: str) -> LinearMethod:
+    """The method for compressed-tensors integer weights `w` (a config group's `weights`) with 16-bit activations."""
+    from tokenmill.layers.quantization.wna16 import WNA16LinearMethod
+    bits, strategy, group = w.get("num_bits"), w.get("strategy"), w.get("group_size")
+    if fmt != "pack-quantized":
+        raise refuse(METHOD, "format for integer weights", fmt, "pack-quantized", prefix)
+    if bits not in (4, 8):
+        raise refuse(METHOD, "num_bits", bits, "4, 8", prefix)
+    if strategy not in ("group", "channel"):
+        raise refuse(METHOD, "integer weight strategy", strategy, "group, channel", prefix)
+    if w.get("actorder"):
+        raise refuse(METHOD, "actorder", w["actorder"], f"none (act-order not supported yet); {SUPPORTED}", prefix)
+    if strategy == "channel":
+        group = -1
+    elif not (isinstance(group, int) and group > 0 and group % 8 == 0):
+        raise refuse(METHOD, "group_size", group, "a positive multiple of 8 (32, 64, 128, ...)", prefix)
+    return WNA16LinearMethod("compressed-tensors", bits, group, bool(w.get("symmetric", True)), False, 0)

@@ -157,25 +157,6 @@ def _check_shape(layer: nn.Module, loaded: torch.Tensor) -> None:
                          f"{layer.shape.input_size} input features.")
 
 
-def compressed_tensors_method(w: dict, fmt: str, prefix: str) -> LinearMethod:
-    """The method for compressed-tensors integer weights `w` (a config group's `weights`) with 16-bit activations."""
-    from tokenmill.layers.quantization.compressed_tensors import METHOD, SUPPORTED
-    bits, strategy, group = w.get("num_bits"), w.get("strategy"), w.get("group_size")
-    if fmt != "pack-quantized":
-        raise refuse(METHOD, "format for integer weights", fmt, "pack-quantized", prefix)
-    if bits not in (4, 8):
-        raise refuse(METHOD, "num_bits", bits, "4, 8", prefix)
-    if strategy not in ("group", "channel"):
-        raise refuse(METHOD, "integer weight strategy", strategy, "group, channel", prefix)
-    if w.get("actorder"):
-        raise refuse(METHOD, "actorder", w["actorder"], f"none (act-order not supported yet); {SUPPORTED}", prefix)
-    if strategy == "channel":
-        group = -1
-    elif not (isinstance(group, int) and group > 0 and group % 8 == 0):
-        raise refuse(METHOD, "group_size", group, "a positive multiple of 8 (32, 64, 128, ...)", prefix)
-    return WNA16LinearMethod("compressed-tensors", bits, group, bool(w.get("symmetric", True)), False, 0)
-
-
 class _WNA16Config(QuantizationConfig):
     """AWQ / GPTQ: every linear layer packed, except the modules `modules_to_not_convert` names."""
 
