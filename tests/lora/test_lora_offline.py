@@ -110,3 +110,18 @@ def test_scheduler_stats_count_adapters_for_the_metric(llm, lora_adapters):
     finally:
         engine.abort_request("lora-stats")
     assert sched.make_stats().running_lora_adapters == {}
+
+
+def test_a_new_adapter_is_read_off_the_step_loop(llm, lora_adapters, peft_greedy):
+    engine = llm.llm_engine
+    manager = engine.engine_core.executor.worker.runner.lora
+    r = LoRARequest("mlp-again", 9, lora_adapters["mlp"])
+    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    engine.add_request("prefetched", PROMPTS[0], sp, lora_request=r)
+    assert 9 in manager._pending  # the read started when the request arrived, before any step
+    loads = manager.loads
+    out = []
+    while engine.has_unfinished_requests():
+        out += [o for o in engine.step() if o.finished]
+    assert 9 not in manager._pending and manager.loads == loads + 1 and 9 in manager.host
+    assert out[0].outputs[0].token_ids == peft_greedy(lora_adapters["mlp"], out[0].prompt_token_ids, N)

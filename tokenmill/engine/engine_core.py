@@ -38,14 +38,24 @@ class EngineCore:
         self._batches: deque[tuple[SchedulerOutput, object]] = deque()  # pipeline parallelism, oldest first
         self.max_batches_in_flight = 0  # the most batches ever in flight at once (observability, tests)
         self.last_scheduled: SchedulerOutput | None = None  # the latest batch (slow-step diagnostics)
+        self._loras_seen: set[tuple[int, str]] = set()  # adapters the workers were asked to prefetch
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)
+        self._prefetch_lora(request)
+
+    def _prefetch_lora(self, request: EngineCoreRequest) -> None:
+        """A request under an adapter not seen before: the workers start reading it now, off the step loop."""
+        lora = request.lora_request
+        if lora is not None and ((lora.lora_int_id, lora.lora_path) not in self._loras_seen or lora.load_inplace):
+            self._loras_seen.add((lora.lora_int_id, lora.lora_path))
+            self.executor.collective_rpc("prefetch_lora", lora)
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """The n sequences of one user request (the data-parallel stand-in keeps them on one engine)."""
         for request in requests:
             self.scheduler.add_request(request)
+            self._prefetch_lora(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids)

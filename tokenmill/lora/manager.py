@@ -11,13 +11,16 @@ Per step the runner calls `activate(req_ids, n_sched)`: adapters of the step's r
 (least recently used slots of adapters the step does not need are reused; the scheduler never puts more distinct
 adapters in a step than there are slots), the tokens are grouped by slot, and the deltas are attached to the
 layers; `deactivate()` detaches them, so steps without adapters run the fused, graph-captured path untouched.
-Steps with adapters run eagerly (no CUDA graph holds the deltas yet). Adapters are read from disk on the step
-that first needs them (loading them off the step loop is not done yet). The deltas are the Triton kernels of
+Steps with adapters run eagerly (no CUDA graph holds the deltas yet). `prefetch(lora)` (the engine core calls it
+when a request names an adapter it has not seen) reads the adapter from disk in a background thread, so the step
+that first needs it only waits for what is left of the read; the host LRU itself is only touched by the step
+loop. The deltas are the Triton kernels of
 lora/triton_ops.py on CUDA and the torch reference (lora/ops.py) elsewhere.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -100,27 +103,44 @@ class LoRAModelManager:
         self._tiles = None
         self.active = False
         self.loads = 0  # adapters read from disk (the host LRU's misses)
+        self._pending: dict[int, Future] = {}  # lora_int_id -> the background read of a prefetched adapter
+        self._pool: ThreadPoolExecutor | None = None
 
     # ----- requests -----
     def add_request(self, req_id: str, lora: LoRARequest | None) -> None:
         if lora is not None:
             self.req_lora[req_id] = lora
+            if lora.load_inplace:  # read again (the prefetch started already): the old copy and slot are stale
+                self.host.pop(lora.lora_int_id, None)
+                if lora.lora_int_id in self.slots:
+                    self.slots[self.slots.index(lora.lora_int_id)] = None
 
     def remove_request(self, req_id: str) -> None:
         self.req_lora.pop(req_id, None)
 
     # ----- adapters -----
+    def _read(self, lora: LoRARequest) -> LoRAAdapter:
+        return read_adapter(lora.lora_name, lora.lora_int_id, lora.lora_path, max_rank=self.config.max_lora_rank,
+                            text_config=self.text_config, served_names=self.served_names,
+                            base_model_name=lora.base_model_name)
+
+    def prefetch(self, lora: LoRARequest) -> None:
+        """Start reading `lora` from disk in the background unless it is in the host LRU or being read."""
+        lid = lora.lora_int_id
+        if (lid in self.host and not lora.load_inplace) or lid in self._pending:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-lora-load")
+        self._pending[lid] = self._pool.submit(self._read, lora)
+
     def _host_adapter(self, lora: LoRARequest) -> LoRAAdapter:
-        ad = self.host.get(lora.lora_int_id)
-        if ad is not None and not lora.load_inplace:
+        pending = self._pending.pop(lora.lora_int_id, None)
+        ad = self.host.get(lora.lora_int_id) if pending is None else None
+        if ad is not None:
             self.host.move_to_end(lora.lora_int_id)
             return ad
-        ad = read_adapter(lora.lora_name, lora.lora_int_id, lora.lora_path, max_rank=self.config.max_lora_rank,
-                          text_config=self.text_config, served_names=self.served_names,
-                          base_model_name=lora.base_model_name)
+        ad = pending.result() if pending is not None else self._read(lora)
         self.loads += 1
-        if lora.lora_int_id in self.slots:  # reloaded in place: its slot holds the old weights
-            self.slots[self.slots.index(lora.lora_int_id)] = None
         self.host[lora.lora_int_id] = ad
         self.host.move_to_end(lora.lora_int_id)
         while len(self.host) > self.config.max_cpu_loras:
@@ -135,7 +155,7 @@ class LoRAModelManager:
 
     def _slot_for(self, lora: LoRARequest, needed: set[int]) -> int:
         lid = lora.lora_int_id
-        if lid in self.slots and not lora.load_inplace:
+        if lid in self.slots:
             slot = self.slots.index(lid)
         else:
             ad = self._host_adapter(lora)

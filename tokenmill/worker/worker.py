@@ -116,6 +116,11 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
+    def prefetch_lora(self, lora) -> None:
+        """Start reading a LoRA adapter into the host cache in the background (see lora/manager.py)."""
+        if self.runner.lora is not None:
+            self.runner.lora.prefetch(lora)
+
     def execute_model(self, sched: SchedulerOutput) -> None:
         self.runner.execute_model(sched)
 
