@@ -90,3 +90,21 @@ def test_runtime_load_and_unload(http, lora_adapters, tmp_path):
     gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"})
     assert gone.status_code == 404 and gone.json()["error"]["type"] == "NotFoundError"
     assert _complete(http, "all", "hello")[0] == 200  # the server kept serving
+
+
+def test_unloading_an_adapter_in_use_lets_its_requests_finish(http, lora_adapters):
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "busy", "lora_path": lora_adapters["mlp"]}
+                     ).status_code == 200
+    body = {"model": "busy", "prompt": "hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    chunks = 0
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks += 1
+                if chunks == 2:  # running: unload it now
+                    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "busy"}).status_code == 200
+            if line:
+                last = line
+    assert last == "data: [DONE]" and chunks >= 60
+    assert _complete(http, "busy", "hello")[0] == 404
