@@ -5,6 +5,7 @@ import time
 from collections import deque
 
 from tokenmill.config import TokenmillConfig
+from tokenmill.config.utils import not_supported_yet
 from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.core.sched_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
@@ -27,6 +28,13 @@ class EngineCore:
     """
 
     def __init__(self, config: TokenmillConfig) -> None:
+        spec = getattr(config, "speculative_config", None)
+        if spec is not None:
+            # The config is parsed and checked, but no step proposes or verifies drafts yet: refuse it rather than
+            # run without speculation while reporting it on.
+            raise not_supported_yet("speculative_config", {"method": spec.method,
+                                                           "num_speculative_tokens": spec.num_speculative_tokens},
+                                    "The engine's speculative decoding step has not landed yet; leave it unset.")
         self.config = config
         self.executor = get_executor_class(config)(config)
         self.num_blocks = self.executor.determine_num_blocks()
