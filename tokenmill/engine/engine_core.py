@@ -10,7 +10,18 @@ from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.core.sched_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor import get_executor_class
+from tokenmill.kernels.compile_stats import CompileStats
+from tokenmill.logger import init_logger
 from tokenmill.metrics.step_timing import TIMER
+
+logger = init_logger(__name__)
+_IN_PROCESS_EXECUTORS = ("UniProcExecutor", "ExternalLauncherExecutor")
+
+
+def format_startup(seconds: dict[str, float]) -> str:
+    """'12.3 s: workers and weights 4.1 s, memory profile 2.0 s, ...' (the start-up breakdown log line)."""
+    parts = [f"{k} {v:.1f} s" for k, v in seconds.items() if k != "total"]
+    return f"{seconds['total']:.1f} s: " + ", ".join(parts)
 
 
 class EngineCore:
@@ -36,10 +47,24 @@ class EngineCore:
                                                            "num_speculative_tokens": spec.num_speculative_tokens},
                                     "The engine's speculative decoding step has not landed yet; leave it unset.")
         self.config = config
-        self.executor = get_executor_class(config)(config)
-        self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_kv_cache(self.num_blocks)
+        t0 = time.perf_counter()
+        executor_cls = get_executor_class(config)
+        # Kernels compile where the workers run; only an in-process executor's compiles are visible here.
+        compiles = CompileStats.track() if executor_cls.__name__ in _IN_PROCESS_EXECUTORS else CompileStats()
+        try:
+            self.executor = executor_cls(config)
+            t1 = time.perf_counter()
+            self.num_blocks = self.executor.determine_num_blocks()
+            t2 = time.perf_counter()
+            self.executor.initialize_kv_cache(self.num_blocks)
+            t3 = time.perf_counter()
+        finally:
+            compiles.stop()
         self.scheduler = Scheduler(config, self.num_blocks)
+        self.startup_seconds = {"workers and weights": t1 - t0, "memory profile": t2 - t1,
+                                "KV cache and CUDA graphs": t3 - t2, "total": time.perf_counter() - t0}
+        logger.info("Engine ready in %s%s", format_startup(self.startup_seconds),
+                    f"; within them, kernel compile {compiles.describe()}" if compiles.available else "")
         self.async_scheduling = bool(config.scheduler_config.async_scheduling)
         self._in_flight: tuple[SchedulerOutput, object] | None = None  # (batch, AsyncRunnerOutput)
         self.max_concurrent_batches = self.executor.max_concurrent_batches
