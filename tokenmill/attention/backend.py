@@ -39,15 +39,25 @@ class AttentionBackend(abc.ABC):
     The cache dtype is the activation dtype or, with kv_cache_dtype=fp8*, an fp8 dtype: then K/V are stored as
     fp8(x / k_scale or v_scale) and read back multiplied by the scale (kernels/kv_fp8.py). A backend must honour
     that or raise; it must never read the scales on the host (they are device scalars, possibly under a CUDA graph).
+
+    `sliding_window` W (None: full attention): the query at position p attends to keys (p - W, p], HF's sliding
+    window; keys older than that may sit in blocks already freed and reused, so a backend must not read them (for
+    any purpose the result depends on). `logits_soft_cap` c (None: off): scores become c * tanh(score / c) before
+    the softmax (Gemma 2).
     """
 
     name: str = "abstract"
 
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

@@ -17,11 +17,14 @@ class Attention(nn.Module):
     """
 
     def __init__(self, layer_idx: int, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
-                 backend_cls: type) -> None:
+                 backend_cls: type, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
-        self.impl = backend_cls(num_heads, head_size, num_kv_heads, scale)
+        self.sliding_window = sliding_window  # None: full attention (core/kv_cache_spec.py groups layers by it)
+        self.impl = backend_cls(num_heads, head_size, num_kv_heads, scale, sliding_window=sliding_window,
+                                logits_soft_cap=logits_soft_cap)
         # Explicit float32: models are built under their activation dtype as the default dtype.
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))

@@ -11,6 +11,10 @@ CUDA-graph friendly: the host only picks the grid (batch rows, num_splits). Rows
 (they belong to the prefill kernel in a mixed batch, or are query_len-0 padding); rows with query_len 1 and
 seq_len 0 (CUDA-graph padding) produce zeros.
 
+With a sliding window W (window > 0) the query at position seq_len - 1 sees keys [max(seq_len - W, 0), seq_len):
+the splits divide that range, so the work per row is bounded by the window, and older keys are never read (their
+blocks may be freed). Logit soft-capping (SOFTCAP) is the prefill kernel's.
+
 An fp8 cache (FP8 constexpr) is read as fp8 (half the bytes) and dequantised as in the prefill kernel: k_scale folds
 into the softmax scale, v_scale into stage 1's normalised output (stage 2's merge is linear in it).
 """
@@ -43,24 +47,31 @@ def split_len_of(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
+@triton.jit
+def window_lo(seq_len, window):
+    """The oldest key the newest query (position seq_len - 1) sees: 0, or seq_len - window with a window."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary per step: no recompiles while serving
 def _decode_stage1_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
-    k_scale_ptr, v_scale_ptr, qk_scale, num_splits,
+    k_scale_ptr, v_scale_ptr, qk_scale, num_splits, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_mb, stride_mh, stride_ms,
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     q_start, q_len, seq_len = row_meta(qsl_ptr, seq_lens_ptr, b)
-    split_len = split_len_of(seq_len, num_splits, BLOCK_N)
-    start = split * split_len
+    lo = window_lo(seq_len, window)
+    split_len = split_len_of(seq_len - lo, num_splits, BLOCK_N)
+    start = lo + split * split_len
     # A program with nothing to do (not a decode row, or a split past the context, which stage 2 does not read)
     # leaves before the PDL wait: it frees its SM slot at once instead of after the previous kernel.
     if q_len != 1:
@@ -82,9 +93,11 @@ def _decode_stage1_kernel(
     q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (seq_len - 1)
 
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+    # One query row: every key of [lo, seq_len) is in its window, so no per-key window mask is needed.
     o, m_i, l_i = _attend_span(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                               block_table_ptr + b * stride_bt, kvh * stride_ch, d, d_mask, start, full_end, end,
-                               qk_scale, stride_cb, stride_cs, BLOCK_G, HEAD_P2, BLOCK_SIZE, BLOCK_N, IEEE, FP8)
+                               block_table_ptr + b * stride_bt, kvh * stride_ch, d, d_mask, start, start, full_end,
+                               end, window, qk_scale, softcap, stride_cb, stride_cs, BLOCK_G, HEAD_P2, BLOCK_SIZE,
+                               BLOCK_N, IEEE, FP8, False, SOFTCAP)
     store_stage1(o, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, tok, b, split, head, g_mask, d, d_mask,
                  stride_ot, stride_oh, stride_mb, stride_mh, stride_ms, HEAD_P2, DIRECT)
 
@@ -108,7 +121,7 @@ def store_stage1(o, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, tok, b, split, he
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_stage2_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, qsl_ptr, seq_lens_ptr,
-    num_splits,
+    num_splits, window,
     stride_ot, stride_oh,
     stride_mb, stride_mh, stride_ms,
     BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
@@ -120,8 +133,9 @@ def _decode_stage2_kernel(
     pdl_wait(PDL)
     if q_len != 1:
         return
-    split_len = split_len_of(seq_len, num_splits, BLOCK_N)
-    used = tl.cdiv(seq_len, tl.maximum(split_len, 1))        # splits stage 1 wrote (0 when seq_len == 0)
+    span = seq_len - window_lo(seq_len, window)
+    split_len = split_len_of(span, num_splits, BLOCK_N)
+    used = tl.cdiv(span, tl.maximum(split_len, 1))           # splits stage 1 wrote (0 when seq_len == 0)
     s = tl.arange(0, SPLITS_P2)
     s_mask = s < used
     d = tl.arange(0, HEAD_P2)
@@ -194,13 +208,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                      scale: float, num_splits: int = 1, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     sliding_window: int | None = None, softcap: float | None = None) -> None:
     """Attention of the single query token of each query_len-1 request in q [T, Hq, D] against the paged cache.
 
     Row b's token is q[query_start_loc[b]]; rows with query_len != 1 are left alone; query_len 1 with seq_len 0
     gives zeros. k_cache/v_cache [num_blocks, block_size, Hkv, D]; out [T, Hq, D] (may alias nothing in q). An fp8
     cache needs k_scale / v_scale (float32 device scalars): cached values are read as fp8 * scale.
-    Grid: (B, Hkv, num_splits) then (B, Hq) when num_splits > 1, B = seq_lens.shape[0]."""
+    sliding_window / softcap as in prefill_attention. Grid: (B, Hkv, num_splits) then (B, Hq) when num_splits > 1, B = seq_lens.shape[0]."""
     num_rows = seq_lens.shape[0]
     if num_rows == 0:
         return
@@ -231,17 +246,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     common = dict(num_warps=num_warps or cfg[1], **launch_kwargs(q.device, "attention"))
     _decode_stage1_kernel[(num_rows, hkv, num_splits)](
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens, mid_o, mid_lse, out,
-        k_scale, v_scale, scale * _LOG2E, num_splits,
+        k_scale, v_scale, scale * _LOG2E, num_splits, sliding_window or 0, (softcap or 1.0) * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
         sm[0], sm[1], sm[2],
         BLOCK_SIZE=k_cache.shape[1], G=g, BLOCK_G=block_g, BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2,
-        DIRECT=direct, IEEE=ieee, FP8=fp8, num_stages=num_stages or cfg[2], **common,
+        DIRECT=direct, IEEE=ieee, FP8=fp8, SOFTCAP=bool(softcap), num_stages=num_stages or cfg[2], **common,
     )
     if not direct:
         _decode_stage2_kernel[(num_rows, hq)](
-            mid_o, mid_lse, out, query_start_loc, seq_lens, num_splits,
+            mid_o, mid_lse, out, query_start_loc, seq_lens, num_splits, sliding_window or 0,
             out.stride(0), out.stride(1), sm[0], sm[1], sm[2],
             BLOCK_N=block_n, HEAD=d, HEAD_P2=head_p2, SPLITS_P2=_splits_p2(num_splits),
             **common,

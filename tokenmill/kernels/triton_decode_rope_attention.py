@@ -8,6 +8,9 @@ row; the program whose split holds the newest position also rotates that kv head
 cache, and then (after a CTA barrier, which orders its own global writes before its reads) attends over its split
 like kernels/triton_decode_attention.py, the new key included. Stage 2 (the merge of splits) is that module's.
 
+A sliding window W (window > 0) limits every row to keys [max(seq_len - W, 0), seq_len), which the splits divide
+(as kernels/triton_decode_attention.py); logit soft-capping is not taken here (the backend keeps the separate path).
+
 Only pure decode steps (every row query_len 1, or CUDA-graph padding with seq_len 0 and a negative slot) take this
 path; prefill and mixed batches keep the separate store kernel. Rounding follows the separate kernel (RMSNorm as
 tokenmill/layers/layernorm.py, RoPE products and sums rounded to the activation dtype); the norm's sum of squares
@@ -21,7 +24,7 @@ import triton.language as tl
 
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 from tokenmill.kernels.triton_decode_attention import (_LOG2E, _decode_stage2_kernel, _splits_p2, decode_config,
-                                                       row_meta, split_len_of, store_stage1)
+                                                       row_meta, split_len_of, store_stage1, window_lo)
 from tokenmill.kernels.triton_prefill_attention import softmax_tile
 from tokenmill.kernels.triton_qk_norm_rope_store import check_rope_args
 
@@ -92,7 +95,7 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off, pos, k_mask, d, 
 def _decode_rope_stage1_kernel(
     qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
     k_cache_ptr, v_cache_ptr, block_table_ptr, qsl_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr,
-    qk_scale, eps, num_splits,
+    qk_scale, eps, num_splits, window,
     stride_qkv, stride_ot, stride_oh, stride_cos, stride_sin,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
@@ -112,8 +115,9 @@ def _decode_rope_stage1_kernel(
     tok = q_start.to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
-    split_len = split_len_of(seq_len, num_splits, BLOCK_N)
-    start = split * split_len
+    lo = window_lo(seq_len, window)
+    split_len = split_len_of(seq_len - lo, num_splits, BLOCK_N)
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     old_end = tl.minimum(end, seq_len - 1)             # cached keys of this split; the newest key comes from qkv
     has_new = (start <= seq_len - 1) & (seq_len - 1 < end)
@@ -181,11 +185,12 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mappi
                           num_heads: int, num_kv_heads: int, head_dim: int, scale: float, num_splits: int,
                           rotary_dim: int | None = None, is_neox: bool = True,
                           q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-                          eps: float = 1e-6, num_tokens: int | None = None) -> torch.Tensor:
+                          eps: float = 1e-6, num_tokens: int | None = None,
+                          sliding_window: int | None = None) -> torch.Tensor:
     """Attention output [T, Hq * D] of a pure decode step from qkv [>= T, (Hq + 2 * Hkv) * D], storing the step's
     k/v into kv_cache [2, num_blocks, block_size, Hkv, D] (same dtype as qkv) at slot_mapping (negative: skipped).
     Row b of seq_lens / block_table owns token query_start_loc[b]; every row must have query_len 1, or 0 / 1 with
-    seq_len 0 (padding, output zeros). Other arguments as qk_norm_rope_store and decode_attention take them."""
+    seq_len 0 (padding, output zeros). sliding_window W: the query at p sees keys (p - W, p]. Other arguments as qk_norm_rope_store and decode_attention take them."""
     rotary_dim = check_rope_args("decode_rope_attention", qkv, kv_cache, cos_cache, sin_cache, num_heads,
                                  num_kv_heads, head_dim, rotary_dim, q_norm_weight, k_norm_weight)
     if kv_cache.dtype != qkv.dtype:
@@ -220,7 +225,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mappi
         qkv, positions, slot_mapping, cos_cache, sin_cache,
         q_norm_weight if q_norm_weight is not None else qkv, k_norm_weight if k_norm_weight is not None else qkv,
         kc, vc, block_table, query_start_loc, seq_lens, mid_o, mid_lse, out3,
-        scale * _LOG2E, eps, num_splits,
+        scale * _LOG2E, eps, num_splits, sliding_window or 0,
         qkv.stride(0), out3.stride(0), out3.stride(1), cos_cache.stride(0), sin_cache.stride(0),
         kc.stride(0), kc.stride(1), kc.stride(2),
         block_table.stride(0),
@@ -232,7 +237,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mappi
     )
     if not direct:
         _decode_stage2_kernel[(num_rows, num_heads)](
-            mid_o, mid_lse, out3, query_start_loc, seq_lens, num_splits,
+            mid_o, mid_lse, out3, query_start_loc, seq_lens, num_splits, sliding_window or 0,
             out3.stride(0), out3.stride(1), sm[0], sm[1], sm[2],
             BLOCK_N=block_n, HEAD=head_dim, HEAD_P2=head_p2, SPLITS_P2=_splits_p2(num_splits),
             num_warps=num_warps, **pdl,

@@ -1,6 +1,7 @@
 """Pure-PyTorch paged attention: the CPU backend and the oracle the GPU kernels are checked against."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +26,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `length` cached K and V of one sequence: [length, H, D] each."""
+    """The first `length` cached K and V of the sequence whose blocks are `block_ids`: [length, H, D] each."""
     _, _, bs, h, d = kv_cache.shape
     nb = -(-length // bs)
     ids = block_ids[:nb].long()
@@ -37,7 +38,8 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> t
 
 class TorchRefBackend(AttentionBackend):
     """Straightforward and exact: decodes are batched into one padded attention, prefills run one request each.
-    An fp8 cache is dequantised (float(fp8) * scale) right after the gather, so it works on any device."""
+    An fp8 cache is dequantised (float(fp8) * scale) right after the gather, so it works on any device. With a
+    sliding window only the blocks holding keys inside some query's window are gathered."""
 
     name = "TORCH_REF"
 
@@ -61,32 +63,59 @@ class TorchRefBackend(AttentionBackend):
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scales):
         ql = q.shape[0]
-        key, value = gather_kv(kv_cache, block_ids, seq_len)
+        ctx = seq_len - ql
+        bs = kv_cache.shape[2]
+        w = self.sliding_window
+        first = max(ctx - w + 1, 0) // bs if w is not None else 0   # the first block any query's window reaches
+        key, value = gather_kv(kv_cache, block_ids[first:], seq_len - first * bs)
         group = self.num_heads // self.num_kv_heads
         key = dequantize(key, scales[0], q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
         value = dequantize(value, scales[1], q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-        ctx = seq_len - ql
-        # Query i sits at position ctx + i and sees keys 0..ctx + i.
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= (ctx + torch.arange(ql, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), key, value, attn_mask=mask, scale=self.scale)
+        # Query i sits at position ctx + i and sees keys 0..ctx + i (with a window W: ctx + i - W + 1..ctx + i).
+        kpos = first * bs + torch.arange(seq_len - first * bs, device=q.device)[None, :]
+        qpos = (ctx + torch.arange(ql, device=q.device))[:, None]
+        mask = kpos <= qpos
+        if w is not None:
+            mask &= kpos > qpos - w
+        if self.logits_soft_cap is None:
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), key, value, attn_mask=mask, scale=self.scale)
+        else:
+            scores = self._capped(torch.matmul(q.transpose(0, 1).float(), key.float().transpose(1, 2)) * self.scale)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            o = torch.matmul(scores.softmax(dim=-1), value.float()).to(q.dtype)
         return o.transpose(0, 1)
+
+    def _capped(self, scores: torch.Tensor) -> torch.Tensor:
+        c = self.logits_soft_cap
+        return scores if c is None else torch.tanh(scores / c) * c
 
     def _decode(self, q, kv_cache, md: AttentionMetadata, rows, out, scales) -> None:
         dev = q.device
         rows_t = torch.as_tensor(rows, device=dev)
-        lens = md.seq_lens_cpu[rows]
-        max_len = int(lens.max())
+        lens = md.seq_lens_cpu[rows].astype(np.int64)
         _, _, bs, h, d = kv_cache.shape
-        nb = -(-max_len // bs)
-        ids = md.block_table[rows_t, :nb].long().reshape(-1)                   # [B * nb]
-        b = len(rows)
-        k = dequantize(kv_cache[0].index_select(0, ids).view(b, nb * bs, h, d)[:, :max_len], scales[0], q.dtype)
-        v = dequantize(kv_cache[1].index_select(0, ids).view(b, nb * bs, h, d)[:, :max_len], scales[1], q.dtype)
+        # Row r reads its blocks from first[r] on: 0, or the block of its oldest key in the window.
+        w = self.sliding_window
+        first = np.maximum(lens - w, 0) // bs if w is not None else np.zeros_like(lens)
+        nb = int((-(-lens // bs) - first).max())
+        cols = first[:, None] + np.arange(nb)[None, :]
+        width = md.block_table.shape[1]
+        cols_t = torch.as_tensor(np.minimum(cols, width - 1), device=dev)
+        ids = md.block_table[rows_t[:, None], cols_t].long().reshape(-1)           # [B * nb]
+        b, span = len(rows), nb * bs
+        k = dequantize(kv_cache[0].index_select(0, ids).view(b, span, h, d), scales[0], q.dtype)
+        v = dequantize(kv_cache[1].index_select(0, ids).view(b, span, h, d), scales[1], q.dtype)
         group = self.num_heads // self.num_kv_heads
         token_idx = md.query_start_loc[rows_t].long()
         qd = q[token_idx].view(b, self.num_kv_heads, group, d).float()          # [B, Hkv, G, D]
-        scores = torch.matmul(qd, k.float().permute(0, 2, 3, 1)) * self.scale   # [B, Hkv, G, L]
-        valid = torch.arange(max_len, device=dev)[None, :] < torch.as_tensor(lens, device=dev)[:, None]
+        scores = self._capped(torch.matmul(qd, k.float().permute(0, 2, 3, 1)) * self.scale)  # [B, Hkv, G, L]
+        kpos = torch.as_tensor(first * bs, device=dev)[:, None] + torch.arange(span, device=dev)[None, :]
+        lens_t = torch.as_tensor(lens, device=dev)[:, None]
+        valid = kpos < lens_t
+        if w is not None:
+            valid &= kpos >= lens_t - w
+            # Padded columns may name any block (freed ones included): zero them so 0-weights times junk stay 0.
+            v = v.masked_fill(~valid[:, :, None, None], 0)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         o = torch.matmul(scores.softmax(dim=-1), v.float().permute(0, 2, 1, 3))  # [B, Hkv, G, D]
         out[token_idx] = o.reshape(b, self.num_heads, d).to(out.dtype)

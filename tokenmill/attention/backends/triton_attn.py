@@ -28,8 +28,9 @@ class TritonAttentionBackend(AttentionBackend):
     FUSED_DECODE_MAX_ROWS = 16    # forward_decode_qkv: the small decode batches of the gemv regime
     FUSED_WITH_QK_NORM = False    # forward_decode_qkv also for models with per-head q/k norms (see there)
 
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
-        super().__init__(num_heads, head_size, num_kv_heads, scale)
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+        super().__init__(num_heads, head_size, num_kv_heads, scale, sliding_window, logits_soft_cap)
         # Fixed split count for the decode kernel (set it before capturing CUDA graphs: a captured launch keeps the
         # count it was captured with); None = a heuristic from the batch size and md.max_seq_len per call.
         self.decode_num_splits: int | None = None
@@ -39,14 +40,15 @@ class TritonAttentionBackend(AttentionBackend):
             return self.decode_num_splits
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         rows = md.seq_lens.shape[0]
-        return decode_num_splits(rows, hkv, md.max_seq_len, md.seq_lens.device,
+        keys = md.max_seq_len if self.sliding_window is None else min(md.max_seq_len, self.sliding_window)
+        return decode_num_splits(rows, hkv, keys, md.seq_lens.device,
                                  block_n=decode_config(d, hq // hkv, dtype, fp8, rows)[0])
 
     def forward_decode_qkv(self, qkv, positions, rotary_emb, q_norm, k_norm, kv_cache,
                            md: AttentionMetadata) -> torch.Tensor | None:
         """A pure decode step straight from the qkv projection: RoPE, K/V store and attention in one stage-1 launch
         (kernels/triton_decode_rope_attention.py); None where that does not apply: prefill or mixed rows, more
-        than FUSED_DECODE_MAX_ROWS rows, per-head q/k norms, an fp8 cache.
+        than FUSED_DECODE_MAX_ROWS rows, per-head q/k norms, an fp8 cache, logit soft-capping (not in that kernel).
 
         Why these limits: timed as the whole batch-1 decode graph on an H200, the fused launch makes Llama-3-8B
         1.6-1.7% faster than the separate rope/store kernel, but Qwen3-0.6B (q/k norms) 0.6% slower at a
@@ -55,7 +57,7 @@ class TritonAttentionBackend(AttentionBackend):
         keep it as well."""
         if md.captured_mixed or md.max_query_len > 1 or kv_cache.dtype != qkv.dtype \
                 or (q_norm is not None and not self.FUSED_WITH_QK_NORM) \
-                or md.seq_lens.shape[0] > self.FUSED_DECODE_MAX_ROWS:
+                or md.seq_lens.shape[0] > self.FUSED_DECODE_MAX_ROWS or self.logits_soft_cap is not None:
             return None
         return decode_rope_attention(
             qkv, positions, md.slot_mapping, kv_cache, rotary_emb.cos_cache, rotary_emb.sin_cache,
@@ -65,7 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
             is_neox=rotary_emb.is_neox_style, num_tokens=md.num_actual_tokens,
             q_norm_weight=None if q_norm is None else q_norm.weight,
             k_norm_weight=None if k_norm is None else k_norm.weight,
-            eps=q_norm.eps if q_norm is not None else 1e-6)
+            eps=q_norm.eps if q_norm is not None else 1e-6, sliding_window=self.sliding_window)
 
     def forward(self, q, k, v, kv_cache, md: AttentionMetadata, k_scale=None, v_scale=None):
         fp8 = is_fp8(kv_cache.dtype)
@@ -84,8 +86,10 @@ class TritonAttentionBackend(AttentionBackend):
         if has_prefill:
             prefill_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
                               num_tokens=t, skip_single=has_decode, max_query_len=md.max_query_len,
-                              k_scale=k_scale, v_scale=v_scale)
+                              k_scale=k_scale, v_scale=v_scale, sliding_window=self.sliding_window,
+                              softcap=self.logits_soft_cap)
         if has_decode:
             decode_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
-                             num_splits=self._decode_splits(md, q.dtype, fp8), k_scale=k_scale, v_scale=v_scale)
+                             num_splits=self._decode_splits(md, q.dtype, fp8), k_scale=k_scale, v_scale=v_scale,
+                             sliding_window=self.sliding_window, softcap=self.logits_soft_cap)
         return out.view(t, hq * d)
