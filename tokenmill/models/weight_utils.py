@@ -163,13 +163,17 @@ def _head_counts(config, reader, arch: str) -> tuple[int, int]:
     return int(n_head), int(n_kv)
 
 
-def iter_gguf_weights(gguf_path: str, config, use_tqdm: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(gguf_path: str, config, use_tqdm: bool = True,
+                      raw_names: frozenset[str] | set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every weight of a llama/qwen2/qwen3 GGUF, dequantized with the gguf package.
 
     Shapes are HF's (GGUF lists dimensions innermost first, so they are reversed). For llama-architecture files the
     q/k projection rows are un-permuted (see `unpermute_qk_rows`) using `config.num_attention_heads` /
     `num_key_value_heads` (GGUF metadata when the config lacks them), so tensors equal what transformers' own GGUF
     loader produces. No `lm_head.weight` is yielded when the file has no `output.weight` (tied embeddings).
+    Tensors named in `raw_names` come as their raw ggml blocks instead, uint8 [rows, bytes per row] (rows
+    un-permuted the same way) named `...qweight`, for a method that keeps them quantized
+    (layers/quantization/gguf_cpu.py).
     """
     import gguf
     import numpy as np
@@ -188,9 +192,13 @@ def iter_gguf_weights(gguf_path: str, config, use_tqdm: bool = True) -> Iterator
         name = gguf_to_hf_name(t.name)
         if name is None:
             continue
-        array = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+        raw = name in raw_names
+        if raw:
+            array = np.array(t.data, dtype=np.uint8).reshape(shape[0], -1)
+        else:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
         if not array.flags.writeable:  # unquantized tensors come back as read-only views of the memory map
             array = array.copy()
         tensor = torch.from_numpy(array)
@@ -199,7 +207,7 @@ def iter_gguf_weights(gguf_path: str, config, use_tqdm: bool = True) -> Iterator
                 tensor = unpermute_qk_rows(tensor, n_head)
             elif ".self_attn.k_proj." in name:
                 tensor = unpermute_qk_rows(tensor, n_kv)
-        yield name, tensor
+        yield (name.removesuffix("weight") + "qweight" if raw else name), tensor
 
 
 # -------------------------------------------------------------------------------------------------------------- dummy

@@ -10,19 +10,22 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def read_gguf_metadata(gguf_path: str, keys: set[str] | frozenset[str] | None = None) -> dict:
+def read_gguf_metadata(gguf_path: str, keys: set[str] | frozenset[str] | None = None,
+                       _tensors: dict | None = None) -> dict | None:
     """The GGUF header's key/value metadata (only `keys` when given), read directly from the file.
 
     gguf.GGUFReader decodes every field, which takes ~2 s for a 49k-token vocabulary; this walks the header and
     skips what is not asked for (~50 ms). Array values come back as lists. Falls back to GGUFReader for files this
-    reader does not understand (GGUF v1, big-endian).
+    reader does not understand (GGUF v1, big-endian). `_tensors` (read_gguf_tensor_infos's) also collects the tensor
+    table into that dict; the call then returns None for a file it does not understand.
     """
     import mmap
     import struct
 
     with open(gguf_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] not in (2, 3):
-            return _read_gguf_metadata_slow(gguf_path, keys)
+            return None if _tensors is not None else _read_gguf_metadata_slow(gguf_path, keys)
+        tensors = _tensors
         n_kv = struct.unpack_from("<Q", buf, 16)[0]
         off = 24
         out = {}
@@ -57,7 +60,27 @@ def read_gguf_metadata(gguf_path: str, keys: set[str] | frozenset[str] | None = 
             value, off = read_value(vtype, off + 4, keys is None or key in keys)
             if keys is None or key in keys:
                 out[key] = value
+        if tensors is not None:
+            n_tensors = struct.unpack_from("<Q", buf, 8)[0]
+            for _ in range(n_tensors):
+                name, off = read_string(off)
+                (n_dims,) = struct.unpack_from("<I", buf, off)
+                dims = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
+                off += 4 + 8 * n_dims
+                (ttype,) = struct.unpack_from("<I", buf, off)
+                off += 12  # type, then the data offset
+                tensors[name] = (int(ttype), tuple(int(d) for d in reversed(dims)))
         return out
+
+
+def read_gguf_tensor_infos(gguf_path: str) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """{GGUF tensor name: (ggml type id, shape in HF order, outermost first)} from the header, without the data."""
+    tensors: dict[str, tuple[int, tuple[int, ...]]] = {}
+    if read_gguf_metadata(gguf_path, frozenset(), _tensors=tensors) is None:  # a file only GGUFReader reads
+        import gguf
+        for t in gguf.GGUFReader(gguf_path).tensors:
+            tensors[t.name] = (int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())))
+    return tensors
 
 
 def _read_gguf_metadata_slow(gguf_path: str, keys) -> dict:
