@@ -4,8 +4,9 @@ Order of operations follows vLLM v1:
   (a) raw logprobs (logprobs_mode raw_logprobs / raw_logits) from the unprocessed logits;
   (b) allowed_token_ids, bad words, min_tokens (stop ids masked to -inf), logit_bias (added), penalties;
   (c) greedy rows: argmax of the processed logits;
-  (d) random rows: temperature, min_p, top-k / top-p, then the exponential race with counter-based noise
-      (`sampling_rng`), so seeded rows are reproducible whatever the batch composition;
+  (d) random rows: temperature, min_p, top-k / top-p (vLLM v1 applies min-p, an argmax-invariant logits processor,
+      before top-k / top-p; every stage keeps the ties of its boundary value), then the exponential race with
+      counter-based noise (`sampling_rng`), so seeded rows are reproducible whatever the batch composition;
   (e) processed logprobs (processed_logprobs / processed_logits) from the logits the random draw saw.
 Every optional stage is skipped unless `SamplingMetadata` says some row in the batch needs it; an all-greedy batch
 with nothing else is a single argmax.
@@ -163,8 +164,10 @@ class Sampler(torch.nn.Module):
 
     float32 input logits are modified in place (they are the model's fresh output; copying them would cost a
     [B, V] pass per step). The only device->host sync is the caller's read of the sampled ids.
-    fuse_noise=True draws the random tokens with the Triton kernels of tokenmill.kernels.triton_sampling (the same
-    integers and tokens as the torch path, without the ~15 [B, V] int64 passes).
+    fuse_noise=True draws the random tokens with Triton kernels (the same integers and tokens as the torch path):
+    tokenmill.kernels.triton_sampling for plain temperature sampling (without the ~15 [B, V] int64 passes), and
+    tokenmill.kernels.triton_topk_topp for min-p / top-k / top-p (without the full-vocabulary sort; no host sync,
+    so it also runs inside CUDA graphs). The torch path (CPU) sorts; both keep exactly the same set.
     """
 
     def __init__(self, fuse_noise: bool = False) -> None:
@@ -183,6 +186,10 @@ class Sampler(torch.nn.Module):
             # temperature itself (same fp32 values and tokens), skipping two [B, V] passes (fp32 copy, divide).
             from tokenmill.kernels.triton_sampling import race_argmax
             return SamplerOutput(race_argmax(logits, md.seeds, md.positions, md.temperature), None)
+
+        truncates = md.top_k is not None or md.top_p is not None or md.min_p is not None
+        if self.fuse_noise and truncates and not md.all_greedy:
+            return self._truncated_fused(logits, md)
 
         logits = logits.to(torch.float32)
         mode = md.logprobs_mode
@@ -216,6 +223,36 @@ class Sampler(torch.nn.Module):
         lp_out = None
         if want_lp:
             if lp_src is None:
+                lp_src = torch.log_softmax(logits, dim=-1) if mode == "processed_logprobs" else logits
+            lp_out = gather_logprobs(lp_src, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled, lp_out)
+
+    def _truncated_fused(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """min-p / top-k / top-p rows on the GPU: tokenmill.kernels.triton_topk_topp draws the race winner over the
+        kept set without sorting (the same token as the torch path below) and, when processed logprobs need it,
+        returns each row's threshold so the kept set is `scaled logits >= threshold`."""
+        from tokenmill.kernels.triton_topk_topp import topk_topp_sample
+        want_lp = md.max_num_logprobs is not None
+        mode = md.logprobs_mode
+        lp_src = None
+        if want_lp or md.needs_processing:
+            logits = logits.to(torch.float32)
+            if want_lp and mode == "raw_logprobs":
+                lp_src = torch.log_softmax(logits, dim=-1)
+            elif want_lp and mode == "raw_logits":
+                lp_src = logits.clone()
+            self._process(logits, md)
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        want_thr = want_lp and lp_src is None
+        rand_tok, thr = topk_topp_sample(logits, md.seeds, md.positions, md.temperature, md.top_k, md.top_p,
+                                         md.min_p, want_threshold=want_thr)
+        sampled = rand_tok if greedy is None else torch.where(md.greedy_mask, greedy, rand_tok)
+        lp_out = None
+        if want_lp:
+            if lp_src is None:   # processed: the temperature-scaled logits with the dropped tokens at -inf
+                if md.temperature is not None:
+                    logits.div_(md.temperature[:, None])
+                logits.masked_fill_(logits < thr[:, None], _NEG_INF)
                 lp_src = torch.log_softmax(logits, dim=-1) if mode == "processed_logprobs" else logits
             lp_out = gather_logprobs(lp_src, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled, lp_out)

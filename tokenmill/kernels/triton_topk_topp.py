@@ -1,0 +1,309 @@
+"""Sort-free exact min-p -> top-k -> top-p sampling on the GPU: one Triton program per row, no host syncs.
+
+What it computes. For a row of logits l, y = l / temperature (fp32, IEEE division as torch's `div_`). vLLM v1 applies
+min-p to the temperature-scaled distribution first (an "argmax-invariant logits processor"), then top-k, then
+top-p on the renormalized survivors. Every stage keeps an *upper set by value*, ties included:
+  * min-p keeps y_i >= max(y) + log(min_p)                       (p_i >= min_p * p_max);
+  * top-k keeps i when fewer than k survivors are strictly above y_i  (vLLM keeps every tie of the k-th value);
+  * top-p keeps i when the survivors' probability mass strictly above y_i is < top_p (the first token of the
+    ascending cumulative sum that vLLM keeps, and everything tied with or above it).
+So the kept set is A = {i : key(y_i) >= tau} for one integer threshold tau per row, where key() is the
+order-preserving int32 image of the fp32 value (-0 folded onto +0). The token is the exponential race over A,
+argmax_{i in A} (y_i - log(-log u_i)) with the counter-based uniforms of kernels/sampling_rng.py (the same hash,
+the same float steps as kernels/triton_sampling.race_argmax), i.e. exactly the token the torch path of
+layers/sampler.py draws after masking the complement of A.
+
+How, without a sort (every step is a pass over the row in BLOCK-sized chunks, in registers):
+  pass 0     max(y) and x0 = the race winner over the whole row.
+  top-k      a bracket search on the integer key: `lo` (at least k survivors at or above it, so nothing below is
+             kept) and `hi` (fewer than k at or above it). One pass evaluates NP evenly spaced keys in [lo, hi] at
+             once - the count and mass at or above each, the smallest element key at or above each and the largest
+             below each - and shrinks the bracket to the sub-interval holding the boundary, snapped to the element
+             keys in it. It ends when one distinct value is left (the k-th largest), so it needs at most
+             ceil(32 / log2(NP - 1)) passes, and far fewer on real logits because the snapping follows the data.
+             The mass at the final `lo` is the normalizer of the top-p stage, with no extra pass.
+  top-p      exact rejection with rising pivots: test the current candidate x (initially x0 when it survived
+             min-p/top-k) by one pass that sums the mass strictly above y_x; if that is >= top_p * mass(P), x and
+             everything at or below it are outside A, so the same pass also drew the race winner over the
+             values above y_x as the next candidate. With one noise realisation the first candidate that lands in
+             A is argmax_A of the race (each candidate is the race winner over a superset of A, and a winner over a
+             superset that lies in A is A's winner), so this is the exact draw and it equals the torch path's token;
+             no round index is needed. A candidate is accepted with probability >= top_p (A holds at least that
+             share of the mass), and each rejection removes the mass at and below the pivot, so top_p 0.95 takes
+             one test pass in ~19 of 20 rows. When the caller needs the exact threshold (processed logprobs /
+             logits must see the truncated distribution), the top-p stage runs the bracket search on the mass
+             instead and returns tau.
+  draw       when x0 is not in A after a threshold stage, one more pass draws the race winner over A.
+A row with temperature sampling alone never reaches this kernel (race_argmax is one pass); top_p 0.95 alone costs
+pass 0 + one or two passes; min-p alone pass 0 + at most one; top-k costs the search passes on top.
+
+One program per row: the loops are data-dependent per row, and a whole row is small enough (152k fp32 = 600 KB) to
+stream several times per step; CUDA-graph safe (no host control flow depends on the data, scratch-free).
+"""
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill import envs
+from tokenmill.kernels import sampling_rng as rng
+from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
+from tokenmill.kernels.triton_sampling import _mix32
+
+_BLOCK = 1024
+_NP = 8          # keys evaluated per search pass (the bracket ends included)
+_INT_MAX = 2147483647
+_INT_MIN = -2147483648
+
+
+def _host_key(x: float) -> int:
+    bits = struct.unpack("<i", struct.pack("<f", x))[0]
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+_KEY_NEG_INF = _host_key(float("-inf"))
+
+if envs.TRITON_INTERPRET:  # the CPU interpreter has no libdevice; numpy's log is exact enough
+    @triton.jit
+    def _log(x):
+        return tl.log(x)
+else:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _log(x):
+        # libdevice's logf, the function torch's CUDA log calls (tl.log may use the approximate lg2 instruction):
+        # the race values must be the torch path's, bit for bit.
+        return libdevice.log(x)
+
+
+@triton.jit
+def _key(y):
+    """Order-preserving int32 image of an fp32 value; -0.0 and +0.0 share key 0 (they compare equal)."""
+    bits = y.to(tl.int32, bitcast=True)
+    k = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(k == -1, 0, k)
+
+
+@triton.jit
+def _unkey(k):
+    bits = k ^ ((k >> 31) & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _chunk(row_ptr, start, V, temp, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr):
+    cols = start + tl.arange(0, BLOCK)
+    mask = cols < V
+    y = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    if HAS_TEMP:  # IEEE division, as torch's logits.div_(temperature) in fp32
+        y = tl.math.div_rn(y, temp)
+    return cols, mask, y
+
+
+@triton.jit
+def _race(y, cols, row_key, SALT_COL: tl.constexpr):
+    """y - log(-log u): the race value of each column (sampling_rng's hash and float steps)."""
+    x = _mix32(row_key ^ _mix32(cols.to(tl.int64) ^ SALT_COL))
+    u = (x >> 9).to(tl.float32) * (2.0 ** -23) + (2.0 ** -24)
+    return y - _log(-_log(u))
+
+
+@triton.jit
+def _better(g, cols, best, best_i, V):
+    """Fold a chunk's race values into the running (best value, first index holding it)."""
+    cb = tl.max(g, axis=0)
+    ci = tl.min(tl.where(g == cb, cols, V + 1), axis=0)
+    take = cb > best
+    return tl.where(take, cb, best), tl.where(take, ci, best_i)
+
+
+@triton.jit
+def _draw(row_ptr, V, temp, row_key, lo, SALT_COL: tl.constexpr, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr):
+    """Race winner over the columns whose key is >= lo."""
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        cols, mask, y = _chunk(row_ptr, start, V, temp, BLOCK, HAS_TEMP)
+        g = tl.where(mask & (_key(y) >= lo), _race(y, cols, row_key, SALT_COL), float("-inf"))
+        best, best_i = _better(g, cols, best, best_i, V)
+    return best_i
+
+
+@triton.jit
+def _stats(row_ptr, V, temp, m, cand, row_key, draw_lo, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
+           NP: tl.constexpr, HAS_TEMP: tl.constexpr, DRAW: tl.constexpr):
+    """For each of the NP keys s in `cand`: count and mass (sum of exp(y - m)) of the columns with key >= s, the
+    smallest such key, the largest key < s; and (DRAW) the race winner over key >= draw_lo."""
+    cnt = tl.zeros([NP], dtype=tl.int32)
+    mass = tl.zeros([NP], dtype=tl.float32)
+    a_min = tl.full([NP], 2147483647, tl.int32)
+    b_max = tl.full([NP], -2147483648, tl.int32)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        cols, mask, y = _chunk(row_ptr, start, V, temp, BLOCK, HAS_TEMP)
+        key = _key(y)
+        e = tl.exp(y - m)
+        ge = (key[:, None] >= cand[None, :]) & mask[:, None]
+        lt = (key[:, None] < cand[None, :]) & mask[:, None]
+        cnt += tl.sum(ge.to(tl.int32), axis=0)
+        mass += tl.sum(tl.where(ge, e[:, None], 0.0), axis=0)
+        a_min = tl.minimum(a_min, tl.min(tl.where(ge, key[:, None], 2147483647), axis=0))
+        b_max = tl.maximum(b_max, tl.max(tl.where(lt, key[:, None], -2147483648), axis=0))
+        if DRAW:
+            g = tl.where(mask & (key >= draw_lo), _race(y, cols, row_key, SALT_COL), float("-inf"))
+            best, best_i = _better(g, cols, best, best_i, V)
+    return cnt, mass, a_min, b_max, best_i
+
+
+@triton.jit
+def _pick(vec, idx, j):
+    return tl.sum(tl.where(idx == j, vec, 0), axis=0)
+
+
+@triton.jit
+def _spread(lo, hi, idx, NP: tl.constexpr):
+    """NP keys from lo to hi inclusive, evenly spaced (int64 arithmetic: the span can exceed 2**31)."""
+    span = hi.to(tl.int64) - lo.to(tl.int64)
+    return (lo.to(tl.int64) + span * idx.to(tl.int64) // (NP - 1)).to(tl.int32)
+
+
+@triton.jit
+def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr, p_ptr, minp_ptr, out_ptr,
+                      thr_ptr, V, KEY_NEG_INF: tl.constexpr, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr,
+                      SALT_COL: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, HAS_TEMP: tl.constexpr,
+                      HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MINP: tl.constexpr, WANT_THR: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl_wait(PDL)
+    b = tl.program_id(0)
+    row_ptr = logits_ptr + b.to(tl.int64) * stride_b
+    s = tl.load(seeds_ptr + b).to(tl.int64)
+    p = tl.load(pos_ptr + b).to(tl.int64)
+    k = _mix32((s & 0xFFFFFFFF) ^ SALT_SEED)
+    k = _mix32(k ^ ((s >> 32) & 0xFFFFFFFF))
+    row_key = _mix32(k ^ ((p & 0xFFFFFFFF) ^ SALT_POS))
+    if HAS_TEMP:
+        temp = tl.load(temp_ptr + b).to(tl.float32)
+    else:
+        temp = 1.0
+    idx = tl.arange(0, NP)
+
+    # Pass 0: the row max and the race winner over the whole row.
+    m = tl.full([], float("-inf"), tl.float32)
+    best = tl.full([], float("-inf"), tl.float32)
+    x = tl.full([], 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        cols, mask, y = _chunk(row_ptr, start, V, temp, BLOCK, HAS_TEMP)
+        m = tl.maximum(m, tl.max(y, axis=0))
+        g = tl.where(mask, _race(y, cols, row_key, SALT_COL), float("-inf"))
+        best, x = _better(g, cols, best, x, V)
+    live = m > float("-inf")   # a row with every logit masked keeps token 0 and skips the stages
+    m_key = _key(m)
+    lo = tl.full([], KEY_NEG_INF, tl.int32)   # nothing below lo is kept
+    do_draw = live
+
+    if HAS_MINP:
+        lo = tl.maximum(lo, _key(m + _log(tl.load(minp_ptr + b).to(tl.float32))))
+
+    if HAS_K:
+        kk = tl.load(k_ptr + b).to(tl.int32)
+        k_eff = tl.where(kk > 0, kk, V + 1)
+        hi = m_key + 1   # invariant: count(key >= lo) >= k > count(key >= hi)
+        searching = live & (kk > 0)
+        while searching:
+            cnt, mass, a_min, b_max, _ = _stats(row_ptr, V, temp, m, _spread(lo, hi, idx, NP), row_key, lo,
+                                                SALT_COL, BLOCK, NP, HAS_TEMP, False)
+            # At most k at or above lo: each of them has < k strictly above it, and all below lo is dropped.
+            stop = _pick(cnt, idx, 0) <= k_eff
+            j = tl.sum((cnt >= k_eff).to(tl.int32), axis=0) - 1
+            lo = tl.where(stop, lo, _pick(a_min, idx, j))
+            hi = tl.where(stop, hi, _pick(b_max, idx, j + 1) + 1)
+            searching = (stop == 0) & (hi.to(tl.int64) - lo.to(tl.int64) > 1)
+
+    if HAS_P:
+        pp = tl.load(p_ptr + b).to(tl.float32)
+        use_p = live & (pp < 1.0)
+        if WANT_THR:
+            # Bracket search on the mass: mass(key >= lo) >= top_p * Z_P > mass(key >= hi), Z_P = mass(key >= lo)
+            # on entry (the first pass's column 0; it is >= 1, the max contributing exp(0)).
+            hi = m_key + 1
+            z_p = tl.full([], 0.0, tl.float32)
+            searching = use_p
+            while searching:
+                cnt, mass, a_min, b_max, _ = _stats(row_ptr, V, temp, m, _spread(lo, hi, idx, NP), row_key, lo,
+                                                    SALT_COL, BLOCK, NP, HAS_TEMP, False)
+                z_p = tl.where(z_p == 0.0, _pick(mass, idx, 0), z_p)
+                target = tl.maximum(pp * z_p, 1e-30)   # > 0, so mass(key >= hi) = 0 stays below it
+                j = tl.sum((mass >= target).to(tl.int32), axis=0) - 1
+                lo = _pick(a_min, idx, j)
+                hi = _pick(b_max, idx, j + 1) + 1
+                searching = hi.to(tl.int64) - lo.to(tl.int64) > 1
+        else:
+            # Rejection with rising pivots (module docstring). One pass tests candidate x (column 1: the mass
+            # strictly above it; column 0: the mass of all that min-p / top-k kept) and draws the next candidate,
+            # the race winner over the keys above x.
+            yx = tl.load(row_ptr + x).to(tl.float32)
+            if HAS_TEMP:
+                yx = tl.math.div_rn(yx, temp)
+            x_key = _key(yx)
+            have = x_key >= lo
+            searching = use_p
+            while searching:
+                above = tl.where(have, x_key + 1, lo)
+                cnt, mass, a_min, b_max, nxt = _stats(row_ptr, V, temp, m, tl.where(idx == 0, lo, above), row_key,
+                                                      above, SALT_COL, BLOCK, NP, HAS_TEMP, True)
+                accept = have & (_pick(mass, idx, 1) < pp * _pick(mass, idx, 0))
+                x = tl.where(accept, x, nxt)
+                yx = tl.load(row_ptr + x).to(tl.float32)
+                if HAS_TEMP:
+                    yx = tl.math.div_rn(yx, temp)
+                x_key = _key(yx)
+                have = x_key >= lo
+                searching = accept == 0
+            do_draw = live & (use_p == 0)   # an accepted candidate is already the race winner over A
+
+    if do_draw:
+        xv = tl.load(row_ptr + x).to(tl.float32)
+        if HAS_TEMP:
+            xv = tl.math.div_rn(xv, temp)
+        if _key(xv) < lo:   # x0 is not kept: the race winner over A instead
+            x = _draw(row_ptr, V, temp, row_key, lo, SALT_COL, BLOCK, HAS_TEMP)
+    tl.store(out_ptr + b, x.to(tl.int64))
+    if WANT_THR:
+        tl.store(thr_ptr + b, _unkey(lo))
+
+
+def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                     temperature: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
+                     top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
+                     want_threshold: bool = False, block: int = _BLOCK) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tokens [B] int64, thresholds [B] fp32 or None) for logits [B, V] (any float dtype, last dim contiguous).
+
+    seeds / positions [B] int64 key the race noise (sampling_rng). temperature [B] (optional) divides the fp32
+    logits first. top_k [B] int (<= 0 = off), top_p [B] float in (0, 1] (1 = off), min_p [B] float (0 = off); a
+    None parameter is off for every row. With want_threshold the second result holds, per row, the smallest kept
+    temperature-scaled value: the kept set is exactly `logits.float() / temperature >= threshold` (-inf = all).
+    block: the chunk of the vocabulary a program holds in registers (a power of 2; small ones are for the
+    interpreter's tests).
+    """
+    b, v = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    thr = torch.empty(b if want_threshold else 1, dtype=torch.float32, device=logits.device)
+    if b == 0:
+        return out, (thr if want_threshold else None)
+    dummy = seeds
+    pdl = launch_kwargs(logits.device, "sampling")
+    _topk_topp_kernel[(b,)](
+        logits, logits.stride(0), seeds, positions,
+        temperature if temperature is not None else dummy, top_k if top_k is not None else dummy,
+        top_p if top_p is not None else dummy, min_p if min_p is not None else dummy, out, thr, v,
+        KEY_NEG_INF=_KEY_NEG_INF, SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS, SALT_COL=rng._SALT_COL,
+        BLOCK=block, NP=_NP, HAS_TEMP=temperature is not None, HAS_K=top_k is not None,
+        HAS_P=top_p is not None, HAS_MINP=min_p is not None, WANT_THR=want_threshold, num_warps=8, **pdl)
+    return out, (thr if want_threshold else None)
