@@ -71,16 +71,39 @@ def test_throughput_sampling_flags_reach_the_engine(tiny_model_factory, monkeypa
     assert sampled_tokens != greedy_tokens  # random weights: a real draw leaves the argmax path
 
 
+def test_min_p_flag_reaches_the_engine_and_latency_takes_the_sampling_flags(tiny_model_factory, monkeypatch):
+    d = tiny_model_factory("llama")
+    calls = _spy_generate(monkeypatch)
+    common = ["--model", d, "--max-model-len", "128"]
+    res = throughput.main(common + ["--num-prompts", "3", "--input-len", "8", "--output-len", "4",
+                                    "--temperature", "0.6", "--min-p", "0.05"])
+    assert res["min_p"] == 0.05 and all((p.temperature, p.min_p) == (0.6, 0.05) for p in calls[-1][0])
+    lat_common = common + ["--batch-size", "2", "--input-len", "8", "--output-len", "4", "--num-iters", "1",
+                           "--num-iters-warmup", "0"]
+    lat = latency.main(lat_common + ["--temperature", "0.7", "--top-k", "20", "--top-p", "0.8", "--min-p", "0.05"])
+    p = calls[-1][0]
+    assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.7, 20, 0.8, 0.05)
+    assert (lat["temperature"], lat["top_k"], lat["top_p"], lat["min_p"]) == (0.7, 20, 0.8, 0.05)
+    greedy = latency.main(lat_common + ["--temperature", "0"])
+    assert greedy["temperature"] == 0 and calls[-1][0].temperature == 0
+    with pytest.raises(ValueError, match="min_p"):
+        latency.main(["--model", "qwen3-0.6b", "--min-p", "1.5"])
+
+
 def test_throughput_refuses_bad_sampling_values_before_loading():
     # Refused by SamplingParams' own check, named by field, before the engine (or HF) starts.
     with pytest.raises(ValueError, match="top_p"):
         throughput.main(["--model", "qwen3-0.6b", "--top-p", "1.5", "--num-prompts", "1"])
     with pytest.raises(ValueError, match="top_k"):
         throughput.main(["--model", "qwen3-0.6b", "--top-k", "-2", "--num-prompts", "1", "--backend", "hf"])
+    with pytest.raises(ValueError, match="min_p"):
+        throughput.main(["--model", "qwen3-0.6b", "--min-p", "-0.1", "--num-prompts", "1"])
 
 
 def test_throughput_hf_backend_takes_the_sampling_flags(tiny_model_factory):
     d = tiny_model_factory("llama")
     res = throughput.main(["--model", d, "--backend", "hf", "--num-prompts", "2", "--input-len", "8", "--output-len",
-                           "3", "--max-model-len", "64", "--temperature", "0.6", "--top-p", "0.95", "--top-k", "5"])
-    assert (res["temperature"], res["top_p"], res["top_k"]) == (0.6, 0.95, 5) and res["total_output_tokens"] == 6
+                           "3", "--max-model-len", "64", "--temperature", "0.6", "--top-p", "0.95", "--top-k", "5",
+                           "--min-p", "0.05"])
+    assert (res["temperature"], res["top_p"], res["top_k"], res["min_p"]) == (0.6, 0.95, 5, 0.05)
+    assert res["total_output_tokens"] == 6

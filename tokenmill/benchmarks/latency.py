@@ -8,8 +8,8 @@ import argparse
 import sys
 import time
 
-from tokenmill.benchmarks.offline_common import (ENGINE_FLAGS_EPILOG, random_token_prompts, split_engine_args,
-                                                 summarize, write_json)
+from tokenmill.benchmarks.offline_common import (ENGINE_FLAGS_EPILOG, add_sampling_args, random_token_prompts,
+                                                 sampling_kwargs, split_engine_args, summarize, write_json)
 
 
 def make_parser(prog: str = "tokenmill bench latency") -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def make_parser(prog: str = "tokenmill bench latency") -> argparse.ArgumentParse
     p.add_argument("--num-iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
+    add_sampling_args(p)
     return p
 
 
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = make_parser()
     args, engine_kwargs = split_engine_args(sys.argv[1:] if argv is None else argv, parser)
     engine_kwargs.setdefault("seed", args.seed)
+    sampling = sampling_kwargs(args)
     from tokenmill import LLM, SamplingParams
     llm = LLM(**engine_kwargs)
     vocab = llm.llm_engine.config.model_config.vocab_size
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     inputs = [{"prompt_token_ids": p} for p in prompts]
 
     def run(n_out: int) -> float:
-        sp = SamplingParams(temperature=1.0, max_tokens=n_out, ignore_eos=True, detokenize=False)
+        sp = SamplingParams(**sampling, max_tokens=n_out, ignore_eos=True, detokenize=False)
         llm.reset_prefix_cache()  # every iteration pays its prefill
         t = time.perf_counter()
         llm.generate(inputs, sp, use_tqdm=False)
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"output token at batch {args.batch_size}")
     result = {"avg_latency": stats["avg"], "latencies": lat, "percentiles": stats,
               "prefill_latencies": prefill, "decode_ms_per_token": decode_ms, "batch_size": args.batch_size,
-              "input_len": args.input_len, "output_len": args.output_len}
+              "input_len": args.input_len, "output_len": args.output_len, **sampling}
     write_json(args.output_json, result)
     return result
 

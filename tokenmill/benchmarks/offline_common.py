@@ -86,13 +86,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="Sampling temperature of every request (0: greedy; default 1.0, as vLLM's bench uses).")
     p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1] (1: off).")
     p.add_argument("--top-k", type=int, default=0, help="Keep the k most likely tokens (0 or -1: off).")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="Drop tokens less likely than min_p times the most likely one, in [0, 1] (0: off).")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """The sampling flags as SamplingParams fields, validated there: a bad value is refused (ValueError naming
     the field) before any model loads."""
     from tokenmill import SamplingParams
-    kw = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    kw = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
     SamplingParams(**kw)
     return kw
 

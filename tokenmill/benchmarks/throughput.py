@@ -70,7 +70,8 @@ def run_hf(prompts, out_lens, engine_kwargs, batch_size: int, sampling: dict) ->
     temperature = sampling["temperature"]
     # top_k=0 spelled out: HF's generation config would otherwise apply its default top-k of 50.
     draw = ({"do_sample": True, "temperature": temperature, "top_p": sampling["top_p"],
-             "top_k": max(sampling["top_k"], 0)} if temperature > 0 else {"do_sample": False})
+             "top_k": max(sampling["top_k"], 0), **({"min_p": sampling["min_p"]} if sampling["min_p"] > 0 else {})}
+            if temperature > 0 else {"do_sample": False})
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     generated = 0
     start = time.perf_counter()
