@@ -2,9 +2,11 @@
 # Before/after on one GPU: an old tree of the package against the working tree, alternating per workload.
 # Usage (on the GPU machine, in the repository root): tools/ab_gpu.sh OLD_TREE [STEP ...]
 #   OLD_TREE  a directory holding an older `tokenmill/` package, e.g. `git archive <commit> tokenmill | tar -x -C old`
-#   STEP      lat:MODEL (bs1 decode, 128 in / 256 out) or nano:MODEL:greedy|sample (the nano-vllm workload:
-#             256 requests, lengths uniform in 101..1023, seed 0, ignore_eos; sample = temperature 0.6, top-p 0.95),
-#             MODEL a shipped shape (qwen3-0.6b, llama-3-8b). Default: all four workloads on both shapes.
+#   STEP      lat:MODEL (bs1 decode, 128 in / 256 out) or nano:MODEL:TAG (the nano-vllm workload: 256 requests,
+#             lengths uniform in 101..1023, seed 0, ignore_eos), TAG one of greedy, sample (temperature 0.6,
+#             top-p 0.95), topk (temperature 0.7, top-k 20, top-p 0.8), minp (temperature 0.6, min-p 0.05);
+#             MODEL a shipped shape (qwen3-0.6b, llama-3-8b). Default: bs1 latency and the greedy and sample
+#             workloads on both shapes; name the topk / minp steps to run them.
 # The workload runs through the offline LLM API (not `bench throughput`), so trees whose bench lacks --top-p
 # compare too. Wheels the machine lacks (msgspec, gguf, pyzmq) go in .devcarry/, as for tools/gpu_bench.sh.
 set -uo pipefail
@@ -22,7 +24,8 @@ import json, sys, time
 from tokenmill import LLM, SamplingParams
 from tokenmill.benchmarks.offline_common import random_token_prompts, shipped_model_dir
 model, tag = sys.argv[1], sys.argv[2]
-sampling = dict(temperature=0.6, top_p=0.95) if tag == "sample" else dict(temperature=0.0)
+sampling = {"greedy": dict(temperature=0.0), "sample": dict(temperature=0.6, top_p=0.95),
+            "topk": dict(temperature=0.7, top_k=20, top_p=0.8), "minp": dict(temperature=0.6, min_p=0.05)}[tag]
 path = shipped_model_dir(model)
 llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=256, seed=0)
 vocab = json.load(open(path + "/config.json"))["vocab_size"]
