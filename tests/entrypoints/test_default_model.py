@@ -11,7 +11,7 @@ from tokenmill import LLM, SamplingParams
 
 @pytest.fixture(scope="session")
 def smollm2_llm():
-    return LLM(max_model_len=1024)
+    return LLM(max_model_len=1024, dtype="float32")  # the dense path, compared with HF below
 
 
 def test_chat_answers_paris(smollm2_llm):
