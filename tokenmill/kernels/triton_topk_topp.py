@@ -1,4 +1,4 @@
-"""Sort-free exact min-p -> top-k -> top-p sampling on the GPU: one Triton program per row, no host syncs.
+"""Sort-free exact min-p -> top-k -> top-p sampling on the GPU: two Triton kernels, no host syncs.
 
 What it computes. For a row of logits l, y = l / temperature (fp32, IEEE division as torch's `div_`). vLLM v1 applies
 min-p to the temperature-scaled distribution first (an "argmax-invariant logits processor"), then top-k, then
@@ -13,32 +13,36 @@ argmax_{i in A} (y_i - log(-log u_i)) with the counter-based uniforms of kernels
 the same float steps as kernels/triton_sampling.race_argmax), i.e. exactly the token the torch path of
 layers/sampler.py draws after masking the complement of A.
 
-How, without a sort (every step is a pass over the row in BLOCK-sized chunks, in registers):
-  pass 0     max(y) and x0 = the race winner over the whole row.
+How, without a sort (a pass streams the row in BLOCK-sized chunks through registers):
+  pass 0     spread over (row, chunk) programs (bandwidth-bound, like race_argmax): each chunk's max and race
+             winner. The row program below reduces those to max(y) and x0, the race winner over the whole row.
   top-k      a bracket search on the integer key: `lo` (at least k survivors at or above it, so nothing below is
-             kept) and `hi` (fewer than k at or above it). One pass evaluates NP evenly spaced keys in [lo, hi] at
+             kept; it starts at the k-th largest chunk max when k <= the number of chunks, since k chunks hold a
+             value at or above that, which on flat rows leaves only a little more than k values above `lo`) and
+             `hi` (fewer than k at or above it). One pass evaluates NP evenly spaced keys in [lo, hi] at
              once - the count and mass at or above each, the smallest element key at or above each and the largest
              below each - and shrinks the bracket to the sub-interval holding the boundary, snapped to the element
              keys in it. It ends when one distinct value is left (the k-th largest), so it needs at most
              ceil(32 / log2(NP - 1)) passes, and far fewer on real logits because the snapping follows the data.
-             The mass at the final `lo` is the normalizer of the top-p stage, with no extra pass.
   top-p      exact rejection with rising pivots: test the current candidate x (initially x0 when it survived
-             min-p/top-k) by one pass that sums the mass strictly above y_x; if that is >= top_p * mass(P), x and
+             min-p/top-k; else a first pass draws one from the survivors P) by one pass that sums the mass strictly
+             above y_x and the mass of P (the normaliser); if the first is >= top_p * mass(P), x and
              everything at or below it are outside A, so the same pass also drew the race winner over the
              values above y_x as the next candidate. With one noise realisation the first candidate that lands in
              A is argmax_A of the race (each candidate is the race winner over a superset of A, and a winner over a
              superset that lies in A is A's winner), so this is the exact draw and it equals the torch path's token;
-             no round index is needed. A candidate is accepted with probability >= top_p (A holds at least that
-             share of the mass), and each rejection removes the mass at and below the pivot, so top_p 0.95 takes
-             one test pass in ~19 of 20 rows. When the caller needs the exact threshold (processed logprobs /
+             no round index is needed. A candidate drawn from P is accepted with probability >= top_p (A holds at
+             least that share of P's mass), and each rejection removes the mass at and below the pivot, so
+             top_p 0.95 takes one test pass in ~19 of 20 rows. When the caller needs the exact threshold (processed logprobs /
              logits must see the truncated distribution), the top-p stage runs the bracket search on the mass
              instead and returns tau.
   draw       when x0 is not in A after a threshold stage, one more pass draws the race winner over A.
 A row with temperature sampling alone never reaches this kernel (race_argmax is one pass); top_p 0.95 alone costs
 pass 0 + one or two passes; min-p alone pass 0 + at most one; top-k costs the search passes on top.
 
-One program per row: the loops are data-dependent per row, and a whole row is small enough (152k fp32 = 600 KB) to
-stream several times per step; CUDA-graph safe (no host control flow depends on the data, scratch-free).
+After pass 0, one program per row: the loops are data-dependent per row, and a row is small enough (152k values) to
+stream a few times per step. CUDA-graph safe: no host control flow depends on the data, and the only scratch is the
+[B, chunks] pass-0 results, allocated per call.
 """
 from __future__ import annotations
 
@@ -55,8 +59,6 @@ from tokenmill.kernels.triton_sampling import _mix32
 
 _BLOCK = 1024
 _NP = 8          # keys evaluated per search pass (the bracket ends included)
-_INT_MAX = 2147483647
-_INT_MIN = -2147483648
 
 
 def _host_key(x: float) -> int:
@@ -136,8 +138,9 @@ def _draw(row_ptr, V, temp, row_key, lo, SALT_COL: tl.constexpr, BLOCK: tl.const
 @triton.jit
 def _stats(row_ptr, V, temp, m, cand, row_key, draw_lo, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
            NP: tl.constexpr, HAS_TEMP: tl.constexpr, DRAW: tl.constexpr):
-    """For each of the NP keys s in `cand`: count and mass (sum of exp(y - m)) of the columns with key >= s, the
-    smallest such key, the largest key < s; and (DRAW) the race winner over key >= draw_lo."""
+    """For each of the NP keys s in `cand`: the mass (sum of exp(y - m)) of the columns with key >= s; unless DRAW,
+    also their count, the smallest such key and the largest key < s (the bracket search's needs); with DRAW, the
+    race winner over key >= draw_lo instead (the rejection test's)."""
     cnt = tl.zeros([NP], dtype=tl.int32)
     mass = tl.zeros([NP], dtype=tl.float32)
     a_min = tl.full([NP], 2147483647, tl.int32)
@@ -149,12 +152,13 @@ def _stats(row_ptr, V, temp, m, cand, row_key, draw_lo, SALT_COL: tl.constexpr, 
         key = _key(y)
         e = tl.exp(y - m)
         ge = (key[:, None] >= cand[None, :]) & mask[:, None]
-        lt = (key[:, None] < cand[None, :]) & mask[:, None]
-        cnt += tl.sum(ge.to(tl.int32), axis=0)
         mass += tl.sum(tl.where(ge, e[:, None], 0.0), axis=0)
-        a_min = tl.minimum(a_min, tl.min(tl.where(ge, key[:, None], 2147483647), axis=0))
-        b_max = tl.maximum(b_max, tl.max(tl.where(lt, key[:, None], -2147483648), axis=0))
-        if DRAW:
+        if not DRAW:
+            lt = (key[:, None] < cand[None, :]) & mask[:, None]
+            cnt += tl.sum(ge.to(tl.int32), axis=0)
+            a_min = tl.minimum(a_min, tl.min(tl.where(ge, key[:, None], 2147483647), axis=0))
+            b_max = tl.maximum(b_max, tl.max(tl.where(lt, key[:, None], -2147483648), axis=0))
+        else:
             g = tl.where(mask & (key >= draw_lo), _race(y, cols, row_key, SALT_COL), float("-inf"))
             best, best_i = _better(g, cols, best, best_i, V)
     return cnt, mass, a_min, b_max, best_i
@@ -173,34 +177,61 @@ def _spread(lo, hi, idx, NP: tl.constexpr):
 
 
 @triton.jit
-def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr, p_ptr, minp_ptr, out_ptr,
-                      thr_ptr, V, KEY_NEG_INF: tl.constexpr, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr,
-                      SALT_COL: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, HAS_TEMP: tl.constexpr,
-                      HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MINP: tl.constexpr, WANT_THR: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    pdl_wait(PDL)
-    b = tl.program_id(0)
-    row_ptr = logits_ptr + b.to(tl.int64) * stride_b
+def _row_key(seeds_ptr, pos_ptr, b, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr):
     s = tl.load(seeds_ptr + b).to(tl.int64)
     p = tl.load(pos_ptr + b).to(tl.int64)
     k = _mix32((s & 0xFFFFFFFF) ^ SALT_SEED)
     k = _mix32(k ^ ((s >> 32) & 0xFFFFFFFF))
-    row_key = _mix32(k ^ ((p & 0xFFFFFFFF) ^ SALT_POS))
+    return _mix32(k ^ ((p & 0xFFFFFFFF) ^ SALT_POS))
+
+
+@triton.jit
+def _chunks_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, cmax_ptr, cbest_ptr, cidx_ptr, V, n_chunks,
+                   SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
+                   HAS_TEMP: tl.constexpr, PDL: tl.constexpr = False):
+    """Pass 0, spread over (row, chunk) programs: each chunk's max and its race winner (value, first index)."""
+    pdl_wait(PDL)
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    if HAS_TEMP:
+        temp = tl.load(temp_ptr + b).to(tl.float32)
+    else:
+        temp = 1.0
+    cols, mask, y = _chunk(logits_ptr + b.to(tl.int64) * stride_b, c * BLOCK, V, temp, BLOCK, HAS_TEMP)
+    g = tl.where(mask, _race(y, cols, _row_key(seeds_ptr, pos_ptr, b, SALT_SEED, SALT_POS), SALT_COL),
+                 float("-inf"))
+    best = tl.max(g, axis=0)
+    at = b * n_chunks + c
+    tl.store(cmax_ptr + at, tl.max(y, axis=0))
+    tl.store(cbest_ptr + at, best)
+    tl.store(cidx_ptr + at, tl.min(tl.where(g == best, cols, V + 1), axis=0))
+
+
+@triton.jit
+def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr, p_ptr, minp_ptr, cmax_ptr,
+                      cbest_ptr, cidx_ptr, out_ptr, thr_ptr, V, n_chunks, KEY_NEG_INF: tl.constexpr,
+                      SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
+                      NP: tl.constexpr, CHUNKS_P2: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_K: tl.constexpr,
+                      HAS_P: tl.constexpr, HAS_MINP: tl.constexpr, WANT_THR: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
+    b = tl.program_id(0)
+    row_ptr = logits_ptr + b.to(tl.int64) * stride_b
+    row_key = _row_key(seeds_ptr, pos_ptr, b, SALT_SEED, SALT_POS)
     if HAS_TEMP:
         temp = tl.load(temp_ptr + b).to(tl.float32)
     else:
         temp = 1.0
     idx = tl.arange(0, NP)
 
-    # Pass 0: the row max and the race winner over the whole row.
-    m = tl.full([], float("-inf"), tl.float32)
-    best = tl.full([], float("-inf"), tl.float32)
-    x = tl.full([], 0, tl.int32)
-    for start in range(0, V, BLOCK):
-        cols, mask, y = _chunk(row_ptr, start, V, temp, BLOCK, HAS_TEMP)
-        m = tl.maximum(m, tl.max(y, axis=0))
-        g = tl.where(mask, _race(y, cols, row_key, SALT_COL), float("-inf"))
-        best, x = _better(g, cols, best, x, V)
+    # Pass 0's results: the row max and x0, the race winner over the whole row (ties: the lowest index).
+    ci = tl.arange(0, CHUNKS_P2)
+    cm = ci < n_chunks
+    cmax = tl.load(cmax_ptr + b * n_chunks + ci, mask=cm, other=float("-inf"))
+    cbest = tl.load(cbest_ptr + b * n_chunks + ci, mask=cm, other=float("-inf"))
+    m = tl.max(cmax, axis=0)
+    best = tl.max(cbest, axis=0)
+    x = tl.min(tl.where(cm & (cbest == best), tl.load(cidx_ptr + b * n_chunks + ci, mask=cm, other=0), V + 1),
+               axis=0)
     live = m > float("-inf")   # a row with every logit masked keeps token 0 and skips the stages
     m_key = _key(m)
     lo = tl.full([], KEY_NEG_INF, tl.int32)   # nothing below lo is kept
@@ -212,6 +243,10 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
     if HAS_K:
         kk = tl.load(k_ptr + b).to(tl.int32)
         k_eff = tl.where(kk > 0, kk, V + 1)
+        # Start above the k-th largest chunk max when k <= the number of chunks: k distinct chunks hold a value at
+        # or above it, so nothing below it is kept, and on flat rows only a few more than k values lie above.
+        kth = tl.sum(tl.where(ci == kk - 1, tl.sort(cmax, descending=True), 0.0), axis=0)
+        lo = tl.where((kk > 0) & (kk <= n_chunks), tl.maximum(lo, _key(kth)), lo)
         hi = m_key + 1   # invariant: count(key >= lo) >= k > count(key >= hi)
         searching = live & (kk > 0)
         while searching:
@@ -299,11 +334,18 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
         return out, (thr if want_threshold else None)
     dummy = seeds
     pdl = launch_kwargs(logits.device, "sampling")
+    n_chunks = triton.cdiv(v, block)
+    cmax = torch.empty((b, n_chunks), dtype=torch.float32, device=logits.device)
+    cbest = torch.empty((b, n_chunks), dtype=torch.float32, device=logits.device)
+    cidx = torch.empty((b, n_chunks), dtype=torch.int32, device=logits.device)
+    temp = temperature if temperature is not None else dummy
+    salts = dict(SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS, SALT_COL=rng._SALT_COL)
+    _chunks_kernel[(b, n_chunks)](logits, logits.stride(0), seeds, positions, temp, cmax, cbest, cidx, v, n_chunks,
+                                  BLOCK=block, HAS_TEMP=temperature is not None, num_warps=4, **salts, **pdl)
     _topk_topp_kernel[(b,)](
-        logits, logits.stride(0), seeds, positions,
-        temperature if temperature is not None else dummy, top_k if top_k is not None else dummy,
-        top_p if top_p is not None else dummy, min_p if min_p is not None else dummy, out, thr, v,
-        KEY_NEG_INF=_KEY_NEG_INF, SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS, SALT_COL=rng._SALT_COL,
-        BLOCK=block, NP=_NP, HAS_TEMP=temperature is not None, HAS_K=top_k is not None,
-        HAS_P=top_p is not None, HAS_MINP=min_p is not None, WANT_THR=want_threshold, num_warps=8, **pdl)
+        logits, logits.stride(0), seeds, positions, temp, top_k if top_k is not None else dummy,
+        top_p if top_p is not None else dummy, min_p if min_p is not None else dummy, cmax, cbest, cidx, out, thr,
+        v, n_chunks, KEY_NEG_INF=_KEY_NEG_INF, BLOCK=block, NP=_NP, CHUNKS_P2=triton.next_power_of_2(n_chunks),
+        HAS_TEMP=temperature is not None, HAS_K=top_k is not None, HAS_P=top_p is not None,
+        HAS_MINP=min_p is not None, WANT_THR=want_threshold, num_warps=8, **salts, **pdl)
     return out, (thr if want_threshold else None)
