@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
      "attention backends and layer; the per-step forward context carries their metadata"),
     ("layers", ("tokenmill.layers",), "linear (with quantization methods), norm, rotary, embedding, sampler"),
     ("lora", ("tokenmill.lora",), "PEFT adapter loading, adapter slots, the deltas hooked into the linear layers"),
+    ("spec_decode", ("tokenmill.spec_decode",), "drafters (n-gram, suffix) the runner asks for draft tokens"),
     ("models", ("tokenmill.models",), "model families, registry, weight loading"),
     ("worker", ("tokenmill.worker",), "one device's model runner, CUDA graphs, step inputs, the PP result path"),
     ("executor", ("tokenmill.executor",), "runs the workers: one process, several, or Ray"),

@@ -75,6 +75,36 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
+    """Speculative decoding since the previous snapshot, as vLLM counts it: drafts verified (requests x steps
+    with at least one draft), draft tokens verified, of which accepted, and accepted per draft position."""
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    @classmethod
+    def new(cls, num_spec_tokens: int) -> "SpecDecodingStats":
+        return cls(num_spec_tokens, num_accepted_tokens_per_pos=[0] * num_spec_tokens)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    def take(self) -> "SpecDecodingStats":
+        """This snapshot; the counters start again from zero."""
+        out = SpecDecodingStats(self.num_spec_tokens, self.num_drafts, self.num_draft_tokens,
+                                self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos))
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+        return out
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     """A snapshot for logging and metrics."""
     num_running_reqs: int = 0
@@ -89,6 +119,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     # LoRA (enable_lora): adapter name -> requests under it, running and waiting (vllm:lora_requests_info).
     running_lora_adapters: dict[str, int] = {}
     waiting_lora_adapters: dict[str, int] = {}
+    spec_decoding_stats: SpecDecodingStats | None = None  # speculative decoding since the previous snapshot
 
 
 def combine_scheduler_stats(stats: list[SchedulerStats]) -> SchedulerStats | None:

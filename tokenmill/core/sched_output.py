@@ -43,6 +43,8 @@ class SchedulerOutput:
     # (Scheduler.get_grammar_bitmask), once the previous step's tokens have advanced the matchers.
     grammar_req_ids: list[str] = field(default_factory=list)
     step_seq: int = 0  # the scheduler's count of this step; tells a reused request id from the one it replaced
+    # Speculative decoding: request id -> the draft tokens it verifies this step (scheduled after its last token).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -72,6 +74,8 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     pooler_output: list[Any] | None = None
+    # Speculative decoding: per request (req_ids order) the drafts proposed for its next step, or None.
+    spec_token_ids: list[list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

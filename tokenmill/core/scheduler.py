@@ -51,7 +51,9 @@ class Scheduler:
         self.block_size = cc.block_size
         self.pp_size = config.parallel_config.pipeline_parallel_size
         self._runner_num_tokens: dict[str, int] = {}  # pp > 1: tokens the runners know, per request
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        from tokenmill.core.kv_cache_spec import config_attention_specs, manager_spec
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                 manager_spec(config_attention_specs(config))[0])
         self.block_hasher = BlockHasher(cc.block_size, cc.prefix_caching_hash_algo, _long_rope_prompt_len(config)) \
             if cc.enable_prefix_caching else None
         self.requests: dict[str, Request] = {}
@@ -78,8 +80,9 @@ class Scheduler:
         if prompt_len > self.max_model_len:
             raise ValueError(f"The prompt is {prompt_len} tokens long, more than max_model_len "
                              f"({self.max_model_len}).")
-        if cdiv(prompt_len, self.block_size) > self.kv.num_blocks:
-            raise ValueError(f"The prompt needs {cdiv(prompt_len, self.block_size)} KV blocks but the cache has "
+        need = self.kv.max_blocks_per_request(prompt_len, self.max_num_batched_tokens)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"The prompt needs {need} KV blocks but the cache has "
                              f"only {self.kv.num_blocks}; give the KV cache more memory.")
 
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -8,6 +8,7 @@ from tokenmill.config.engine_args import create_engine_config
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
+from tokenmill.metrics.spec_decode import SpecDecodingTotals
 from tokenmill.metrics.step_timing import TIMER
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -55,6 +56,8 @@ class LLMEngine:
         self.processor.num_blocks = self.engine_core.num_blocks
         self.log_stats = log_stats
         self.last_stats = None
+        spec = config.speculative_config
+        self.spec_totals = SpecDecodingTotals(spec.num_speculative_tokens) if spec is not None else None
         from tokenmill.gc_utils import freeze_gc_heap
         freeze_gc_heap("offline engine")  # in-process: the KV block objects would otherwise slow every full GC
 
@@ -84,6 +87,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.step()
         self.last_stats = outputs.scheduler_stats
+        if self.spec_totals is not None and outputs.scheduler_stats is not None:
+            self.spec_totals.observe(outputs.scheduler_stats.spec_decoding_stats)
         with TIMER.phase("output_processor"):
             result = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
         if result.reqs_to_abort:
@@ -98,3 +103,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def get_metrics(self) -> list:
+        """The speculative-decoding counters (vllm:spec_decode_*) since the engine started; [] without
+        speculation (the other metrics are served by the API server's Prometheus endpoint)."""
+        if self.spec_totals is None:
+            return []
+        return self.spec_totals.metrics({"model_name": self.config.model_config.served_model_name[0],
+                                         "engine": "0"})

@@ -73,6 +73,10 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def get_metrics(self) -> list:
+        """vLLM's offline metrics records (name, labels, value / values): the speculative-decoding counters."""
+        return self.llm_engine.get_metrics()
+
     # ----- generation -----
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: list[int] | None = None,

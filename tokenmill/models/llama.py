@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.layer import Attention
+from tokenmill.core.kv_cache_spec import layer_sliding_windows
 from tokenmill.distributed import get_parallel_state
 from tokenmill.distributed.pp import IntermediateTensors, PPMissingLayer, pp_layer_range
 from tokenmill.layers.layernorm import RMSNorm
@@ -58,8 +59,10 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Mistral / Qwen2 / Qwen3 with a sliding window: HF's per-layer choice (core/kv_cache_spec.py).
+        window = layer_sliding_windows(cfg)[layer_idx]
         self.attn = Attention(layer_idx, self.num_heads, self.head_dim, self.num_kv_heads,
-                              self.head_dim ** -0.5, backend_cls)
+                              self.head_dim ** -0.5, backend_cls, sliding_window=window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,10 +9,14 @@ _MODELS = {
     "Qwen2ForCausalLM": ("tokenmill.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tokenmill.models.llama", "Qwen3ForCausalLM"),
     "Phi3ForCausalLM": ("tokenmill.models.llama", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("tokenmill.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("tokenmill.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("tokenmill.models.gemma3", "Gemma3ForConditionalGeneration"),
 }
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 
 
 def architecture_for_model_type(model_type: str | None) -> str | None:

@@ -10,14 +10,16 @@ from tokenmill.attention.registry import get_attention_backend
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.messages import LogprobsLists
-from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
+from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import get_parallel_state, kv_heads_per_rank
 from tokenmill.distributed.pp import StageLink, pp_layer_range
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.pooler import Pooler
-from tokenmill.layers.sampler import Sampler, compute_prompt_logprobs
+from tokenmill.layers.rejection_sampler import accept_fixed_rate, accept_matching
+from tokenmill.layers.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from tokenmill.metrics.step_timing import TIMER
 from tokenmill.models.loader import load_model
+from tokenmill.spec_decode import make_proposer
 from tokenmill.worker.input_batch import InputBatch, PendingTokens
 from tokenmill.worker.runner_output import AsyncRunnerOutput, StepState
 from tokenmill.worker.sampling_state import SamplingState
@@ -77,7 +79,16 @@ class ModelRunner:
         # Pinned host buffers the sampled ids are copied into, in turn (a fresh pinned tensor per step costs a
         # caching-allocator round trip). A buffer is reused three steps later: by then the runner has taken that
         # step's ids (`sample_tokens` calls the previous output's get() first).
-        self.max_sampled = self.max_num_reqs * MAX_SAMPLED_PER_REQUEST
+        # Speculative decoding: the drafter, this step's drafts by request, and the requests never drafted for
+        # (their sampling reads the tokens before each position, which the verification of a whole run does not
+        # update: penalties, min_tokens, bad words, grammars).
+        spec = self.spec = config.speculative_config
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self._drafts: dict[str, list[int]] = {}
+        self._no_drafts: set[str] = set()
+        self._accept_rng = np.random.default_rng(config.model_config.seed)  # benchmark_acceptance_rate only
+        self.max_sampled = self.max_num_reqs * (1 + spec.num_speculative_tokens if spec is not None
+                                                else MAX_SAMPLED_PER_REQUEST)
         self._ids_host = [torch.empty(self.max_sampled, dtype=torch.long, pin_memory=True) for _ in range(3)] \
             if device.type == "cuda" else []
         self._ids_host_i = 0
@@ -171,6 +182,9 @@ class ModelRunner:
             self.prompt_logprobs.pop(rid, None)
             if self.lora is not None:
                 self.lora.remove_request(rid)
+            if self.proposer is not None:
+                self.proposer.remove(rid)
+                self._no_drafts.discard(rid)
         for new in sched.scheduled_new_reqs:
             row = b.add(new.req_id, new.prompt_token_ids, new.output_token_ids, new.block_ids,
                         new.num_computed_tokens)
@@ -179,6 +193,8 @@ class ModelRunner:
                 self.lora.add_request(new.req_id, new.lora_request)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprobs[new.req_id] = new.sampling_params.prompt_logprobs
+            if self.proposer is not None and not _drafts_verify_exactly(new.sampling_params):
+                self._no_drafts.add(new.req_id)
         c = sched.scheduled_cached_reqs
         for rid, blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             row = b.req_id_to_row[rid]
@@ -191,6 +207,12 @@ class ModelRunner:
                     row, n = b.req_id_to_row[rid], len(toks)
                     b.token_ids[row, b.num_tokens[row]:b.num_tokens[row] + n] = toks
                     b.num_tokens[row] += n
+        # Drafts sit after the known tokens without counting as known: the inputs read them, verification keeps
+        # or overwrites them.
+        self._drafts = sched.scheduled_spec_decode_tokens
+        for rid, drafts in self._drafts.items():
+            row, n = b.req_id_to_row[rid], int(b.num_tokens[b.req_id_to_row[rid]])
+            b.token_ids[row, n:n + len(drafts)] = drafts
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> None:
@@ -204,7 +226,8 @@ class ModelRunner:
         # A step with adapters runs eagerly: the captured graphs hold the base model's fused path only.
         with_lora = self.lora is not None and self.lora.activate(inp.req_ids, inp.n_sched)
         try:
-            step = self._forward_graph(sched, inp) if not with_lora else None
+            # Verify widths have no captured graphs yet: a step with drafts runs eagerly.
+            step = self._forward_graph(sched, inp) if not self._drafts and not with_lora else None
             self._step = step if step is not None else self._forward_eager(inp)
         finally:
             if with_lora:
@@ -236,6 +259,9 @@ class ModelRunner:
         sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
         # Tokens each sampling request samples: 1 (k + 1 once k draft tokens are verified).
         n_sample = np.ones(len(sample_idx), dtype=np.int64)
+        if self._drafts:
+            n_sample += np.fromiter((len(self._drafts.get(req_ids[i], ())) for i in sample_idx), dtype=np.int64,
+                                    count=len(sample_idx))
         fixup = self.pending.sources(input_ids, token_rows, positions)
         return StepInputs(req_ids, rows, n_sched, computed, qsl, input_ids, rope_positions, slots, seq_lens,
                           block_table, sample_idx, n_sample, fixup)
@@ -327,6 +353,9 @@ class ModelRunner:
         if st.pooled is not None:
             result = self._last_output = AsyncRunnerOutput(None, st, pooled=st.pooled)
             return result
+        if self.spec is not None:
+            result = self._last_output = AsyncRunnerOutput.ready(self._sample_and_verify(st, grammar))
+            return result
         sampled, lp, ids_host, placed = None, None, None, None
         if len(st.sample_idx):
             sampled, lp, ids_host = self._sample(st, grammar)
@@ -360,13 +389,65 @@ class ModelRunner:
             cg.prev_sampled[:len(out.sampled_token_ids)].copy_(out.sampled_token_ids)
         return out.sampled_token_ids, out.logprobs, None
 
+    def _sample_and_verify(self, st: StepState, grammar: GrammarOutput | None) -> ModelRunnerOutput:
+        """Speculative decoding's sample step: the target's draw at every verified position, the run of drafts it
+        agrees with (layers/rejection_sampler.accept_matching) plus the next draw kept, written into the batch,
+        then the next step's drafts. Waits for the device (the drafts are made on the host from the kept tokens)."""
+        b, n_req = self.batch, len(st.req_ids)
+        sampled: list[list[int]] = [[] for _ in range(n_req)]
+        next_drafts: list[list[int]] = [[] for _ in range(n_req)]
+        logprobs = None
+        if len(st.sample_idx):
+            ids, lp, _ = self._sample(st, grammar)
+            targets = ids.cpu().numpy()
+            n_sample = st.n_sample.astype(np.int64)
+            starts = np.cumsum(n_sample) - n_sample
+            drafts = np.full(len(targets), -1, dtype=np.int64)
+            for j, i in enumerate(st.sample_idx):
+                d = self._drafts.get(st.req_ids[i])
+                if d:
+                    drafts[starts[j]:starts[j] + len(d)] = d
+            rate = self.spec.benchmark_acceptance_rate
+            if rate is None:
+                keep = accept_matching(targets, drafts, n_sample)
+            else:  # benchmark mode: the kept drafts stand, whatever the target drew there
+                keep = accept_fixed_rate(n_sample, rate, self._accept_rng)
+                local = np.arange(len(targets)) - np.repeat(starts, n_sample)
+                forced = local < np.repeat(keep - 1, n_sample)
+                targets = np.where(forced, drafts, targets)
+            run, offs = _runs(starts, keep)
+            kept_at = run + offs                       # flat index of each kept token
+            tokens = targets[kept_at]
+            rows = st.rows[st.sample_idx]
+            b.token_ids[np.repeat(rows, keep), np.repeat(b.num_tokens[rows].astype(np.int64), keep) + offs] = tokens
+            b.num_tokens[rows] += keep.astype(np.int32)
+            if lp is not None:
+                sel = to_device(kept_at, lp.token_ids.device)
+                logprobs = LogprobsTensors(lp.token_ids[sel], lp.logprobs[sel], lp.ranks[sel]).tolists()
+            flat, ends = tokens.tolist(), np.cumsum(keep).tolist()
+            k = self.spec.num_speculative_tokens
+            for j, i in enumerate(st.sample_idx):
+                sampled[i] = flat[ends[j] - int(keep[j]):ends[j]]
+                rid = st.req_ids[i]
+                if rid in self._no_drafts:
+                    continue
+                row = int(rows[j])
+                context = b.token_ids[row, :b.num_tokens[row]]
+                d = self.proposer.propose(rid, context, k)
+                if rate is not None and len(d) < k:  # benchmark mode verifies k drafts every step
+                    d = d + [int(context[-1])] * (k - len(d))
+                next_drafts[i] = d
+        return ModelRunnerOutput(req_ids=st.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs=st.prompt_lp, spec_token_ids=next_drafts)
+
     def _apply_grammar(self, grammar: GrammarOutput, req_ids: list[str], sample_idx: np.ndarray,
                        n_sample: np.ndarray, logits: torch.Tensor) -> None:
         """Mask the logits of constrained rows with their grammars' allowed tokens, for the batch at once."""
-        if len(logits) != len(sample_idx):
-            raise NotImplementedError("structured outputs with several tokens per request per step")
         from tokenmill.kernels.triton_bitmask import apply_bitmask
-        pos = {req_ids[i]: j for j, i in enumerate(sample_idx)}
+        # A constrained request samples one token per step (it is never drafted for): its logits row is the last
+        # of its run.
+        ends = np.cumsum(n_sample) - 1
+        pos = {req_ids[i]: int(ends[j]) for j, i in enumerate(sample_idx)}
         rows = np.fromiter((pos[rid] for rid in grammar.req_ids), dtype=np.int64, count=len(grammar.req_ids))
         # One row per sampled request, covering every logits column: the scheduler's rows where constrained
         # (columns past the grammar's vocabulary disallowed), all ones elsewhere.
@@ -429,6 +510,13 @@ class StepInputs:
             return ends - 1
         runs, offsets = _runs(ends - self.n_sample, self.n_sample)
         return runs + offsets
+
+
+def _drafts_verify_exactly(params) -> bool:
+    """Whether verifying a run of drafts samples each position as one-token steps would: not when the sampling
+    of a position reads the outputs before it (penalties, min_tokens, bad words) or a grammar constrains it."""
+    return (params.frequency_penalty == 0 and params.presence_penalty == 0 and params.repetition_penalty == 1
+            and not params.min_tokens and not params.bad_words_token_ids and params.structured_outputs is None)
 
 
 def _runs(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

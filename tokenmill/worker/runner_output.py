@@ -60,6 +60,13 @@ class AsyncRunnerOutput:
             self._event.record()
 
     @classmethod
+    def ready(cls, result: ModelRunnerOutput) -> "AsyncRunnerOutput":
+        """A result already on the host (speculative decoding verifies drafts there)."""
+        out = cls(None, None)
+        out._result = result
+        return out
+
+    @classmethod
     def empty(cls) -> "AsyncRunnerOutput":
         out = cls(None, None)
         out._result = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -69,6 +69,7 @@ class Worker:
         """Blocks that fit the allowed KV memory; raises with the numbers if max_model_len cannot fit."""
         cc, mc, sc = self.config.cache_config, self.config.model_config, self.config.scheduler_config
         per_block = self.runner.kv_cache_bytes_per_block()
+        specs, blocks_per_request = self._kv_specs()
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
             source = "num_gpu_blocks_override"
@@ -78,7 +79,7 @@ class Worker:
         elif self.device.type == "cpu":
             # Never claim all RAM: a fixed budget, and no more than max_num_seqs full-length requests need.
             budget = envs.TOKENMILL_CPU_KVCACHE_SPACE_GIB * GiB
-            need = sc.max_num_seqs * cdiv(mc.max_model_len, cc.block_size)
+            need = sc.max_num_seqs * blocks_per_request
             num_blocks = min(budget // per_block, need)
             source = f"TOKENMILL_CPU_KVCACHE_SPACE_GIB={envs.TOKENMILL_CPU_KVCACHE_SPACE_GIB}"
         else:
@@ -86,7 +87,7 @@ class Worker:
             source = f"gpu_memory_utilization={cc.gpu_memory_utilization}"
         # Every rank must hold the same blocks: the scheduler's one block table addresses all of them.
         num_blocks = world_min(int(num_blocks), self.parallel_state)
-        need_one = cdiv(mc.max_model_len, cc.block_size)
+        need_one = blocks_per_request
         if num_blocks < need_one:
             raise ValueError(
                 f"The KV cache holds {num_blocks} blocks ({num_blocks * cc.block_size} tokens, from {source}) but "
@@ -96,7 +97,28 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max concurrency at max_model_len %d: %.1fx",
                     num_blocks, cc.block_size, num_blocks * per_block / GiB, mc.max_model_len,
                     num_blocks / need_one)
+        from tokenmill.core.kv_cache_spec import capacity_report, manager_spec
+        note = manager_spec(specs)[1]
+        if note:
+            logger.info("KV cache layout: %s.", note)
+        if specs and (len(set(specs)) > 1 or specs[0].num_dead_blocks(1 << 40)):
+            logger.info("KV cache capacity per layer group (requests of max_model_len %d at once): %s",
+                        mc.max_model_len, ", ".join(f"{name}: {n:.1f}" for name, n in capacity_report(
+                            specs, self.runner.own_layers, int(num_blocks), mc.max_model_len,
+                            sc.max_num_batched_tokens).items()))
         return int(num_blocks)
+
+    def _kv_specs(self):
+        """(this rank's per-layer KV specs or None, the most blocks one max_model_len request holds at once)."""
+        from tokenmill.core.kv_cache_spec import config_attention_specs, manager_spec
+        r, cc, sc = self.runner, self.config.cache_config, self.config.scheduler_config
+        specs = config_attention_specs(self.config, torch.empty((), dtype=r.kv_dtype).element_size(),
+                                       r.num_kv_heads, r.head_dim)
+        spec = manager_spec(specs)[0]
+        mlen = self.config.model_config.max_model_len
+        if spec is None:
+            return specs, cdiv(mlen, cc.block_size)
+        return specs, spec.max_blocks_per_request(mlen, sc.max_num_batched_tokens)
 
     def _profile_gpu_blocks(self, per_block: int) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
@@ -108,9 +130,13 @@ class Worker:
         free, total = torch.cuda.mem_get_info()
         non_torch = (total - free) - torch.cuda.memory_reserved()
         graphs = self.runner.cuda_graph_output_bytes()
-        available = total * cc.gpu_memory_utilization - peak - non_torch - graphs
+        from tokenmill.core.kv_cache_spec import model_state_specs
+        # Per-request state slots (recurrent layers) are reserved first: max_num_seqs of each kind.
+        state = sum(s.bytes_per_request for s in model_state_specs(self.runner.model)) * sc.max_num_seqs
+        available = total * cc.gpu_memory_utilization - peak - non_torch - graphs - state
         logger.info("Memory: weights+activations peak %.2f GiB, other %.2f GiB, CUDA graph logits %.2f GiB, "
-                    "KV budget %.2f GiB", peak / GiB, non_torch / GiB, graphs / GiB, available / GiB)
+                    "per-request state %.2f GiB, KV budget %.2f GiB", peak / GiB, non_torch / GiB, graphs / GiB,
+                    state / GiB, available / GiB)
         return max(int(available // per_block), 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

@@ -1,0 +1,67 @@
+"""Speculative-decoding counters as vLLM names them, for Prometheus, the periodic log and `LLM.get_metrics()`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.core.messages import SpecDecodingStats
+
+NUM_DRAFTS = "vllm:spec_decode_num_drafts"
+NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
+NUM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+@dataclass
+class Counter:
+    """vLLM's offline metric record of a counter (`LLM.get_metrics()`)."""
+    name: str
+    labels: dict[str, str]
+    value: int
+
+
+@dataclass
+class Vector:
+    """vLLM's offline metric record of a labelled counter family indexed by position."""
+    name: str
+    labels: dict[str, str]
+    values: list[int] = field(default_factory=list)
+
+
+class SpecDecodingTotals:
+    """Running totals of the scheduler's SpecDecodingStats snapshots, plus a window for the periodic log.
+
+    Contract: `observe(stats)` adds one snapshot (None is ignored); `metrics(labels)` gives the totals as vLLM's
+    Counter / Vector records; `log_line()` summarises the window since the previous call and starts a new one.
+    """
+
+    def __init__(self, num_spec_tokens: int) -> None:
+        self.total = SpecDecodingStats.new(num_spec_tokens)
+        self.window = SpecDecodingStats.new(num_spec_tokens)
+
+    def observe(self, stats: SpecDecodingStats | None) -> None:
+        if stats is None:
+            return
+        for acc in (self.total, self.window):
+            acc.num_drafts += stats.num_drafts
+            acc.num_draft_tokens += stats.num_draft_tokens
+            acc.num_accepted_tokens += stats.num_accepted_tokens
+            for i, n in enumerate(stats.num_accepted_tokens_per_pos[:len(acc.num_accepted_tokens_per_pos)]):
+                acc.num_accepted_tokens_per_pos[i] += n
+
+    def metrics(self, labels: dict[str, str] | None = None) -> list[Counter | Vector]:
+        labels = dict(labels or {})
+        t = self.total
+        return [Counter(NUM_DRAFTS, labels, t.num_drafts), Counter(NUM_DRAFT_TOKENS, labels, t.num_draft_tokens),
+                Counter(NUM_ACCEPTED_TOKENS, labels, t.num_accepted_tokens),
+                Vector(NUM_ACCEPTED_PER_POS, labels, list(t.num_accepted_tokens_per_pos))]
+
+    def log_line(self) -> str | None:
+        """vLLM's "SpecDecoding metrics" line over the window, or None when nothing was drafted in it."""
+        w, self.window = self.window, SpecDecodingStats.new(self.window.num_spec_tokens)
+        if not w.num_drafts:
+            return None
+        rate = 100.0 * w.num_accepted_tokens / w.num_draft_tokens if w.num_draft_tokens else 0.0
+        per_pos = ", ".join(f"{n / w.num_drafts:.3f}" for n in w.num_accepted_tokens_per_pos)
+        return (f"SpecDecoding metrics: Mean acceptance length: {1 + w.num_accepted_tokens / w.num_drafts:.2f}, "
+                f"Accepted: {w.num_accepted_tokens} tokens, Drafted: {w.num_draft_tokens} tokens, "
+                f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: {rate:.1f}%")
