@@ -43,7 +43,9 @@ class ModelConfig:
                                        choices=("auto", "hf", "slow", "mistral", "deepseek_v32"))
     trust_remote_code: bool = config_field(False, help="Allow custom code from the model repository.")
     dtype: str = config_field("auto", help="Weights and activations dtype. auto: the checkpoint's dtype on GPU "
-                                           "(fp32 checkpoints run in bf16); float32 on CPU.", choices=DTYPES)
+                                           "(fp32 checkpoints run in bf16); float32 on CPU, where a GGUF file's "
+                                           "4-bit blocks stay quantized unless --dtype float32 is given (then it "
+                                           "loads dense).", choices=DTYPES)
     seed: int = config_field(0, help="Global random seed (unseeded requests draw their seeds from it).")
     revision: str | None = config_field(None, help="Model revision in the local HF cache.")
     code_revision: str | None = config_field(
