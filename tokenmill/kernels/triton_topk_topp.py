@@ -24,6 +24,8 @@ How, without a sort (a pass streams the row in BLOCK-sized chunks through regist
              below each - and shrinks the bracket to the sub-interval holding the boundary, snapped to the element
              keys in it. It ends when one distinct value is left (the k-th largest), so it needs at most
              ceil(32 / log2(NP - 1)) passes, and far fewer on real logits because the snapping follows the data.
+             Each pass also keeps the race winner at or above each of its keys, so the last one hands on the
+             race winner over the survivors P without a pass of its own.
   top-p      exact rejection with rising pivots: test the current candidate x (initially x0 when it survived
              min-p/top-k; else a first pass draws one from the survivors P) by one pass that sums the mass strictly
              above y_x and the mass of P (the normaliser); if the first is >= top_p * mass(P), x and
@@ -137,16 +139,18 @@ def _draw(row_ptr, V, temp, row_key, lo, SALT_COL: tl.constexpr, BLOCK: tl.const
 
 @triton.jit
 def _stats(row_ptr, V, temp, m, cand, row_key, draw_lo, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
-           NP: tl.constexpr, HAS_TEMP: tl.constexpr, DRAW: tl.constexpr):
+           NP: tl.constexpr, HAS_TEMP: tl.constexpr, DRAW: tl.constexpr, WINNERS: tl.constexpr = False):
     """For each of the NP keys s in `cand`: the mass (sum of exp(y - m)) of the columns with key >= s; unless DRAW,
-    also their count, the smallest such key and the largest key < s (the bracket search's needs); with DRAW, the
-    race winner over key >= draw_lo instead (the rejection test's)."""
+    also their count, the smallest such key and the largest key < s (the bracket search's needs) and (WINNERS) the
+    race winner over key >= s; with DRAW, the race winner over key >= draw_lo instead (the rejection test's)."""
     cnt = tl.zeros([NP], dtype=tl.int32)
     mass = tl.zeros([NP], dtype=tl.float32)
     a_min = tl.full([NP], 2147483647, tl.int32)
     b_max = tl.full([NP], -2147483648, tl.int32)
     best = tl.full([], float("-inf"), tl.float32)
     best_i = tl.full([], 0, tl.int32)
+    win = tl.full([NP], float("-inf"), tl.float32)
+    win_i = tl.zeros([NP], dtype=tl.int32)
     for start in range(0, V, BLOCK):
         cols, mask, y = _chunk(row_ptr, start, V, temp, BLOCK, HAS_TEMP)
         key = _key(y)
@@ -158,10 +162,17 @@ def _stats(row_ptr, V, temp, m, cand, row_key, draw_lo, SALT_COL: tl.constexpr, 
             cnt += tl.sum(ge.to(tl.int32), axis=0)
             a_min = tl.minimum(a_min, tl.min(tl.where(ge, key[:, None], 2147483647), axis=0))
             b_max = tl.maximum(b_max, tl.max(tl.where(lt, key[:, None], -2147483648), axis=0))
+            if WINNERS:
+                gm = tl.where(ge, _race(y, cols, row_key, SALT_COL)[:, None], float("-inf"))
+                cb = tl.max(gm, axis=0)
+                ci = tl.min(tl.where(gm == cb[None, :], cols[:, None], V + 1), axis=0)
+                take = cb > win
+                win = tl.where(take, cb, win)
+                win_i = tl.where(take, ci, win_i)
         else:
             g = tl.where(mask & (key >= draw_lo), _race(y, cols, row_key, SALT_COL), float("-inf"))
             best, best_i = _better(g, cols, best, best_i, V)
-    return cnt, mass, a_min, b_max, best_i
+    return cnt, mass, a_min, b_max, best_i, win_i
 
 
 @triton.jit
@@ -250,13 +261,15 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
         hi = m_key + 1   # invariant: count(key >= lo) >= k > count(key >= hi)
         searching = live & (kk > 0)
         while searching:
-            cnt, mass, a_min, b_max, _ = _stats(row_ptr, V, temp, m, _spread(lo, hi, idx, NP), row_key, lo,
-                                                SALT_COL, BLOCK, NP, HAS_TEMP, False)
+            cnt, mass, a_min, b_max, _, win_i = _stats(row_ptr, V, temp, m, _spread(lo, hi, idx, NP), row_key, lo,
+                                                       SALT_COL, BLOCK, NP, HAS_TEMP, False, True)
             # At most k at or above lo: each of them has < k strictly above it, and all below lo is dropped.
             stop = _pick(cnt, idx, 0) <= k_eff
             j = tl.sum((cnt >= k_eff).to(tl.int32), axis=0) - 1
             lo = tl.where(stop, lo, _pick(a_min, idx, j))
             hi = tl.where(stop, hi, _pick(b_max, idx, j + 1) + 1)
+            # The race winner over key >= lo (no key lies in [s_j, a_j)): on the last pass, over the survivors.
+            x = tl.where(stop, _pick(win_i, idx, 0), _pick(win_i, idx, j))
             searching = (stop == 0) & (hi.to(tl.int64) - lo.to(tl.int64) > 1)
 
     if HAS_P:
@@ -269,8 +282,8 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
             z_p = tl.full([], 0.0, tl.float32)
             searching = use_p
             while searching:
-                cnt, mass, a_min, b_max, _ = _stats(row_ptr, V, temp, m, _spread(lo, hi, idx, NP), row_key, lo,
-                                                    SALT_COL, BLOCK, NP, HAS_TEMP, False)
+                cnt, mass, a_min, b_max, _, _ = _stats(row_ptr, V, temp, m, _spread(lo, hi, idx, NP), row_key, lo,
+                                                       SALT_COL, BLOCK, NP, HAS_TEMP, False)
                 z_p = tl.where(z_p == 0.0, _pick(mass, idx, 0), z_p)
                 target = tl.maximum(pp * z_p, 1e-30)   # > 0, so mass(key >= hi) = 0 stays below it
                 j = tl.sum((mass >= target).to(tl.int32), axis=0) - 1
@@ -289,8 +302,8 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
             searching = use_p
             while searching:
                 above = tl.where(have, x_key + 1, lo)
-                cnt, mass, a_min, b_max, nxt = _stats(row_ptr, V, temp, m, tl.where(idx == 0, lo, above), row_key,
-                                                      above, SALT_COL, BLOCK, NP, HAS_TEMP, True)
+                cnt, mass, a_min, b_max, nxt, _ = _stats(row_ptr, V, temp, m, tl.where(idx == 0, lo, above),
+                                                         row_key, above, SALT_COL, BLOCK, NP, HAS_TEMP, True)
                 accept = have & (_pick(mass, idx, 1) < pp * _pick(mass, idx, 0))
                 x = tl.where(accept, x, nxt)
                 yx = tl.load(row_ptr + x).to(tl.float32)
