@@ -7,7 +7,7 @@ from tokenmill.config import TokenmillConfig
 from tokenmill.core.block_hash import BlockHasher
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
-                                     LogprobsLists, RequestStartStats, SchedulerStats)
+                                     LogprobsLists, RequestStartStats, SchedulerStats, SpecDecodingStats)
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
 from tokenmill.core.sched_output import (CachedRequestData, GrammarOutput, ModelRunnerOutput, NewRequestData,
@@ -73,6 +73,10 @@ class Scheduler:
         # LoRA: the adapters of the running requests never outnumber the runner's slots (a step runs a subset).
         lora = getattr(config, "lora_config", None)  # absent from tests' minimal configs
         self.max_loras = lora.max_loras if lora is not None else None
+        spec = getattr(config, "speculative_config", None)  # absent from tests' minimal configs
+        # Speculative decoding: above this many running requests drafts are dropped (decode normally).
+        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
+        self.spec_stats = SpecDecodingStats.new(spec.num_speculative_tokens) if spec is not None else None
 
     # ----- admission -----
     def check_request(self, prompt_len: int) -> None:
@@ -122,6 +126,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         preempted_any = False
         pp = self.pp_size > 1
         max_reqs = cdiv(len(self.requests), self.pp_size) if pp else self.max_num_seqs
@@ -133,6 +138,9 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = self._drafts_to_schedule(req, n, budget) if req.spec_token_ids else None
+            if drafts:
+                n += len(drafts)
             new_block_ids = self.kv.allocate_slots(req, n)
             while new_block_ids is None:
                 victim = self._pick_victim()
@@ -151,6 +159,8 @@ class Scheduler:
                 cached.new_token_ids.append(req.all_token_ids[known:])
                 self._runner_num_tokens[req.request_id] = req.num_tokens
             num_scheduled[req.request_id] = n
+            if drafts:
+                spec_tokens[req.request_id] = drafts
             budget -= n
             i += 1
 
@@ -218,7 +228,18 @@ class Scheduler:
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached, step_seq=self._step_seq,
                                num_scheduled_tokens=num_scheduled,
                                total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-                               finished_req_ids=finished, grammar_req_ids=grammar_req_ids)
+                               finished_req_ids=finished, grammar_req_ids=grammar_req_ids,
+                               scheduled_spec_decode_tokens=spec_tokens)
+
+    def _drafts_to_schedule(self, req: Request, n: int, budget: int) -> list[int]:
+        """The drafts a decoding request verifies this step (its proposals, cut to the budget, the context length
+        and max_tokens), consumed from the request; none above disable_by_batch_size running requests."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        limit = self.spec_disable_by_batch_size
+        if n != 1 or req.num_output_placeholders or (limit is not None and len(self.running) > limit):
+            return []
+        room = min(budget - 1, self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
+        return drafts[:max(room, 0)]
 
     def get_grammar_bitmask(self, sched: SchedulerOutput) -> GrammarOutput | None:
         """Bitmask rows for the constrained requests that sample in `sched`.
@@ -270,6 +291,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # a token in flight is dropped; recompute samples it again
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self._num_preemptions += 1
         self._finished_since_last_step.add(req.request_id)  # the runner drops its state; resumed as new
@@ -285,6 +307,8 @@ class Scheduler:
         if freed_at:  # later steps are all newer than `seq`: older entries cannot matter any more
             self._freed_at = freed_at = {r: s for r, s in freed_at.items() if s >= seq}
         lp_row = 0  # logprobs rows follow the sampled tokens, request after request
+        drafted = sched.scheduled_spec_decode_tokens
+        next_drafts = dict(zip(out.req_ids, out.spec_token_ids)) if out.spec_token_ids is not None else None
         for rid, token_ids in zip(out.req_ids, out.sampled_token_ids):
             first_row, lp_row = lp_row, lp_row + len(token_ids)
             req = self.requests.get(rid)
@@ -297,7 +321,14 @@ class Scheduler:
                 if prompt_lp is not None:
                     outputs.append(EngineCoreOutput(rid, [], new_prompt_logprobs=prompt_lp))
                 continue
+            drafts = drafted.get(rid)
+            if drafts:  # the KV slots of the rejected drafts are computed again, with the right tokens, next step
+                accepted = len(token_ids) - 1
+                req.num_computed_tokens -= len(drafts) - accepted
+                self.spec_stats.observe(len(drafts), accepted)
             token_ids, stopped = self._append_until_stop(req, token_ids)
+            if next_drafts is not None and not stopped:
+                req.spec_token_ids = next_drafts.get(rid) or []
             new_lp = None
             if out.logprobs is not None and req.sampling_params.logprobs is not None:
                 rows = slice(first_row, first_row + len(token_ids))
@@ -366,7 +397,8 @@ class Scheduler:
                               kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_queries,
                               prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self._num_preemptions,
                               num_batched_tokens=batched,
-                              num_deferred_reqs=min(self._num_deferred, len(self.waiting))))
+                              num_deferred_reqs=min(self._num_deferred, len(self.waiting)),
+                              spec_decoding_stats=self.spec_stats.take() if self.spec_stats is not None else None))
 
     def _with_lora(self, stats: SchedulerStats) -> SchedulerStats:
         """`stats` with the adapters of the running and waiting requests counted (when LoRA is on)."""
