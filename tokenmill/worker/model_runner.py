@@ -514,9 +514,12 @@ class StepInputs:
 
 def _drafts_verify_exactly(params) -> bool:
     """Whether verifying a run of drafts samples each position as one-token steps would: not when the sampling
-    of a position reads the outputs before it (penalties, min_tokens, bad words) or a grammar constrains it."""
+    of a position reads the outputs before it (penalties, min_tokens, bad words) or a grammar constrains it, nor
+    with logit_bias / allowed_token_ids (SamplingState applies those to one row per request, not to each position
+    of a run)."""
     return (params.frequency_penalty == 0 and params.presence_penalty == 0 and params.repetition_penalty == 1
-            and not params.min_tokens and not params.bad_words_token_ids and params.structured_outputs is None)
+            and not params.min_tokens and not params.bad_words_token_ids and params.structured_outputs is None
+            and not params.logit_bias and params.allowed_token_ids is None)
 
 
 def _runs(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
