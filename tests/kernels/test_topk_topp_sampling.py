@@ -73,7 +73,7 @@ def test_kernel_draws_the_torch_paths_token_and_keeps_the_exact_set(use, want_th
     kk, pp, mm = (k if "k" in use else None), (p if "p" in use else None), (mp if "m" in use else None)
     tok, thr = topk_topp_sample(logits.to(DEV), seeds.to(DEV), pos.to(DEV), temp.to(DEV),
                                 *(t.to(DEV) if t is not None else None for t in (kk, pp, mm)),
-                                want_threshold=want_thr, block=64)
+                                want_threshold=want_thr, block=64, chunk=32)
     tok = tok.cpu()
     assert torch.equal(tok, torch_path(logits, temp, seeds, pos, kk, pp, mm))
     y = logits / temp[:, None]
@@ -90,7 +90,7 @@ def test_bf16_logits_and_no_temperature():
     seeds, pos = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 5, 9, 1 << 40])
     k, p = torch.tensor([5, 0, 0, 1]), torch.tensor([0.9, 0.5, 1.0, 0.3])
     tok, thr = topk_topp_sample(logits.to(DEV), seeds.to(DEV), pos.to(DEV), None, k.to(DEV), p.to(DEV),
-                                want_threshold=True, block=128)
+                                want_threshold=True, block=128, chunk=128)
     assert torch.equal(tok.cpu(), torch_path(logits, None, seeds, pos, k, p, None))
     for i in range(4):
         assert torch.equal(logits[i].float() >= thr[i].cpu(), ref_keep(logits[i].float(), int(k[i]), float(p[i]),
@@ -101,14 +101,14 @@ def test_bf16_logits_and_no_temperature():
 def test_seeded_rows_do_not_depend_on_the_batch():
     logits, temp, k, p, mp, seeds, pos = _rows(6, 120, seed=5)
     args = lambda idx: [t[idx].to(DEV) for t in (logits, seeds, pos, temp, k, p, mp)]  # noqa: E731
-    full, _ = topk_topp_sample(*args(torch.arange(6)), block=32)
+    full, _ = topk_topp_sample(*args(torch.arange(6)), block=32, chunk=32)
     perm = torch.tensor([4, 2, 0])
-    part, _ = topk_topp_sample(*args(perm), block=32)
+    part, _ = topk_topp_sample(*args(perm), block=32, chunk=32)
     assert torch.equal(part.cpu(), full.cpu()[perm])
     other = torch.tensor([1, 1, 3])   # another position of the same seed draws independently
     moved = [t.clone() for t in args(other)]
     moved[2] += 1
-    assert topk_topp_sample(*moved, block=32)[0].tolist() != full.cpu()[other].tolist()
+    assert topk_topp_sample(*moved, block=32, chunk=32)[0].tolist() != full.cpu()[other].tolist()
 
 
 def test_kernel_frequencies_match_exact_probabilities():
@@ -122,7 +122,7 @@ def test_kernel_frequencies_match_exact_probabilities():
     tok, _ = topk_topp_sample(row.expand(n, -1).contiguous().to(DEV), torch.full((n,), 11, device=DEV),
                               torch.arange(n, device=DEV), torch.full((n,), temp, device=DEV),
                               torch.full((n,), k, device=DEV), torch.full((n,), p, device=DEV),
-                              torch.full((n,), mp, device=DEV), block=8)
+                              torch.full((n,), mp, device=DEV), block=8, chunk=8)
     counts = torch.bincount(tok.cpu(), minlength=6).double()
     keep = probs > 0
     assert int(keep.sum()) == 3
@@ -164,19 +164,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tokenmill.kernels import triton_topk_topp as m
 salts = dict(SALT_SEED=m.rng._SALT_SEED, SALT_POS=m.rng._SALT_POS, SALT_COL=m.rng._SALT_COL)
-def build(fn, sig, cx):
+def build(fn, sig, cx, warps):
     sig = {**sig, **{name: "constexpr" for name in cx}}
-    print(sorted(triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx),
-                                target=GPUTarget("cuda", 90, 32)).asm))
+    print(sorted(triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": warps}).asm))
 head = {"logits_ptr": "*bf16", "stride_b": "i32", "seeds_ptr": "*i64", "pos_ptr": "*i64", "temp_ptr": "*fp32"}
 chunks = {"cmax_ptr": "*fp32", "cbest_ptr": "*fp32", "cidx_ptr": "*i32"}
 build(m._chunks_kernel, {**head, **chunks, "V": "i32", "n_chunks": "i32"},
-      dict(**salts, BLOCK=m._BLOCK, HAS_TEMP=True, PDL=1))
+      dict(**salts, BLOCK=m._CHUNK, HAS_TEMP=True, PDL=1), 8)
 for want in (False, True):
     build(m._topk_topp_kernel, {**head, "k_ptr": "*i64", "p_ptr": "*fp32", "minp_ptr": "*fp32", **chunks,
                                 "out_ptr": "*i64", "thr_ptr": "*fp32", "V": "i32", "n_chunks": "i32"},
-          dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._BLOCK, NP=m._NP, CHUNKS_P2=256, HAS_TEMP=True,
-               HAS_K=True, HAS_P=True, HAS_MINP=True, WANT_THR=want, PDL=1))
+          dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._BLOCK, NP=m._NP, CHUNKS_P2=128, HAS_TEMP=True,
+               HAS_K=True, HAS_P=True, HAS_MINP=True, WANT_THR=want, PDL=1), m._ROW_WARPS)
 """
 
 

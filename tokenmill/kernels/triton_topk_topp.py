@@ -59,7 +59,12 @@ from tokenmill.kernels import sampling_rng as rng
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 from tokenmill.kernels.triton_sampling import _mix32
 
-_BLOCK = 1024
+# Pass 0 chunks as race_argmax's (2048 columns, 8 warps: 75 programs per 152k row). The row program streams 2048
+# columns per iteration with 16 warps: its passes are bound by the latency of one load round trip per iteration,
+# so fewer, wider iterations are faster; tools/bench_sampler.py sweeps both on a GPU.
+_CHUNK = 2048
+_BLOCK = 2048
+_ROW_WARPS = 16
 _NP = 8          # keys evaluated per search pass (the bracket ends included)
 
 
@@ -328,15 +333,16 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
 def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                      temperature: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
                      top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
-                     want_threshold: bool = False, block: int = _BLOCK) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     want_threshold: bool = False, block: int = _BLOCK, chunk: int = _CHUNK,
+                     num_warps: int = _ROW_WARPS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens [B] int64, thresholds [B] fp32 or None) for logits [B, V] (any float dtype, last dim contiguous).
 
     seeds / positions [B] int64 key the race noise (sampling_rng). temperature [B] (optional) divides the fp32
     logits first. top_k [B] int (<= 0 = off), top_p [B] float in (0, 1] (1 = off), min_p [B] float (0 = off); a
     None parameter is off for every row. With want_threshold the second result holds, per row, the smallest kept
     temperature-scaled value: the kept set is exactly `logits.float() / temperature >= threshold` (-inf = all).
-    block: the chunk of the vocabulary a program holds in registers (a power of 2; small ones are for the
-    interpreter's tests).
+    block / num_warps: the columns per iteration of the row program and its warps; chunk: the columns of one pass-0
+    program (powers of 2; small ones are for the interpreter's tests).
     """
     b, v = logits.shape
     if logits.stride(-1) != 1:
@@ -347,18 +353,18 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
         return out, (thr if want_threshold else None)
     dummy = seeds
     pdl = launch_kwargs(logits.device, "sampling")
-    n_chunks = triton.cdiv(v, block)
+    n_chunks = triton.cdiv(v, chunk)
     cmax = torch.empty((b, n_chunks), dtype=torch.float32, device=logits.device)
     cbest = torch.empty((b, n_chunks), dtype=torch.float32, device=logits.device)
     cidx = torch.empty((b, n_chunks), dtype=torch.int32, device=logits.device)
     temp = temperature if temperature is not None else dummy
     salts = dict(SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS, SALT_COL=rng._SALT_COL)
     _chunks_kernel[(b, n_chunks)](logits, logits.stride(0), seeds, positions, temp, cmax, cbest, cidx, v, n_chunks,
-                                  BLOCK=block, HAS_TEMP=temperature is not None, num_warps=4, **salts, **pdl)
+                                  BLOCK=chunk, HAS_TEMP=temperature is not None, num_warps=8, **salts, **pdl)
     _topk_topp_kernel[(b,)](
         logits, logits.stride(0), seeds, positions, temp, top_k if top_k is not None else dummy,
         top_p if top_p is not None else dummy, min_p if min_p is not None else dummy, cmax, cbest, cidx, out, thr,
         v, n_chunks, KEY_NEG_INF=_KEY_NEG_INF, BLOCK=block, NP=_NP, CHUNKS_P2=triton.next_power_of_2(n_chunks),
         HAS_TEMP=temperature is not None, HAS_K=top_k is not None, HAS_P=top_p is not None,
-        HAS_MINP=min_p is not None, WANT_THR=want_threshold, num_warps=8, **salts, **pdl)
+        HAS_MINP=min_p is not None, WANT_THR=want_threshold, num_warps=num_warps, **salts, **pdl)
     return out, (thr if want_threshold else None)
