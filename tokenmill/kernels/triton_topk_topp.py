@@ -104,13 +104,26 @@ def _unkey(k):
 
 
 @triton.jit
+def _scale(raw, temp, HAS_TEMP: tl.constexpr):
+    y = raw.to(tl.float32)
+    if HAS_TEMP:  # IEEE division, as torch's logits.div_(temperature) in fp32
+        y = tl.math.div_rn(y, temp)
+    return y
+
+
+@triton.jit
 def _chunk(row_ptr, start, V, temp, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr):
     cols = start + tl.arange(0, BLOCK)
     mask = cols < V
-    y = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    if HAS_TEMP:  # IEEE division, as torch's logits.div_(temperature) in fp32
-        y = tl.math.div_rn(y, temp)
-    return cols, mask, y
+    return cols, mask, _scale(tl.load(row_ptr + cols, mask=mask, other=float("-inf")), temp, HAS_TEMP)
+
+
+@triton.jit
+def _prefetch(row_ptr, start, V, BLOCK: tl.constexpr):
+    """The raw values of the chunk at `start`: the row loops issue the next chunk's load before working on the
+    current one, so one load round trip overlaps each iteration's arithmetic (the loops are latency-bound)."""
+    cols = start + tl.arange(0, BLOCK)
+    return tl.load(row_ptr + cols, mask=cols < V, other=float("-inf"))
 
 
 @triton.jit
@@ -135,8 +148,13 @@ def _draw(row_ptr, V, temp, row_key, lo, SALT_COL: tl.constexpr, BLOCK: tl.const
     """Race winner over the columns whose key is >= lo."""
     best = tl.full([], float("-inf"), tl.float32)
     best_i = tl.full([], 0, tl.int32)
+    nxt = _prefetch(row_ptr, 0, V, BLOCK)
     for start in range(0, V, BLOCK):
-        cols, mask, y = _chunk(row_ptr, start, V, temp, BLOCK, HAS_TEMP)
+        cur = nxt
+        nxt = _prefetch(row_ptr, start + BLOCK, V, BLOCK)
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        y = _scale(cur, temp, HAS_TEMP)
         g = tl.where(mask & (_key(y) >= lo), _race(y, cols, row_key, SALT_COL), float("-inf"))
         best, best_i = _better(g, cols, best, best_i, V)
     return best_i
@@ -156,8 +174,13 @@ def _stats(row_ptr, V, temp, m, cand, row_key, draw_lo, SALT_COL: tl.constexpr, 
     best_i = tl.full([], 0, tl.int32)
     win = tl.full([NP], float("-inf"), tl.float32)
     win_i = tl.zeros([NP], dtype=tl.int32)
+    nxt = _prefetch(row_ptr, 0, V, BLOCK)
     for start in range(0, V, BLOCK):
-        cols, mask, y = _chunk(row_ptr, start, V, temp, BLOCK, HAS_TEMP)
+        cur = nxt
+        nxt = _prefetch(row_ptr, start + BLOCK, V, BLOCK)
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        y = _scale(cur, temp, HAS_TEMP)
         key = _key(y)
         e = tl.exp(y - m)
         ge = (key[:, None] >= cand[None, :]) & mask[:, None]
