@@ -82,8 +82,13 @@ _VARIABLES: dict[str, _Var] = {
     "TOKENMILL_GEMV": _str("auto", ("auto", "always", "never")),
     # KV cache size on CPU when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given.
     "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _Var(int, 1),
-    # Number of torch intra-op threads on CPU (0 = torch's default).
+    # Number of torch intra-op threads on CPU (0 = what VLLM_CPU_OMP_THREADS_BIND picks).
     "TOKENMILL_CPU_NUM_THREADS": _Var(int, 0),
+    # vLLM's CPU knobs. KV cache size on CPU in GiB (0 = TOKENMILL_CPU_KVCACHE_SPACE_GIB's value).
+    "VLLM_CPU_KVCACHE_SPACE": _Var(int, 0),
+    # CPU threads and pinning of each CPU rank: auto, nobind, or CPU lists per rank ("0-1", "0-1|2-3");
+    # tokenmill/worker/cpu_threads.py says what each does.
+    "VLLM_CPU_OMP_THREADS_BIND": _str("auto"),
     # Accumulate per-phase step times (schedule / execute / update / graph vs eager) for benchmarks.
     "TOKENMILL_STEP_TIMING": _Var(bool, False),
     # Log engine steps slower than this many milliseconds, with their phases and batch (0 = off; sets

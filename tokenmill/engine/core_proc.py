@@ -241,6 +241,8 @@ def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: 
         hs.close(linger=0)
         ctx.term()
         os._exit(1)
+    from tokenmill.worker import cpu_threads
+    cpu_threads.FRONTEND_SHARES_CPUS = True  # the process that started us (the API server) runs on these CPUs too
     try:
         proc = EngineCoreProc(config, engine_index, welcome["inputs"], welcome["outputs"], parent_pid, control=hs)
     except BaseException as e:

@@ -1,8 +1,6 @@
 """A worker: one device, one model runner; sizes the KV cache from the memory it is allowed to use."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tokenmill import envs
@@ -36,11 +34,11 @@ class Worker:
         if pc.world_size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
-        if self.device.type == "cpu" and envs.TOKENMILL_CPU_NUM_THREADS > 0:
-            torch.set_num_threads(envs.TOKENMILL_CPU_NUM_THREADS)
-        elif self.device.type == "cpu" and pc.world_size > 1:
-            # CPU ranks on one host share its cores; oversubscribed threads make every collective wait.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
+        if self.device.type == "cpu":
+            # CPU ranks on one host share its cores (with each other and an API server); oversubscribed threads
+            # make every product and collective wait
+            from tokenmill.worker.cpu_threads import configure_cpu_threads
+            logger.info(configure_cpu_threads(rank, pc.world_size))
         self.parallel_state = ParallelState(local_rank=local_rank)
         if pc.world_size > 1:
             self.parallel_state = init_distributed(
@@ -78,10 +76,13 @@ class Worker:
             source = f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes}"
         elif self.device.type == "cpu":
             # Never claim all RAM: a fixed budget, and no more than max_num_seqs full-length requests need.
-            budget = envs.TOKENMILL_CPU_KVCACHE_SPACE_GIB * GiB
+            name = "VLLM_CPU_KVCACHE_SPACE" if envs.VLLM_CPU_KVCACHE_SPACE > 0 else "TOKENMILL_CPU_KVCACHE_SPACE_GIB"
+            gib = getattr(envs, name)
+            if gib <= 0:
+                raise ValueError(f"{name}={gib}: the CPU KV cache needs at least 1 GiB")
             need = sc.max_num_seqs * blocks_per_request
-            num_blocks = min(budget // per_block, need)
-            source = f"TOKENMILL_CPU_KVCACHE_SPACE_GIB={envs.TOKENMILL_CPU_KVCACHE_SPACE_GIB}"
+            num_blocks = min(gib * GiB // per_block, need)
+            source = f"{name}={gib}"
         else:
             num_blocks = self._profile_gpu_blocks(per_block)
             source = f"gpu_memory_utilization={cc.gpu_memory_utilization}"
