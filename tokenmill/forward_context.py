@@ -13,6 +13,10 @@ from tokenmill.attention.backend import AttentionMetadata
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     kv_caches: list[torch.Tensor]
+    # Hybrid models: the step's recurrent-state view (worker/state_cache.RecurrentStep), None otherwise.
+    recurrent: object | None = None
+    # A KV cache in several layer groups (worker/kv_group_tables.py): each layer's own metadata, by layer index.
+    layer_metadata: list[AttentionMetadata] | None = None
 
 
 _CONTEXT: ForwardContext | None = None
@@ -25,9 +29,11 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor]):
+def set_forward_context(attn_metadata: AttentionMetadata | None, kv_caches: list[torch.Tensor],
+                        layer_metadata: list[AttentionMetadata] | None = None, recurrent: object | None = None):
     global _CONTEXT
-    prev, _CONTEXT = _CONTEXT, ForwardContext(attn_metadata, kv_caches)
+    prev, _CONTEXT = _CONTEXT, ForwardContext(attn_metadata, kv_caches, recurrent=recurrent,
+                                              layer_metadata=layer_metadata)
     try:
         yield
     finally:

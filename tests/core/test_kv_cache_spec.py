@@ -127,3 +127,36 @@ def test_a_prefix_hit_needs_only_the_blocks_inside_the_window():
     assert kv.get_computed_blocks(c)[1] == 0
     kv.free(b)
     assert kv.num_free_blocks() == 12 and all(blk.ref_cnt == 0 for blk in kv.pool.blocks)
+
+
+def test_a_hybrid_cache_frees_sliding_blocks_and_hits_only_where_every_group_can():
+    from tokenmill.core.kv_cache_groups import HybridKVCacheManager, split_kv_budget
+    full, slide = FullAttentionSpec(4, 1, 8, 2), SlidingWindowSpec(4, 1, 8, 2, sliding_window=6)
+    kv = HybridKVCacheManager((40, 12), 4, True, [full, slide])
+    a = request("a", range(40))
+    most = run(kv, a, 8)
+    assert kv.groups[0].num_held_blocks("a") == 15                       # 60 tokens, all kept
+    assert kv.groups[1].num_held_blocks("a") <= slide.max_blocks_per_request(60, 1)
+    assert most <= 15 + slide.max_blocks_per_request(60, 8)
+    kv.free(a)
+    assert kv.num_free_blocks() == kv.num_blocks == 52
+    # The full group still has every block of the prompt, the sliding one only its last few: a hit of 10 blocks
+    # (the prompt's 40 tokens) needs blocks 8 and 9 in the sliding group.
+    b = request("b", list(range(40)) + [7])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 40 and len(hits[0]) == len(hits[1]) == 10
+    assert all(h is not None for h in hits[0]) and hits[1][:8] == [None] * 8
+    ids = kv.allocate_slots(b, 1, hits)
+    assert len(ids) == 2 and len(ids[0]) == len(ids[1]) == 11
+    kv.free(b)
+    # Evict the sliding group's cached blocks: no hit, although the full group has the whole prefix.
+    filler = request("f", [99] * 44)
+    assert kv.allocate_slots(filler, 44) is not None
+    kv.free(filler)
+    assert kv.get_computed_blocks(request("c", list(range(40)) + [7]))[1] == 0
+    # A budget is split so both groups hold as many max_model_len requests: 2 full layers, 4 sliding ones.
+    groups = [(full, [0, 1]), (slide, [2, 3, 4, 5])]
+    blocks = split_kv_budget(1 << 20, groups, range(6), 1000, 8)
+    need = (full.max_blocks_per_request(1000, 8), slide.max_blocks_per_request(1000, 8))
+    assert blocks[0] / need[0] == pytest.approx(blocks[1] / need[1], rel=0.01)
+    assert blocks[0] * full.bytes_per_block * 2 + blocks[1] * slide.bytes_per_block * 4 <= 1 << 20

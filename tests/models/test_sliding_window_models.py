@@ -168,3 +168,32 @@ def test_batch_of_one_gives_the_same_tokens(reference):
         pytest.skip("the hybrid families are enough here")
     llm = llm_for(d, max_num_seqs=1)
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(outs)
+
+
+def test_sliding_layers_hold_only_the_window(reference):
+    """In a hybrid model the sliding-window layers' group frees the blocks below the window as the request
+    advances (a few blocks at any time), while the full-attention group keeps the whole context."""
+    from tokenmill.core.kv_cache_groups import HybridKVCacheManager
+    from tokenmill.core.kv_cache_spec import SlidingWindowSpec
+    arch, d, _, _ = reference
+    if arch not in ("qwen2", "gemma3"):
+        pytest.skip("the hybrid families")
+    llm = llm_for(d, max_num_batched_tokens=8)
+    eng = llm.llm_engine
+    kv = eng.engine_core.scheduler.kv
+    assert isinstance(kv, HybridKVCacheManager)
+    eng.add_request("long", {"prompt_token_ids": list(range(100, 190))},
+                    SamplingParams(max_tokens=20, ignore_eos=True, temperature=0))
+    most = [0] * len(kv.groups)
+    while eng.has_unfinished_requests():
+        eng.step()
+        for g, group in enumerate(kv.groups):
+            most[g] = max(most[g], sum(group.num_held_blocks(r) for r in list(group.req_to_blocks)))
+    for group, spec, n in zip(kv.groups, kv.specs, most):
+        if isinstance(spec, SlidingWindowSpec):
+            assert n <= spec.max_blocks_per_request(110, 8) < 110 // 4
+        else:
+            # The whole context: the last step (token 109's KV) finishes the request and frees its blocks before
+            # the loop looks, so the most seen is the 108 tokens before it.
+            assert n == -(-108 // 4)
+    assert kv.num_free_blocks() == kv.num_blocks

@@ -38,7 +38,7 @@ class Attention(nn.Module):
         four to five launches per layer; a backend with `forward_decode_qkv` may fold that kernel into decode
         attention too. fp8 caches keep the unfused path (the fused store does not scale)."""
         ctx = get_forward_context()
-        md = ctx.attn_metadata
+        md = ctx.attn_metadata if ctx.layer_metadata is None else ctx.layer_metadata[self.layer_idx]
         if md is None or not qkv.is_cuda or not getattr(self.impl, "supports_prestored_kv", False):
             return None
         kv_cache = ctx.kv_caches[self.layer_idx]
@@ -64,5 +64,5 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         if ctx.attn_metadata is None:  # profiling run without a cache: skip attention math
             return q
-        return self.impl.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
-                                 self.k_scale, self.v_scale)
+        md = ctx.attn_metadata if ctx.layer_metadata is None else ctx.layer_metadata[self.layer_idx]
+        return self.impl.forward(q, k, v, ctx.kv_caches[self.layer_idx], md, self.k_scale, self.v_scale)

@@ -54,6 +54,40 @@ class TokenmillConfig:
         self.parallel_config.verify_devices(self.device_config.device)
         if self.lora_config is not None:
             self.lora_config.verify_parallel(self.parallel_config.tensor_parallel_size)
+        _verify_hybrid(self)
+
+
+def _verify_hybrid(config: TokenmillConfig) -> None:
+    """A model with recurrent (Gated DeltaNet, `linear_attention`) layers: refuse what those layers cannot honour
+    yet, naming the flag, and turn prefix caching off with a log line (a cache hit would skip tokens whose
+    recurrent state no slot holds)."""
+    mc = config.model_config
+    if getattr(mc, "hf_config", None) is None:
+        return
+    types = getattr(mc.get_text_config(), "layer_types", None) or []
+    if "linear_attention" not in types:
+        return
+    kind = f"linear_attention (Gated DeltaNet) layers of {mc.architecture}"
+    refused = []
+    if config.cache_config.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+        refused.append(f"kv_cache_dtype={config.cache_config.kv_cache_dtype} (the {kind} keep their recurrent "
+                       "state in the model dtype / float32, and fp8 for the attention layers beside them is not "
+                       "built yet)")
+    if config.speculative_config is not None:
+        refused.append(f"speculative_config (rejected drafts would need the recurrent state of the {kind} "
+                       "rolled back)")
+    if config.parallel_config.pipeline_parallel_size > 1:
+        refused.append(f"pipeline_parallel_size={config.parallel_config.pipeline_parallel_size} (for the {kind})")
+    if config.lora_config is not None:
+        refused.append(f"enable_lora (LoRA on the {kind})")
+    if refused:
+        raise ValueError("Not supported yet: " + "; ".join(refused) + ".")
+    if config.cache_config.enable_prefix_caching:
+        config.cache_config.enable_prefix_caching = False
+        from tokenmill.logger import init_logger
+        init_logger(__name__).info("Prefix caching is off for %s: its %s carry a per-request state that a prefix-"
+                                   "cache hit cannot restore (recurrent-state checkpoints are not built yet).",
+                                   mc.architecture, kind.split(" of ")[0])
 
 
 __all__ = ["CacheConfig", "CompilationConfig", "DeviceConfig", "LoadConfig", "LoRAConfig", "ModelConfig", "ParallelConfig",

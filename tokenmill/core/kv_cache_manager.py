@@ -43,37 +43,47 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    @property
+    def num_prompt_blocks(self) -> int:
+        """A prompt of more than this many blocks can never be scheduled (the engine's early check; a window makes
+        it conservative: the scheduler's check_request knows the exact need)."""
+        return self.pool.num_blocks
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a new request, leaving at least one token to compute (for its logits)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need the logits of every prompt position
         max_blocks = (request.num_tokens - 1) // self.block_size
-        if self._windowed:
-            hits = self._windowed_hits(request.block_hashes[:max_blocks])
-        else:
-            hits = []
-            for h in request.block_hashes[:max_blocks]:
-                b = self.pool.get_cached_block(h)
-                if b is None:
-                    break
-                hits.append(b)
+        found, valid = self.hit_lengths(request.block_hashes[:max_blocks])
+        n = max(i for i, ok in enumerate(valid) if ok)
+        hits = self.hits_of(found, n)
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def _windowed_hits(self, hashes: list[bytes]) -> list[KVBlock | None]:
-        """The longest prefix of n blocks whose blocks inside the window of position n * block_size are all cached
-        (the ones below it are never read again: None in their places)."""
-        best, run, found = 0, 0, []
+    def hit_lengths(self, hashes: list[bytes]) -> tuple[list[KVBlock | None], list[bool]]:
+        """(the cached block of each hash or None, valid[n] for n = 0..len(hashes)): whether the first n blocks
+        can be taken as computed. Full attention: all n of them cached. Sliding window: the ones inside the window
+        of position n * block_size cached (the ones below it are never read again). No side effects."""
+        found, valid, run = [], [True], 0
         for i, h in enumerate(hashes):
             b = self.pool.get_cached_block(h)
             found.append(b)
             run = run + 1 if b is not None else 0
             n = i + 1
-            if run >= n - self.spec.num_dead_blocks(n * self.block_size):
-                best = n
-        dead = self.spec.num_dead_blocks(best * self.block_size)
-        return [None] * dead + found[dead:best]
+            if self._windowed:
+                valid.append(run >= n - self.spec.num_dead_blocks(n * self.block_size))
+            elif b is None:  # full attention: the chain ends at the first miss
+                valid.extend([False] * (len(hashes) - i))
+                break
+            else:
+                valid.append(True)
+        return found, valid
+
+    def hits_of(self, found: list[KVBlock | None], n: int) -> list[KVBlock | None]:
+        """The prefix hit of n blocks from hit_lengths' `found`: None in the places below the window."""
+        dead = self.spec.num_dead_blocks(n * self.block_size) if self._windowed else 0
+        return [None] * dead + found[dead:n]
 
     def num_recomputed_tokens(self, request: Request, num_hit: int) -> int:
         """Prompt tokens that are cached but computed again: a prompt that fills whole blocks, all cached, still
@@ -83,6 +93,20 @@ class KVCacheManager:
                 or (i + 1) * self.block_size != request.num_tokens or i >= len(request.block_hashes)):
             return 0
         return self.block_size if self.pool.get_cached_block(request.block_hashes[i]) is not None else 0
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: list[KVBlock | None] | None = None) -> bool:
+        """Whether allocate_slots would succeed now (it frees the request's blocks below a sliding window first,
+        which is always safe)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is not None and self._windowed:
+            self._free_dead_blocks(request.request_id, blocks, request.num_computed_tokens)
+        computed = new_computed_blocks or []
+        held = len(blocks) if blocks is not None else 0
+        total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_needed = cdiv(total, self.block_size) - held - len(computed)
+        revived = sum(1 for b in computed if b is not None and b.ref_cnt == 0)
+        return num_needed <= self.pool.get_num_free_blocks() - revived
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVBlock] | None = None) -> list[int] | None:

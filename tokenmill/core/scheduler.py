@@ -5,7 +5,7 @@ import time
 
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.block_hash import BlockHasher
-from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                      LogprobsLists, RequestStartStats, SchedulerStats, SpecDecodingStats)
 from tokenmill.core.request import Request, RequestStatus
@@ -51,9 +51,9 @@ class Scheduler:
         self.block_size = cc.block_size
         self.pp_size = config.parallel_config.pipeline_parallel_size
         self._runner_num_tokens: dict[str, int] = {}  # pp > 1: tokens the runners know, per request
-        from tokenmill.core.kv_cache_spec import config_attention_specs, manager_spec
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                 manager_spec(config_attention_specs(config))[0])
+        # One manager, or one per layer group (full attention beside sliding windows): core/kv_cache_groups.py.
+        from tokenmill.core.kv_cache_groups import make_kv_cache_manager
+        self.kv = make_kv_cache_manager(config, num_blocks)
         self.block_hasher = BlockHasher(cc.block_size, cc.prefix_caching_hash_algo, _long_rope_prompt_len(config)) \
             if cc.enable_prefix_caching else None
         self.requests: dict[str, Request] = {}

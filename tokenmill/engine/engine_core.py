@@ -5,7 +5,6 @@ import time
 from collections import deque
 
 from tokenmill.config import TokenmillConfig
-from tokenmill.config.utils import not_supported_yet
 from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.core.sched_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import Scheduler
@@ -39,11 +38,6 @@ class EngineCore:
     """
 
     def __init__(self, config: TokenmillConfig) -> None:
-        spec = getattr(config, "speculative_config", None)
-        if spec is not None and spec.method != "ngram":
-            # Parsed and checked, but its drafter is not built: refuse it rather than run without speculation.
-            raise not_supported_yet("speculative_config", {"method": spec.method},
-                                    "Only method ngram is built so far.")
         self.config = config
         t0 = time.perf_counter()
         executor_cls = get_executor_class(config)
@@ -59,6 +53,8 @@ class EngineCore:
         finally:
             compiles.stop()
         self.scheduler = Scheduler(config, self.num_blocks)
+        # One count for the processor's prompt check and the metrics, also with a block count per layer group.
+        self.num_blocks = self.scheduler.kv.num_prompt_blocks
         self.startup_seconds = {"workers and weights": t1 - t0, "memory profile": t2 - t1,
                                 "KV cache and CUDA graphs": t3 - t2, "total": time.perf_counter() - t0}
         logger.info("Engine ready in %s%s", format_startup(self.startup_seconds),

@@ -8,6 +8,7 @@ from tokenmill.core.messages import FinishReason, SchedulerStats, combine_schedu
 from tokenmill.logger import init_logger
 from tokenmill.metrics.prometheus import (PROMPT_TOKEN_SOURCES, SLEEP_STATES, WAITING_REASONS, VllmMetrics,
                                           observe_n, vllm_metrics)
+from tokenmill.metrics.spec_decode import SpecDecodingMetrics
 from tokenmill.metrics.stats import IterationStats
 
 logger = init_logger(__name__)
@@ -36,6 +37,7 @@ class _EngineStats:
         self.prev_queries = self.prev_hits = self.prev_preempt = 0
         self.window_queries = self.window_hits = 0
         self.last: SchedulerStats | None = None
+        self.spec: SpecDecodingMetrics | None = None  # set with speculative decoding
 
     def count_success(self, reason: str) -> None:
         child = self.success.get(reason)
@@ -69,6 +71,10 @@ class StatLogger:
         info["num_gpu_blocks"] = str(num_gpu_blocks)
         for e in range(num_engines):
             m.cache_config_info.labels(**info, engine=str(e)).set(1)
+        spec = getattr(config, "speculative_config", None)
+        if spec is not None:
+            for e in self.engines:
+                e.spec = SpecDecodingMetrics(spec.num_speculative_tokens, e.labels)
         self._last_log = time.monotonic()
 
     @property
@@ -113,6 +119,8 @@ class StatLogger:
                 e.iteration_tokens.observe(stats.num_batched_tokens)
         e.prev_queries, e.prev_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         e.prev_preempt = stats.num_preemptions
+        if e.spec is not None:
+            e.spec.observe(stats.spec_decoding_stats, prometheus=self.record_engine_counters)
         e.last = stats
 
     def _record_iteration(self, e: _EngineStats, it: IterationStats) -> None:
@@ -168,6 +176,9 @@ class StatLogger:
                         "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
                         prefix, e.prompt_since / dt, e.gen_since / dt, s.num_running_reqs, s.num_waiting_reqs,
                         100 * s.kv_cache_usage, hit_rate)
+            line = e.spec.log_line() if e.spec is not None else None
+            if line is not None:
+                logger.info("%s%s", prefix, line)
             e.prompt_since = e.gen_since = 0
             e.window_queries = e.window_hits = 0
         self._last_log = now

@@ -1,9 +1,10 @@
 """vLLM's Prometheus metric set (V1 engine, as of vLLM 0.20): the same names, types, label names and buckets, so
 Grafana dashboards and alerts written for `vllm serve` work unchanged against `tokenmill serve`.
 
-Left out, because tokenmill has no such feature: spec-decode (vllm:spec_decode_*), LoRA (vllm:lora_requests_info),
-multi-modal cache (vllm:mm_cache_*), KV connectors (vllm:external_prefix_cache_*, vllm:kv_offload_*), and the
-opt-in KV residency / MFU / NaN-logits metrics behind flags tokenmill rejects. `vllm:time_per_output_token_seconds`
+Left out, because tokenmill has no such feature: multi-modal cache (vllm:mm_cache_*), KV connectors
+(vllm:external_prefix_cache_*, vllm:kv_offload_*), and the opt-in KV residency / MFU / NaN-logits metrics behind
+flags tokenmill rejects. The spec-decode counters (vllm:spec_decode_*) are registered by metrics/spec_decode.py when
+speculative decoding is on. `vllm:time_per_output_token_seconds`
 (removed in vLLM 0.13, replaced by vllm:inter_token_latency_seconds) is still fed, with the same values, for
 dashboards written against older vLLM. vllm:iteration_tokens_total observes the tokens the scheduler put in each
 engine step (vLLM approximates that from the step's outputs: whole prompts at their first token).

@@ -65,3 +65,48 @@ class SpecDecodingTotals:
         return (f"SpecDecoding metrics: Mean acceptance length: {1 + w.num_accepted_tokens / w.num_drafts:.2f}, "
                 f"Accepted: {w.num_accepted_tokens} tokens, Drafted: {w.num_draft_tokens} tokens, "
                 f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: {rate:.1f}%")
+
+
+class _PromFamilies:
+    """vLLM's spec-decode Prometheus families, registered once per process (prometheus_client refuses a name
+    twice). Exposed with the `_total` suffix, as vLLM's are."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter
+
+        from tokenmill.metrics.prometheus import LABELS
+        self.num_drafts = Counter(NUM_DRAFTS, "Drafts verified (a request's proposals in one step).", LABELS)
+        self.num_draft_tokens = Counter(NUM_DRAFT_TOKENS, "Draft tokens verified.", LABELS)
+        self.num_accepted_tokens = Counter(NUM_ACCEPTED_TOKENS, "Draft tokens accepted.", LABELS)
+        self.per_pos = Counter(NUM_ACCEPTED_PER_POS, "Draft tokens accepted, by position in the draft.",
+                               LABELS + ["position"])
+
+
+_FAMILIES: _PromFamilies | None = None
+
+
+class SpecDecodingMetrics(SpecDecodingTotals):
+    """One engine's spec-decode counters in Prometheus (labels model_name, engine) plus the totals and the window
+    of the periodic log. `observe(stats, prometheus=False)` keeps the totals only (an API server process that does
+    not record the engine's counters)."""
+
+    def __init__(self, num_spec_tokens: int, labels: tuple[str, str]) -> None:
+        super().__init__(num_spec_tokens)
+        global _FAMILIES
+        if _FAMILIES is None:
+            _FAMILIES = _PromFamilies()
+        f = _FAMILIES
+        self._drafts, self._tokens, self._accepted = (c.labels(*labels) for c in
+                                                      (f.num_drafts, f.num_draft_tokens, f.num_accepted_tokens))
+        self._per_pos = [f.per_pos.labels(*labels, str(i)) for i in range(num_spec_tokens)]
+
+    def observe(self, stats: SpecDecodingStats | None, prometheus: bool = True) -> None:
+        super().observe(stats)
+        if stats is None or not prometheus or not stats.num_drafts:
+            return
+        self._drafts.inc(stats.num_drafts)
+        self._tokens.inc(stats.num_draft_tokens)
+        self._accepted.inc(stats.num_accepted_tokens)
+        for child, n in zip(self._per_pos, stats.num_accepted_tokens_per_pos):
+            if n:
+                child.inc(n)

@@ -12,11 +12,14 @@ _MODELS = {
     "Gemma2ForCausalLM": ("tokenmill.models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("tokenmill.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("tokenmill.models.gemma3", "Gemma3ForConditionalGeneration"),
+    "Qwen3_5ForCausalLM": ("tokenmill.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("tokenmill.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
 }
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+                "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration",
+                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
 
 
 def architecture_for_model_type(model_type: str | None) -> str | None:

@@ -5,6 +5,17 @@ them (k + 1 tokens per request) and the runner verifies all k + 1 positions in o
 """
 from __future__ import annotations
 
-from tokenmill.spec_decode.proposer import Proposer, make_proposer
+from tokenmill.config.speculative import SpeculativeConfig
+from tokenmill.spec_decode.proposer import NgramProposer, Proposer
+from tokenmill.spec_decode.suffix import SuffixProposer
 
-__all__ = ["Proposer", "make_proposer"]
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        return SuffixProposer(config)
+    raise ValueError(f"speculative method {config.method!r} has no proposer")
+
+
+__all__ = ["NgramProposer", "Proposer", "SuffixProposer", "make_proposer"]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokenmill.config.speculative import SpeculativeConfig
 
 
 class Proposer:
@@ -62,9 +61,3 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
         return []
     e = int(np.flatnonzero(length == best)[-1])  # the latest occurrence of the longest match
     return t[e + 1:min(e + 1 + k, n)].tolist()
-
-
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative method {config.method!r} has no proposer")

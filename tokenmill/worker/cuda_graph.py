@@ -98,9 +98,15 @@ class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], capture_sizes: list[int],
                  max_model_len: int, max_blocks_per_req: int, device: torch.device,
                  mixed_sizes: list[tuple[int, int]] | None = None, prev_sampled: torch.Tensor | None = None,
-                 vocab_size: int = 0, dtype: torch.dtype = torch.float32, tokens_per_request=(1,)) -> None:
-        """tokens_per_request: the q values captured for every batch size (1: decode only)."""
+                 vocab_size: int = 0, dtype: torch.dtype = torch.float32, tokens_per_request=(1,),
+                 recurrent=None) -> None:
+        """tokens_per_request: the q values captured for every batch size (1: decode only). recurrent: a
+        worker/state_cache.GraphRecurrentStep for models with recurrent layers (decode graphs only; `load` then
+        takes each request's state slot)."""
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.recurrent = recurrent
+        if recurrent is not None and (mixed_sizes or tuple(tokens_per_request) != (1,)):
+            raise ValueError("recurrent-state models capture decode graphs (one token per request) only")
         self.sizes = sorted(capture_sizes)
         self.max_size = self.sizes[-1]
         self.max_model_len = max_model_len
@@ -198,7 +204,8 @@ class CudaGraphRunner:
         tokens, reqs = self.tokens_and_reqs(key)
         io = self.host_io
         self.load_step_inputs(key)
-        with set_forward_context(self._metadata(key), self.kv_caches):
+        recurrent = None if self.recurrent is None else self.recurrent.view(reqs)
+        with set_forward_context(self._metadata(key), self.kv_caches, recurrent=recurrent):
             hidden = self.model(self.input_ids[:tokens], self.positions[:tokens])
         if not key.q:
             hidden = hidden[self.last_token[:reqs]]
@@ -247,14 +254,22 @@ class CudaGraphRunner:
     # ----- one step -----
     def load(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, query_start_loc: np.ndarray,
              seq_lens: np.ndarray, block_table: np.ndarray, allow_mixed: bool = True,
-             fix_src: np.ndarray | None = None, race: tuple | None = None) -> GraphKey | None:
+             fix_src: np.ndarray | None = None, race: tuple | None = None,
+             state_slots: np.ndarray | None = None) -> GraphKey | None:
         """Fill the next ring slot for the smallest graph that holds the batch; its key for `run`, or None when
         no graph fits (the batch runs eagerly; nothing was filled). fix_src (per token, -1 = none) marks placeholder
         ids that the graph takes from prev_sampled. race = (seeds, RNG positions, temperatures) per request makes
-        a graph that `draws` also draw the plain temperature sample."""
+        a graph that `draws` also draw the plain temperature sample. state_slots: each request's recurrent-state
+        slot (required with `recurrent`; every request must continue from its slot's state)."""
         num_reqs, num_tokens = len(seq_lens), len(input_ids)
         self.last_io_slot = None
         key = self.uniform_key(num_reqs, num_tokens, query_start_loc)
+        if self.recurrent is not None:
+            if state_slots is None:
+                raise ValueError("a recurrent-state model's graph needs the requests' state slots")
+            if key is None:
+                return None
+            self.recurrent.load(state_slots, key.size)
         if key is None:
             size = self.mixed_size(num_reqs, num_tokens) if allow_mixed else None
             if size is None:

@@ -108,6 +108,13 @@ class ModelRunner:
         self.is_first_stage, self.is_last_stage = ps.pp_rank == 0, ps.pp_rank == ps.pp_size - 1
         self.num_layers = text.num_hidden_layers
         self.own_layers = range(*pp_layer_range(self.num_layers, ps.pp_rank, ps.pp_size))
+        # Hybrid models (Gated DeltaNet): a paged KV cache only for the attention layers, a state slot pool for
+        # the recurrent ones (worker/state_cache.py).
+        shapes = getattr(self.model, "recurrent_state_shapes", None)
+        self.state_shapes = shapes() if shapes is not None else {}
+        attn = set(getattr(self.model, "attention_layers", self.own_layers))
+        self.kv_layers = [i for i in self.own_layers if i in attn]
+        self.state_cache = None
         self.link = StageLink(ps, text.hidden_size, self.dtype, self.device) if ps.pp_size > 1 else None
         self.num_kv_heads = kv_heads_per_rank(  # this rank's share of the KV heads: its cache holds only those
             getattr(text, "num_key_value_heads", None) or text.num_attention_heads, ps.tp_size)
@@ -115,15 +122,45 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * len(self.own_layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * len(self.kv_layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = self.backend_cls.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+    def kv_layer_groups(self) -> list[int] | None:
+        """Each layer's KV cache group when the model has several (full attention beside sliding windows, see
+        core/kv_cache_groups.py), else None."""
+        from tokenmill.core.kv_cache_groups import kv_groups
+        from tokenmill.core.kv_cache_spec import config_attention_specs
+        specs = config_attention_specs(self.config)
+        groups = kv_groups(specs) if specs else []
+        if len(groups) <= 1:
+            return None
+        layer_group = [0] * len(specs)
+        for g, (_, layers) in enumerate(groups):
+            for i in layers:
+                layer_group[i] = g
+        return layer_group
+
+    def initialize_kv_cache(self, num_blocks: int | tuple[int, ...]) -> None:
+        """num_blocks: one count, or one per KV cache group (kv_layer_groups) for a model with several."""
+        layer_group = self.kv_layer_groups()
+        counts = num_blocks if isinstance(num_blocks, tuple) else (num_blocks,) * (max(layer_group or [0]) + 1)
+
+        def cache(i: int) -> torch.Tensor:
+            n = counts[layer_group[i] if layer_group else 0]
+            shape = self.backend_cls.kv_cache_shape(n, self.block_size, self.num_kv_heads, self.head_dim)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         # Indexed by global layer; other stages' layers get an empty stand-in (they never run here).
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) if i in self.own_layers
-                          else torch.empty(0, dtype=self.kv_dtype, device=self.device)
-                          for i in range(self.num_layers)]
-        self.batch = InputBatch(self.max_num_reqs, self.max_model_len, cdiv(self.max_model_len, self.block_size))
+        self.kv_caches = [cache(i) if i in self.kv_layers
+                          else torch.empty(0, dtype=self.kv_dtype, device=self.device) for i in range(self.num_layers)]
+        if self.state_shapes:
+            from tokenmill.worker.state_cache import RecurrentStateCache
+            self.state_cache = RecurrentStateCache(self.state_shapes, self.max_num_reqs, self.dtype, self.device)
+        max_blocks = cdiv(self.max_model_len, self.block_size)
+        self.batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks)
+        self.group_tables = None
+        if layer_group:
+            from tokenmill.worker.kv_group_tables import GroupBlockTables
+            self.group_tables = GroupBlockTables(len(counts), self.max_num_reqs, max_blocks, self.block_size,
+                                                 layer_group)
         self.pending = PendingTokens(self.batch)
         self.sampling = SamplingState(self.max_num_reqs, self.vocab_size, self.device,
                                       global_seed=self.config.model_config.seed,
@@ -134,9 +171,14 @@ class ModelRunner:
             cc = self.config.compilation_config
             sizes = cc.capture_sizes(self.max_num_reqs)
             mixed = cc.mixed_capture_sizes(self.config.scheduler_config.max_num_batched_tokens, self.max_num_reqs)
+            recurrent = None
+            if self.state_cache is not None:
+                # Decode graphs only: a step with a prefill row runs its recurrent layers one sequence at a time.
+                from tokenmill.worker.state_cache import GraphRecurrentStep
+                recurrent, mixed = GraphRecurrentStep(self.state_cache, max(sizes)), []
             self.cuda_graphs = CudaGraphRunner(self.model, self.kv_caches, sizes, self.max_model_len,
                                                cdiv(self.max_model_len, self.block_size), self.device,
-                                               mixed_sizes=mixed,
+                                               mixed_sizes=mixed, recurrent=recurrent,
                                                prev_sampled=torch.zeros(self.max_sampled, dtype=torch.long,
                                                                         device=self.device),
                                                vocab_size=self.vocab_size, dtype=self.dtype)
@@ -154,8 +196,9 @@ class ModelRunner:
     def use_cuda_graphs(self) -> bool:
         """Graphs need a device, a backend without host-side planning per step, and enforce_eager off; pipeline
         stages run eagerly (the graphs capture a whole model's forward, not a stage's send/receive)."""
+        # A KV cache in several layer groups runs eagerly: the graphs stage one block table and slot mapping.
         return (self.device.type == "cuda" and not self.config.model_config.enforce_eager and self.link is None
-                and self.config.compilation_config.graphs_enabled
+                and self.config.compilation_config.graphs_enabled and self.kv_layer_groups() is None
                 and getattr(self.backend_cls, "supports_cuda_graphs", False))
 
     @torch.inference_mode()
@@ -186,8 +229,12 @@ class ModelRunner:
                 self.proposer.remove(rid)
                 self._no_drafts.discard(rid)
         for new in sched.scheduled_new_reqs:
-            row = b.add(new.req_id, new.prompt_token_ids, new.output_token_ids, new.block_ids,
-                        new.num_computed_tokens)
+            ids = new.block_ids
+            if self.group_tables is not None:  # one list per KV cache group
+                ids = ids[0]
+            row = b.add(new.req_id, new.prompt_token_ids, new.output_token_ids, ids, new.num_computed_tokens)
+            if self.group_tables is not None:
+                self.group_tables.add(row, new.block_ids[1:])
             self.sampling.add_request(row, new.sampling_params)
             if self.lora is not None:
                 self.lora.add_request(new.req_id, new.lora_request)
@@ -198,6 +245,9 @@ class ModelRunner:
         c = sched.scheduled_cached_reqs
         for rid, blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             row = b.req_id_to_row[rid]
+            if self.group_tables is not None:
+                self.group_tables.append(row, blocks[1:])
+                blocks = blocks[0]
             b.append_blocks(row, blocks)
             b.num_computed_tokens[row] = num_computed
         if c.new_token_ids and not self.is_last_stage:
@@ -272,6 +322,13 @@ class ModelRunner:
         cg = self.cuda_graphs
         if cg is None or self.pooler is not None:
             return None
+        state_slots = None
+        if self.state_cache is not None:
+            # A recurrent layer's graph continues every row from its slot's state: a request's first token (no
+            # state yet) or a prefill chunk runs eagerly.
+            if not inp.one_token_each or not (inp.computed > 0).all():
+                return None
+            state_slots = inp.rows
         n, total = len(inp.rows), len(inp.input_ids)
         # Prompt logprobs need every token's hidden state; a mixed graph returns only each request's last.
         wants_prompt_lp = bool(self.prompt_logprobs) and any(r in self.prompt_logprobs for r in inp.req_ids)
@@ -284,7 +341,8 @@ class ModelRunner:
             # Every row plain temperature sampling: the (small) decode graph draws the tokens itself.
             race = self.sampling.plain_race_inputs(inp.rows, self.batch.num_prompt_tokens, self.batch.num_tokens)
         key = cg.load(inp.input_ids, inp.rope_positions, inp.slots, inp.qsl, inp.seq_lens, inp.block_table,
-                      allow_mixed=not wants_prompt_lp and inp.one_token_each, fix_src=fix_src, race=race)
+                      allow_mixed=not wants_prompt_lp and inp.one_token_each, fix_src=fix_src, race=race,
+                      state_slots=state_slots)
         if key is None:
             return None
         TIMER.count("graph_steps" if key.q else "mixed_graph_steps")
@@ -316,7 +374,10 @@ class ModelRunner:
             idx = to_device(inp.fixup, dev)
             ids_t.index_copy_(0, idx[0], self._prev_sampled.index_select(0, idx[1]))
         inter = None if self.is_first_stage else self.link.recv(total)
-        with set_forward_context(md, self.kv_caches):
+        layer_md = None if self.group_tables is None else self.group_tables.metadata(
+            md, inp.rows, inp.computed, inp.n_sched, inp.block_table.shape[1], dev)
+        recurrent = None if self.state_cache is None else self.state_cache.step(inp.rows, inp.qsl, inp.computed)
+        with set_forward_context(md, self.kv_caches, layer_md, recurrent=recurrent):
             hidden = self.model(ids_t, to_device(inp.rope_positions, dev), inter)
         if not self.is_last_stage:
             self.link.send(hidden)  # returns at once: the next stage takes it from here

@@ -68,6 +68,8 @@ class Worker:
         cc, mc, sc = self.config.cache_config, self.config.model_config, self.config.scheduler_config
         per_block = self.runner.kv_cache_bytes_per_block()
         specs, blocks_per_request = self._kv_specs()
+        if specs and len(set(specs)) > 1:  # full attention beside sliding windows: blocks per layer group
+            return self._group_blocks(specs)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
             source = "num_gpu_blocks_override"
@@ -109,6 +111,41 @@ class Worker:
                             sc.max_num_batched_tokens).items()))
         return int(num_blocks)
 
+    def _group_blocks(self, specs) -> tuple[int, ...]:
+        """Blocks per layer group (core/kv_cache_groups.py): the budget is split so every group holds the same
+        number of max_model_len requests; num_gpu_blocks_override gives each group that many blocks."""
+        from tokenmill.core.kv_cache_groups import kv_groups, split_kv_budget
+        cc, mc, sc = self.config.cache_config, self.config.model_config, self.config.scheduler_config
+        groups, own = kv_groups(specs), self.runner.own_layers
+        mlen, step = mc.max_model_len, sc.max_num_batched_tokens
+        need = [s.max_blocks_per_request(mlen, step) for s, _ in groups]
+        cost = [s.bytes_per_block * sum(1 for i in layers if i in own) for s, layers in groups]
+        if cc.num_gpu_blocks_override is not None:
+            blocks, source = (cc.num_gpu_blocks_override,) * len(groups), "num_gpu_blocks_override"
+        else:
+            if cc.kv_cache_memory_bytes is not None:
+                budget, source = cc.kv_cache_memory_bytes, f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes}"
+            elif self.device.type == "cpu":
+                name = ("VLLM_CPU_KVCACHE_SPACE" if envs.VLLM_CPU_KVCACHE_SPACE > 0
+                        else "TOKENMILL_CPU_KVCACHE_SPACE_GIB")
+                per_request = sum(n * c for n, c in zip(need, cost))
+                budget, source = min(getattr(envs, name) * GiB, sc.max_num_seqs * per_request), name
+            else:
+                budget = self._profile_gpu_blocks(1)  # bytes: "blocks" of one byte
+                source = f"gpu_memory_utilization={cc.gpu_memory_utilization}"
+            blocks = split_kv_budget(budget, groups, own, mlen, step)
+        blocks = tuple(world_min(int(n), self.parallel_state) for n in blocks)
+        for (spec, layers), n, want in zip(groups, blocks, need):
+            if n < want:
+                raise ValueError(
+                    f"The KV cache's {spec.name} group ({len(layers)} layers) holds {n} blocks (from {source}) but "
+                    f"one request of max_model_len={mlen} needs {want}. Lower max_model_len or give the KV cache "
+                    "more memory (gpu_memory_utilization / kv_cache_memory_bytes).")
+        logger.info("KV cache per layer group (%d-token blocks): %s", cc.block_size, "; ".join(
+            f"{spec.name} x{len(layers)} layers: {n} blocks ({n * c / GiB:.2f} GiB), {n / want:.1f} requests of "
+            f"max_model_len {mlen} at once" for (spec, layers), n, c, want in zip(groups, blocks, cost, need)))
+        return blocks
+
     def _kv_specs(self):
         """(this rank's per-layer KV specs or None, the most blocks one max_model_len request holds at once)."""
         from tokenmill.core.kv_cache_spec import config_attention_specs, manager_spec
@@ -132,8 +169,9 @@ class Worker:
         non_torch = (total - free) - torch.cuda.memory_reserved()
         graphs = self.runner.cuda_graph_output_bytes()
         from tokenmill.core.kv_cache_spec import model_state_specs
-        # Per-request state slots (recurrent layers) are reserved first: max_num_seqs of each kind.
-        state = sum(s.bytes_per_request for s in model_state_specs(self.runner.model)) * sc.max_num_seqs
+        # Per-request state slots (recurrent layers) are reserved first: max_num_seqs of each kind, plus the scratch
+        # slot that CUDA graphs' padding rows use.
+        state = sum(s.bytes_per_request for s in model_state_specs(self.runner.model)) * (sc.max_num_seqs + 1)
         available = total * cc.gpu_memory_utilization - peak - non_torch - graphs - state
         logger.info("Memory: weights+activations peak %.2f GiB, other %.2f GiB, CUDA graph logits %.2f GiB, "
                     "per-request state %.2f GiB, KV budget %.2f GiB", peak / GiB, non_torch / GiB, graphs / GiB,

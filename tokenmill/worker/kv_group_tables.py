@@ -1,0 +1,56 @@
+"""The runner's side of a KV cache in several layer groups (core/kv_cache_groups.py): each group's layers have
+their own cache tensors and block ids, so each group has its own block table and slot mapping."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.worker.transfer import to_device
+
+
+class GroupBlockTables:
+    """Block tables of groups 1.. (the InputBatch keeps group 0's), one row per batch row.
+
+    Contract: `add(row, ids)` starts a row's tables (ids: the lists of groups 1.. in order), `append(row, ids)`
+    extends them, in the order the scheduler hands block ids out; `metadata(md, ...)` gives one step's
+    AttentionMetadata per group, group 0's being `md` itself (only the slot mapping and block table differ).
+    """
+
+    def __init__(self, num_groups: int, max_num_reqs: int, max_blocks_per_req: int, block_size: int,
+                 layer_group: list[int]) -> None:
+        self.num_groups = num_groups
+        self.block_size = block_size
+        self.layer_group = layer_group  # global layer index -> its group
+        self.tables = np.zeros((num_groups - 1, max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.counts = np.zeros((num_groups - 1, max_num_reqs), dtype=np.int64)
+
+    def add(self, row: int, ids: list[list[int]]) -> None:
+        self.counts[:, row] = 0
+        self.append(row, ids)
+
+    def append(self, row: int, ids: list[list[int]]) -> None:
+        for g, group_ids in enumerate(ids):
+            if group_ids:
+                n = int(self.counts[g, row])
+                self.tables[g, row, n:n + len(group_ids)] = group_ids
+                self.counts[g, row] = n + len(group_ids)
+
+    def metadata(self, md: AttentionMetadata, rows: np.ndarray, computed: np.ndarray, n_sched: np.ndarray,
+                 num_table_cols: int, device: torch.device) -> list[AttentionMetadata]:
+        """Per layer: its group's metadata for a step whose request i (batch row rows[i]) computes n_sched[i]
+        tokens after its computed[i] ones."""
+        bs = self.block_size
+        req_of_token = np.repeat(np.arange(len(rows)), n_sched)
+        starts = np.repeat(np.cumsum(n_sched) - n_sched, n_sched)
+        positions = computed[req_of_token] + (np.arange(int(n_sched.sum())) - starts)
+        token_rows = rows[req_of_token]
+        per_group = [md]
+        for g in range(self.num_groups - 1):
+            table = self.tables[g]
+            slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+            per_group.append(dataclasses.replace(md, slot_mapping=to_device(slots, device),
+                                                 block_table=to_device(table[rows, :num_table_cols], device)))
+        return [per_group[g] for g in self.layer_group]
