@@ -172,11 +172,16 @@ head = {"logits_ptr": "*bf16", "stride_b": "i32", "seeds_ptr": "*i64", "pos_ptr"
 chunks = {"cmax_ptr": "*fp32", "cbest_ptr": "*fp32", "cidx_ptr": "*i32"}
 build(m._chunks_kernel, {**head, **chunks, "V": "i32", "n_chunks": "i32"},
       dict(**salts, BLOCK=m._CHUNK, HAS_TEMP=True, PDL=1), 8)
-for want in (False, True):
-    build(m._topk_topp_kernel, {**head, "k_ptr": "*i64", "p_ptr": "*fp32", "minp_ptr": "*fp32", **chunks,
+split = {"smass_ptr": "*fp32", "sabove_ptr": "*fp32", "swin_ptr": "*fp32", "swidx_ptr": "*i32"}
+build(m._split_kernel, {**head, "minp_ptr": "*fp32", **chunks, **split, "V": "i32", "n_chunks": "i32"},
+      dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._CHUNK, CHUNKS_P2=128, HAS_TEMP=True, HAS_MINP=True, PDL=1),
+      8)
+for want, has_split in ((False, False), (True, False), (False, True), (True, True)):
+    build(m._topk_topp_kernel, {**head, "k_ptr": "*i64", "p_ptr": "*fp32", "minp_ptr": "*fp32", **chunks, **split,
                                 "out_ptr": "*i64", "thr_ptr": "*fp32", "V": "i32", "n_chunks": "i32"},
           dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._BLOCK, NP=m._NP, CHUNKS_P2=128, HAS_TEMP=True,
-               HAS_K=True, HAS_P=True, HAS_MINP=True, WANT_THR=want, PDL=1), m._ROW_WARPS)
+               HAS_K=not has_split, HAS_P=True, HAS_MINP=True, WANT_THR=want, HAS_SPLIT=has_split, PDL=1),
+          m._ROW_WARPS)
 """
 
 
@@ -188,4 +193,4 @@ def test_the_kernel_compiles_for_sm90():
     if r.returncode != 0 and ("ImportError" in r.stderr or "ptxas" in r.stderr):
         pytest.skip(f"no sm_90 compile here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("ttgir") == 3
+    assert r.stdout.count("ttgir") == 6  # chunks, split, and four row-program variants
