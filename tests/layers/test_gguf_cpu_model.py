@@ -65,3 +65,17 @@ def test_greedy_tokens_match_the_dense_path_up_to_near_ties(quantized_and_dense)
         assert q_ids[n] in top, (p, n)
         gap = top[d_out.token_ids[n]].logprob - top[q_ids[n]].logprob
         assert gap <= 0.15, (p, n, gap)
+
+
+def test_the_lm_head_takes_its_fp16_copy_at_a_few_rows_only(quantized_and_dense):
+    import torch
+    quantized, dense = quantized_and_dense
+    head = quantized.llm_engine.engine_core.executor.worker.runner.model.lm_head
+    assert head._half is not None and head._half.dtype == torch.float16
+    assert dense.llm_engine.engine_core.executor.worker.runner.model.lm_head._half is None  # the oracle stays fp32
+    h = torch.randn(8, head.embedding_dim, generator=torch.Generator().manual_seed(0))
+    exact = torch.nn.functional.linear(h, head.weight)
+    few, many = head.compute_logits(h[:head._half_rows]), head.compute_logits(h)
+    assert few.dtype == torch.float32 and not torch.equal(few, exact[:head._half_rows])
+    assert (few - exact[:head._half_rows]).abs().max().item() <= 2e-3 * exact.abs().max().item()
+    assert torch.equal(many, exact)

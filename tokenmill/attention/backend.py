@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,9 @@ class AttentionMetadata:
     # so the backend must plan for any mix of prefill and decode rows and read nothing from the host copies.
     # max_query_len is then the token capacity.
     captured_mixed: bool = False
+    # Per-step plans a backend derives from the fields above once and reuses in every layer (keyed by the
+    # backend; e.g. torch_ref's decode gather indices and masks). Never set by the caller.
+    plans: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
 
 class AttentionBackend(abc.ABC):

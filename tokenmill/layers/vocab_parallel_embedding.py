@@ -32,6 +32,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.weight.full_shape = torch.Size((num_embeddings, embedding_dim))
+        self._half: torch.Tensor | None = None  # enable_half_gemv
+        self._half_rows = 0
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape != self.weight.full_shape:
@@ -49,11 +51,20 @@ class VocabParallelEmbedding(nn.Module):
         emb = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(emb, self.parallel)
 
+    def enable_half_gemv(self, max_rows: int) -> None:
+        """Products of at most max_rows rows (one rank) use an fp16 copy of the weight (an approximate weight
+        format's choice: see GGUFCpuConfig.process_model_after_loading); the full-precision weight stays for the
+        embedding lookups and larger products."""
+        self._half = self.weight.detach().to(torch.float16)
+        self._half_rows = max_rows
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H] -> logits [T, vocab], identical on every rank (gathered over the TP group). out: a
         contiguous [T, vocab] tensor of hidden's dtype to write them into (the CUDA graphs' shared logits buffer);
         it is then the result."""
         if self.tp_size == 1:
+            if self._half is not None and out is None and hidden.shape[0] <= self._half_rows:
+                return F.linear(hidden.to(torch.float16), self._half).to(hidden.dtype)
             return linear(hidden, self.weight) if out is None else _linear_into(hidden, self.weight, out)
         logits = tensor_model_parallel_all_gather(linear(hidden, self.weight), -1, self.parallel)
         if out is not None:

@@ -61,6 +61,8 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
             raise ValueError(f"The checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:5]}.")
     with torch.no_grad():
         process_weights_after_loading(model)
+        if quant_config is not None:
+            quant_config.process_model_after_loading(model)
     logger.info("Loaded %s (%s, %.1f M parameters, %s%s) on %s; weights %s", mc.architecture, fmt,
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype,
                 f", {quant_config.name}" if quant_config is not None else "", device, weight_memory_summary(model))

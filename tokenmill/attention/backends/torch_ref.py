@@ -89,33 +89,45 @@ class TorchRefBackend(AttentionBackend):
         c = self.logits_soft_cap
         return scores if c is None else torch.tanh(scores / c) * c
 
-    def _decode(self, q, kv_cache, md: AttentionMetadata, rows, out, scales) -> None:
-        dev = q.device
+    def _decode_plan(self, md: AttentionMetadata, rows: np.ndarray, bs: int, dev: torch.device):
+        """What every layer of one step gathers and masks for its decode rows (the same block table, lengths and
+        window in every layer of a kind): computed by the first layer, reused by the others."""
+        w = self.sliding_window
+        key = ("torch_ref_decode", w, bs)
+        plan = md.plans.get(key)
+        if plan is not None:
+            return plan
         rows_t = torch.as_tensor(rows, device=dev)
         lens = md.seq_lens_cpu[rows].astype(np.int64)
-        _, _, bs, h, d = kv_cache.shape
         # Row r reads its blocks from first[r] on: 0, or the block of its oldest key in the window.
-        w = self.sliding_window
         first = np.maximum(lens - w, 0) // bs if w is not None else np.zeros_like(lens)
         nb = int((-(-lens // bs) - first).max())
         cols = first[:, None] + np.arange(nb)[None, :]
         width = md.block_table.shape[1]
         cols_t = torch.as_tensor(np.minimum(cols, width - 1), device=dev)
         ids = md.block_table[rows_t[:, None], cols_t].long().reshape(-1)           # [B * nb]
-        b, span = len(rows), nb * bs
+        span = nb * bs
+        kpos = first[:, None] * bs + np.arange(span)[None, :]
+        valid = kpos < lens[:, None]
+        if w is not None:
+            valid &= kpos >= lens[:, None] - w
+        valid_t = torch.as_tensor(valid, device=dev)
+        plan = md.plans[key] = (ids, span, md.query_start_loc[rows_t].long(), valid_t,
+                                ~valid_t[:, None, None, :], None if w is None else ~valid_t[:, :, None, None])
+        return plan
+
+    def _decode(self, q, kv_cache, md: AttentionMetadata, rows, out, scales) -> None:
+        _, _, bs, h, d = kv_cache.shape
+        ids, span, token_idx, valid, score_mask, value_mask = self._decode_plan(md, rows, bs, q.device)
+        b = len(rows)
         k = dequantize(kv_cache[0].index_select(0, ids).view(b, span, h, d), scales[0], q.dtype)
         v = dequantize(kv_cache[1].index_select(0, ids).view(b, span, h, d), scales[1], q.dtype)
+        if value_mask is not None:
+            # Padded columns may name any block (freed ones included): zero them so 0-weights times junk stay 0.
+            v = v.masked_fill(value_mask, 0)
         group = self.num_heads // self.num_kv_heads
-        token_idx = md.query_start_loc[rows_t].long()
         qd = q[token_idx].view(b, self.num_kv_heads, group, d).float()          # [B, Hkv, G, D]
         scores = self._capped(torch.matmul(qd, k.float().permute(0, 2, 3, 1)) * self.scale)  # [B, Hkv, G, L]
-        kpos = torch.as_tensor(first * bs, device=dev)[:, None] + torch.arange(span, device=dev)[None, :]
-        lens_t = torch.as_tensor(lens, device=dev)[:, None]
-        valid = kpos < lens_t
-        if w is not None:
-            valid &= kpos >= lens_t - w
-            # Padded columns may name any block (freed ones included): zero them so 0-weights times junk stay 0.
-            v = v.masked_fill(~valid[:, :, None, None], 0)
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(score_mask, float("-inf"))
         o = torch.matmul(scores.softmax(dim=-1), v.float().permute(0, 2, 1, 3))  # [B, Hkv, G, D]
         out[token_idx] = o.reshape(b, self.num_heads, d).to(out.dtype)

@@ -88,3 +88,7 @@ class QuantizationConfig:
 
     def get_linear_method(self, prefix: str) -> LinearMethod:
         raise NotImplementedError
+
+    def process_model_after_loading(self, model: nn.Module) -> None:
+        """Once, after every layer's process_weights_after_loading: changes a format makes outside the linear
+        layers (the LM head, say). Default: none."""
