@@ -137,3 +137,18 @@ def test_flags_the_hybrid_cannot_honour_are_refused(make_model):
     d, _ = make_model("causal")
     with pytest.raises(ValueError, match="kv_cache_dtype=fp8.*linear_attention"):
         llm_for(d, kv_cache_dtype="fp8")
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_splits_the_deltanet_heads(reference):
+    """TP=2 on the CPU (gloo): each rank holds half the key / value heads of every Gated DeltaNet layer (its conv
+    channels and state too) and half the attention heads; the greedy tokens are TP=1's."""
+    arch, d, _, outs, _ = reference
+    if arch != "causal":
+        pytest.skip("one class is enough here")
+    from tests.distributed.engine_outputs import shutdown
+    llm = llm_for(d, tensor_parallel_size=2, max_num_seqs=8)
+    try:
+        assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(outs)
+    finally:
+        shutdown(llm)

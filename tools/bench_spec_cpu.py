@@ -1,0 +1,103 @@
+"""Speculative decoding on real weights, batch 1: the embedded default model (or --model) with no drafts, ngram
+and suffix decoding, on chat prompts that quote their own context (edit or repeat a given passage or code block)
+and on ordinary chat prompts. Greedy, so every method must give the very same tokens (checked).
+
+Usage: python tools/bench_spec_cpu.py [--model PATH] [--max-tokens 128] [--k 4] [--repeats 2]
+Prints per prompt kind and method: output tok/s (the best of --repeats timed runs of each prompt, one at a time),
+the speed-up over no drafts and the draft acceptance rate; then one JSON line with every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+CODE = '''def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i + 1 >= window:
+            out.append(total / window)
+    return out
+'''
+PASSAGE = ("The old lighthouse stood at the edge of the cliff, its white paint peeling in the salt wind. Every "
+           "evening the keeper climbed the spiral stairs, lit the great lamp, and watched the ships pass far out "
+           "at sea. In the winter storms the waves reached halfway up the tower, and the keeper would sit by the "
+           "window with a cup of tea, listening to the wind and waiting for the morning light.")
+QUOTING = [
+    f"Here is a Python function:\n\n{CODE}\nRewrite this function with the parameter `values` renamed to `data`. "
+    "Output only the code.",
+    f"Repeat the following code block exactly, then add a docstring to it:\n\n{CODE}",
+    f"Here is a passage:\n\n{PASSAGE}\n\nRewrite the passage, replacing 'keeper' with 'guardian'. Change nothing "
+    "else.",
+    f"Copy this paragraph word for word:\n\n{PASSAGE}",
+]
+ORDINARY = [
+    "What are three good habits for staying healthy?",
+    "Write a short story about a robot who learns to paint.",
+    "Explain why the sky is blue.",
+    "Give me some tips for learning a new language.",
+]
+METHODS = {"none": None, "ngram": {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+           "suffix": {"method": "suffix"}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="float32: the dense oracle path (batch-shape-invariant "
+                    "enough for greedy identity); auto: the default quantized path, whose bf16 / fp16 products can "
+                    "round differently at k + 1 rows than at 1 and so flip near-ties")
+    args = ap.parse_args()
+    from tokenmill import LLM, SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    results, tokens = {}, {}
+    for name, spec in METHODS.items():
+        if spec is not None:
+            spec = {**spec, "num_speculative_tokens": args.k}
+        llm = LLM(args.model, speculative_config=spec, max_model_len=2048, dtype=args.dtype)
+        llm.chat([[{"role": "user", "content": "Hello"}]], sp, use_tqdm=False)   # warm-up
+        for kind, prompts in (("quoting", QUOTING), ("ordinary", ORDINARY)):
+            before = _spec_counts(llm)
+            n_tok, secs = 0, 0.0
+            for i, p in enumerate(prompts):
+                best = None
+                for _ in range(args.repeats):
+                    t = time.perf_counter()
+                    out = llm.chat([[{"role": "user", "content": p}]], sp, use_tqdm=False)[0].outputs[0]
+                    dt = time.perf_counter() - t
+                    best = dt if best is None else min(best, dt)
+                tokens.setdefault((kind, i), {})[name] = list(out.token_ids)
+                n_tok += len(out.token_ids)
+                secs += best
+            drafted, accepted = (a - b for a, b in zip(_spec_counts(llm), before))
+            results[kind, name] = {"tok_s": n_tok / secs, "tokens": n_tok,
+                                   "acceptance": accepted / drafted if drafted else None}
+        del llm
+    same = sum(len({tuple(v) for v in by.values()}) == 1 for by in tokens.values())
+    for (kind, name), r in results.items():
+        base = results[kind, "none"]["tok_s"]
+        acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
+        print(f"{kind:9s} {name:7s} {r['tok_s']:7.1f} tok/s  x{r['tok_s'] / base:.2f}  acceptance {acc}")
+    print(f"prompts whose greedy tokens are identical across methods: {same} of {len(tokens)}")
+    print(json.dumps({"k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype, "identical_prompts": same,
+                      "results": {f"{k}/{n}": r for (k, n), r in results.items()}}))
+
+
+def _spec_counts(llm) -> tuple[int, int]:
+    m = {x.name: x for x in llm.get_metrics()}
+    if "vllm:spec_decode_num_draft_tokens" not in m:
+        return 0, 0
+    return m["vllm:spec_decode_num_draft_tokens"].value, m["vllm:spec_decode_num_accepted_tokens"].value
+
+
+if __name__ == "__main__":
+    main()
