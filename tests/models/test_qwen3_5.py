@@ -95,15 +95,13 @@ def llm_for(d, **kw):
 @pytest.fixture(scope="module", params=["causal", "conditional"])
 def reference(request, make_model):
     d, hf = make_model(request.param)
-    llm = llm_for(d)
+    llm = llm_for(d, enable_prefix_caching=False)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return request.param, d, hf, outs, llm
 
 
 def test_teacher_forced_logprobs_match_hf(reference):
     arch, _, hf, outs, llm = reference
-    assert not llm.llm_engine.engine_core.scheduler.kv.enable_caching if hasattr(
-        llm.llm_engine.engine_core.scheduler.kv, "enable_caching") else True
     for out in outs:
         c = out.outputs[0]
         ref = hf_logprobs(hf, out.prompt_token_ids + c.token_ids)
@@ -152,3 +150,29 @@ def test_tensor_parallel_splits_the_deltanet_heads(reference):
         assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == tokens(outs)
     finally:
         shutdown(llm)
+
+
+def test_prefix_cache_hits_resume_from_state_checkpoints(reference):
+    """Prefix caching on the hybrid: a hit ends where a recurrent-state checkpoint was saved (every 32nd block
+    boundary of a prompt and its last full block) and gives the tokens a miss gives, with prompts split over
+    16-token steps (checkpoints saved inside chunks) and repeated, and prompts that share a long prefix only."""
+    arch, d, _, outs, _ = reference
+    if arch != "causal":
+        pytest.skip("one class is enough here")
+    llm = llm_for(d, enable_prefix_caching=True, max_num_batched_tokens=16, max_model_len=512)
+    sched = llm.llm_engine.engine_core.scheduler
+    assert sched.state_ckpts is not None
+    first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tokens(first) == tokens(outs)
+    again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tokens(again) == tokens(outs)
+    long_prompt = 3   # ~90 tokens: its hit ends at its last full block
+    assert again[long_prompt].num_cached_tokens >= len(again[long_prompt].prompt_token_ids) - 2 * 4
+    # A shared prefix of > 32 blocks (128 tokens): the second prompt skips to the 32-block checkpoint.
+    shared = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu " * 14
+    pair = [shared + "The end of the first story is", shared + "Nobody remembers what happened when"]
+    miss = llm_for(d, enable_prefix_caching=False, max_model_len=512).generate(pair, GREEDY, use_tqdm=False)
+    a = llm.generate(pair[:1], GREEDY, use_tqdm=False)
+    b = llm.generate(pair[1:], GREEDY, use_tqdm=False)
+    assert tokens(a + b) == tokens(miss)
+    assert b[0].num_cached_tokens == 128

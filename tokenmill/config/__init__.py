@@ -57,16 +57,20 @@ class TokenmillConfig:
         _verify_hybrid(self)
 
 
+def has_recurrent_layers(config) -> bool:
+    """Whether the model has recurrent (Gated DeltaNet, `linear_attention`) layers beside attention."""
+    mc = getattr(config, "model_config", None)
+    if getattr(mc, "hf_config", None) is None:
+        return False
+    return "linear_attention" in (getattr(mc.get_text_config(), "layer_types", None) or [])
+
+
 def _verify_hybrid(config: TokenmillConfig) -> None:
     """A model with recurrent (Gated DeltaNet, `linear_attention`) layers: refuse what those layers cannot honour
-    yet, naming the flag, and turn prefix caching off with a log line (a cache hit would skip tokens whose
-    recurrent state no slot holds)."""
+    yet, naming the flag; say how prefix caching works for them (state checkpoints, core/state_checkpoints.py)."""
+    if not has_recurrent_layers(config):
+        return
     mc = config.model_config
-    if getattr(mc, "hf_config", None) is None:
-        return
-    types = getattr(mc.get_text_config(), "layer_types", None) or []
-    if "linear_attention" not in types:
-        return
     kind = f"linear_attention (Gated DeltaNet) layers of {mc.architecture}"
     refused = []
     if config.cache_config.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
@@ -83,11 +87,11 @@ def _verify_hybrid(config: TokenmillConfig) -> None:
     if refused:
         raise ValueError("Not supported yet: " + "; ".join(refused) + ".")
     if config.cache_config.enable_prefix_caching:
-        config.cache_config.enable_prefix_caching = False
         from tokenmill.logger import init_logger
-        init_logger(__name__).info("Prefix caching is off for %s: its %s carry a per-request state that a prefix-"
-                                   "cache hit cannot restore (recurrent-state checkpoints are not built yet).",
-                                   mc.architecture, kind.split(" of ")[0])
+        init_logger(__name__).info(
+            "Prefix caching on %s: the %s save their recurrent state at block boundaries (every 32nd block of a "
+            "prompt and its last full block) in up to max_num_seqs checkpoints; a prefix hit ends at a saved "
+            "one.", mc.architecture, kind.split(" of ")[0])
 
 
 __all__ = ["CacheConfig", "CompilationConfig", "DeviceConfig", "LoadConfig", "LoRAConfig", "ModelConfig", "ParallelConfig",

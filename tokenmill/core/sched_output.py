@@ -18,6 +18,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: Any = None  # the LoRARequest it runs under, or None
+    # Hybrid models with prefix caching: the recurrent-state checkpoint slot to start from (its prefix hit ends
+    # where that checkpoint was saved; core/state_checkpoints.py), or None.
+    state_load: int | None = None
 
 
 @dataclass
@@ -45,6 +48,9 @@ class SchedulerOutput:
     step_seq: int = 0  # the scheduler's count of this step; tells a reused request id from the one it replaced
     # Speculative decoding: request id -> the draft tokens it verifies this step (scheduled after its last token).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Hybrid models with prefix caching: per request, (token offset within this step's tokens, checkpoint slot)
+    # where its recurrent state is to be saved after that many of its tokens.
+    state_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

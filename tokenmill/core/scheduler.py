@@ -77,6 +77,13 @@ class Scheduler:
         # Speculative decoding: above this many running requests drafts are dropped (decode normally).
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
         self.spec_stats = SpecDecodingStats.new(spec.num_speculative_tokens) if spec is not None else None
+        # Hybrid models with prefix caching: recurrent-state checkpoints at block boundaries, one slot per
+        # sequence the engine may run (core/state_checkpoints.py); a prefix hit ends at a saved one.
+        from tokenmill.config import has_recurrent_layers
+        self.state_ckpts = None
+        if cc.enable_prefix_caching and has_recurrent_layers(config):
+            from tokenmill.core.state_checkpoints import StateCheckpoints
+            self.state_ckpts = StateCheckpoints(self.max_num_seqs, cc.block_size)
 
     # ----- admission -----
     def check_request(self, prompt_len: int) -> None:
@@ -130,6 +137,9 @@ class Scheduler:
         preempted_any = False
         pp = self.pp_size > 1
         max_reqs = cdiv(len(self.requests), self.pp_size) if pp else self.max_num_seqs
+        ckpts = self.state_ckpts
+        if ckpts is not None:
+            ckpts.begin_step()
 
         i = 0
         while i < len(self.running) and budget > 0 and len(num_scheduled) < max_reqs:
@@ -183,6 +193,11 @@ class Scheduler:
                 deferred.append(self.waiting.pop())  # every slot holds another running request's adapter
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
+            state_load = None
+            if ckpts is not None and num_hit:  # a hybrid model's hit ends where a state checkpoint was saved
+                nb, state_load = ckpts.hit_length(req.block_hashes, num_hit // self.block_size)
+                self.kv.prefix_hits -= num_hit - nb * self.block_size
+                hits, num_hit = hits[:nb], nb * self.block_size
             n = self._num_tokens_to_schedule(req, num_hit, budget)
             if n <= 0:
                 break
@@ -206,7 +221,8 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
-                block_ids=new_block_ids, num_computed_tokens=num_hit, lora_request=req.lora_request))
+                block_ids=new_block_ids, num_computed_tokens=num_hit, lora_request=req.lora_request,
+                state_load=state_load))
             num_scheduled[req.request_id] = n
             budget -= n
 
@@ -214,8 +230,15 @@ class Scheduler:
             self.waiting.prepend(r)
         self._num_deferred = len(deferred)
         grammar_req_ids = []
+        state_saves: dict[str, list[tuple[int, int]]] = {}
         for rid, n in num_scheduled.items():
             r = self.requests[rid]
+            if ckpts is not None:
+                saves = [(p - r.num_computed_tokens, slot) for p in ckpts.boundaries(
+                    r.num_computed_tokens, r.num_computed_tokens + n, r.num_prompt_tokens, len(r.block_hashes))
+                    if (slot := ckpts.reserve(r.block_hashes[p // self.block_size - 1])) is not None]
+                if saves:
+                    state_saves[rid] = saves
             r.num_computed_tokens += n
             if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
                 r.num_output_placeholders += 1  # it samples this step
@@ -229,7 +252,7 @@ class Scheduler:
                                num_scheduled_tokens=num_scheduled,
                                total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
                                finished_req_ids=finished, grammar_req_ids=grammar_req_ids,
-                               scheduled_spec_decode_tokens=spec_tokens)
+                               scheduled_spec_decode_tokens=spec_tokens, state_saves=state_saves)
 
     def _drafts_to_schedule(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts a decoding request verifies this step (its proposals, cut to the budget, the context length

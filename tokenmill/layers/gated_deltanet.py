@@ -115,11 +115,21 @@ class GatedDeltaNet(nn.Module):
                 qsl = st.query_start_loc_cpu
                 s0, s1, slot = int(qsl[i]), int(qsl[i + 1]), int(st.slots_cpu[i])
                 has = bool(st.has_state[i])
-                conv, cnew = ops.causal_conv1d(mixed[s0:s1], w, conv_cache[slot] if has else None)
-                conv_cache[slot].copy_(cnew)
-                o, snew = self._rule(conv, g[s0:s1], beta[s0:s1], ssm_cache[slot] if has else None)
-                ssm_cache[slot].copy_(snew)
-                out[s0:s1] = o
+                # The chunk in pieces ending where a prefix-cache checkpoint is saved (core/state_checkpoints.py),
+                # the state carried from piece to piece.
+                cuts = st.saves.get(i, ())
+                a = s0
+                for b, ckpt in [(s0 + off, c) for off, c in cuts] + [(s1, None)]:
+                    if b > a:
+                        conv, cnew = ops.causal_conv1d(mixed[a:b], w, conv_cache[slot] if has else None)
+                        conv_cache[slot].copy_(cnew)
+                        o, snew = self._rule(conv, g[a:b], beta[a:b], ssm_cache[slot] if has else None)
+                        ssm_cache[slot].copy_(snew)
+                        out[a:b] = o
+                        a, has = b, True
+                    if ckpt is not None:
+                        conv_cache[ckpt].copy_(conv_cache[slot])
+                        ssm_cache[ckpt].copy_(ssm_cache[slot])
         h = ops.gated_rms_norm(out, z, self.norm.weight, self.eps)
         return self.out_proj(h.reshape(t, self.hv_here * self.dv))
 

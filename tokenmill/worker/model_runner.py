@@ -153,7 +153,10 @@ class ModelRunner:
                           else torch.empty(0, dtype=self.kv_dtype, device=self.device) for i in range(self.num_layers)]
         if self.state_shapes:
             from tokenmill.worker.state_cache import RecurrentStateCache
-            self.state_cache = RecurrentStateCache(self.state_shapes, self.max_num_reqs, self.dtype, self.device)
+            # Prefix caching keeps as many state checkpoints as sequences (the scheduler's StateCheckpoints).
+            ckpts = self.max_num_reqs if self.config.cache_config.enable_prefix_caching else 0
+            self.state_cache = RecurrentStateCache(self.state_shapes, self.max_num_reqs, self.dtype, self.device,
+                                                   num_checkpoints=ckpts)
         max_blocks = cdiv(self.max_model_len, self.block_size)
         self.batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks)
         self.group_tables = None
@@ -233,6 +236,8 @@ class ModelRunner:
             if self.group_tables is not None:  # one list per KV cache group
                 ids = ids[0]
             row = b.add(new.req_id, new.prompt_token_ids, new.output_token_ids, ids, new.num_computed_tokens)
+            if new.state_load is not None:  # a prefix hit on a hybrid model: the state saved where it ends
+                self.state_cache.restore(row, new.state_load)
             if self.group_tables is not None:
                 self.group_tables.add(row, new.block_ids[1:])
             self.sampling.add_request(row, new.sampling_params)
@@ -278,7 +283,7 @@ class ModelRunner:
         try:
             # Verify widths have no captured graphs yet: a step with drafts runs eagerly.
             step = self._forward_graph(sched, inp) if not self._drafts and not with_lora else None
-            self._step = step if step is not None else self._forward_eager(inp)
+            self._step = step if step is not None else self._forward_eager(inp, sched.state_saves)
         finally:
             if with_lora:
                 self.lora.deactivate()
@@ -326,7 +331,7 @@ class ModelRunner:
         if self.state_cache is not None:
             # A recurrent layer's graph continues every row from its slot's state: a request's first token (no
             # state yet) or a prefill chunk runs eagerly.
-            if not inp.one_token_each or not (inp.computed > 0).all():
+            if not inp.one_token_each or not (inp.computed > 0).all() or sched.state_saves:
                 return None
             state_slots = inp.rows
         n, total = len(inp.rows), len(inp.input_ids)
@@ -358,8 +363,9 @@ class ModelRunner:
         return StepState(inp.req_ids, inp.rows, inp.sample_idx, inp.n_sample, logits, None, None, graph_sampled,
                          cg.last_io_slot if graph_sampled else None)
 
-    def _forward_eager(self, inp: StepInputs) -> StepState | None:
-        """Run the step op by op; None on a pipeline stage that is not the last (it sends its hidden states on)."""
+    def _forward_eager(self, inp: StepInputs, state_saves: dict | None = None) -> StepState | None:
+        """Run the step op by op; None on a pipeline stage that is not the last (it sends its hidden states on).
+        state_saves: the scheduler's recurrent-state checkpoints for this step (hybrid models)."""
         TIMER.count("eager_steps")
         dev, total = self.device, len(inp.input_ids)
         md = AttentionMetadata(
@@ -376,7 +382,10 @@ class ModelRunner:
         inter = None if self.is_first_stage else self.link.recv(total)
         layer_md = None if self.group_tables is None else self.group_tables.metadata(
             md, inp.rows, inp.computed, inp.n_sched, inp.block_table.shape[1], dev)
-        recurrent = None if self.state_cache is None else self.state_cache.step(inp.rows, inp.qsl, inp.computed)
+        recurrent = None
+        if self.state_cache is not None:
+            saves = {i: state_saves[rid] for i, rid in enumerate(inp.req_ids) if state_saves and rid in state_saves}
+            recurrent = self.state_cache.step(inp.rows, inp.qsl, inp.computed, saves)
         with set_forward_context(md, self.kv_caches, layer_md, recurrent=recurrent):
             hidden = self.model(ids_t, to_device(inp.rope_positions, dev), inter)
         if not self.is_last_stage:
