@@ -18,6 +18,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                                 "host functions, kernels."),
     "step-gaps": ("step_gaps:main", "CUDA: device idle time between batch-1 decode graph replays."),
     "all-reduce": ("all_reduce:main", "CUDA, 2+ GPUs: all-reduce latency, NCCL vs the symmetric-memory kernel."),
+    "spec": ("spec_decode:main", "Speculative decoding on real weights at batch 1: ngram and suffix against no "
+                                 "drafts, on prompts that quote their context and on ordinary chats."),
     "kernels": ("kernels:main", "CUDA: measure where the Triton gemv beats cuBLAS; write the device's table."),
 }
 

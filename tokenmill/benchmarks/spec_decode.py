@@ -1,8 +1,8 @@
-"""Speculative decoding on real weights, batch 1: the embedded default model (or --model) with no drafts, ngram
+"""`tokenmill bench spec`: speculative decoding on real weights, batch 1: the embedded default model (or --model) with no drafts, ngram
 and suffix decoding, on chat prompts that quote their own context (edit or repeat a given passage or code block)
 and on ordinary chat prompts. Greedy, so every method must give the very same tokens (checked).
 
-Usage: python tools/bench_spec_cpu.py [--model PATH] [--max-tokens 128] [--k 4] [--repeats 2]
+Usage: tokenmill bench spec [--model PATH] [--max-tokens 128] [--k 4] [--repeats 2] [--dtype float32]
 Prints per prompt kind and method: output tok/s (the best of --repeats timed runs of each prompt, one at a time),
 the speed-up over no drafts and the draft acceptance rate; then one JSON line with every figure.
 """
@@ -47,23 +47,25 @@ METHODS = {"none": None, "ngram": {"method": "ngram", "prompt_lookup_min": 2, "p
            "suffix": {"method": "suffix"}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tokenmill bench spec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="float32: the dense oracle path (batch-shape-invariant "
                     "enough for greedy identity); auto: the default quantized path, whose bf16 / fp16 products can "
                     "round differently at k + 1 rows than at 1 and so flip near-ties")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from tokenmill import LLM, SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results, tokens = {}, {}
     for name, spec in METHODS.items():
         if spec is not None:
             spec = {**spec, "num_speculative_tokens": args.k}
-        llm = LLM(args.model, speculative_config=spec, max_model_len=2048, dtype=args.dtype)
+        llm = LLM(args.model, speculative_config=spec, max_model_len=args.max_model_len, dtype=args.dtype)
         llm.chat([[{"role": "user", "content": "Hello"}]], sp, use_tqdm=False)   # warm-up
         for kind, prompts in (("quoting", QUOTING), ("ordinary", ORDINARY)):
             before = _spec_counts(llm)
@@ -90,6 +92,7 @@ def main() -> None:
     print(f"prompts whose greedy tokens are identical across methods: {same} of {len(tokens)}")
     print(json.dumps({"k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype, "identical_prompts": same,
                       "results": {f"{k}/{n}": r for (k, n), r in results.items()}}))
+    return 0
 
 
 def _spec_counts(llm) -> tuple[int, int]:
@@ -100,4 +103,4 @@ def _spec_counts(llm) -> tuple[int, int]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
