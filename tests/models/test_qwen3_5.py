@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models.oracle import hf_logprobs, tokens
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = [
@@ -76,16 +77,6 @@ def make_model(tmp_path_factory, smollm2_tokenizer):
         return built[arch]
 
     return make
-
-
-def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf(input_ids=torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, -1)
-
-
-def tokens(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def llm_for(d, **kw):

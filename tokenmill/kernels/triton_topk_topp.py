@@ -216,6 +216,14 @@ def _spread(lo, hi, idx, NP: tl.constexpr):
 
 
 @triton.jit
+def _row_temp(temp_ptr, b, HAS_TEMP: tl.constexpr):
+    """Row b's temperature (1.0 without temperatures)."""
+    if HAS_TEMP:
+        return tl.load(temp_ptr + b).to(tl.float32)
+    return 1.0
+
+
+@triton.jit
 def _row_key(seeds_ptr, pos_ptr, b, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr):
     s = tl.load(seeds_ptr + b).to(tl.int64)
     p = tl.load(pos_ptr + b).to(tl.int64)
@@ -232,10 +240,7 @@ def _chunks_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, cmax_ptr,
     pdl_wait(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
-    if HAS_TEMP:
-        temp = tl.load(temp_ptr + b).to(tl.float32)
-    else:
-        temp = 1.0
+    temp = _row_temp(temp_ptr, b, HAS_TEMP)
     cols, mask, y = _chunk(logits_ptr + b.to(tl.int64) * stride_b, c * BLOCK, V, temp, BLOCK, HAS_TEMP)
     g = tl.where(mask, _race(y, cols, _row_key(seeds_ptr, pos_ptr, b, SALT_SEED, SALT_POS), SALT_COL),
                  float("-inf"))
@@ -277,10 +282,7 @@ def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, 
     pdl_wait(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
-    if HAS_TEMP:
-        temp = tl.load(temp_ptr + b).to(tl.float32)
-    else:
-        temp = 1.0
+    temp = _row_temp(temp_ptr, b, HAS_TEMP)
     row_ptr = logits_ptr + b.to(tl.int64) * stride_b
     _, _, _, m, x0 = _pass0(cmax_ptr, cbest_ptr, cidx_ptr, b, n_chunks, V, CHUNKS_P2)
     lo = tl.full([], KEY_NEG_INF, tl.int32)
@@ -312,10 +314,7 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
     b = tl.program_id(0)
     row_ptr = logits_ptr + b.to(tl.int64) * stride_b
     row_key = _row_key(seeds_ptr, pos_ptr, b, SALT_SEED, SALT_POS)
-    if HAS_TEMP:
-        temp = tl.load(temp_ptr + b).to(tl.float32)
-    else:
-        temp = 1.0
+    temp = _row_temp(temp_ptr, b, HAS_TEMP)
     idx = tl.arange(0, NP)
 
     ci, cm, cmax, m, x = _pass0(cmax_ptr, cbest_ptr, cidx_ptr, b, n_chunks, V, CHUNKS_P2)
