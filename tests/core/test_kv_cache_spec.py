@@ -48,13 +48,11 @@ def test_spec_sizes_and_groups():
     assert [slide.num_dead_blocks(p) for p in (16, 30, 31, 46, 47)] == [0, 0, 1, 1, 2]
 
 
-def test_the_manager_spec_of_mixed_layers_names_what_it_costs():
+def test_the_manager_spec_of_mixed_layers_is_the_full_one():
     g3 = attention_specs(tf.Gemma3TextConfig(**SMALL, num_hidden_layers=6, sliding_window=16), 16, 1, 64, 2)
-    spec, note = manager_spec(g3)
-    assert type(spec) is FullAttentionSpec
-    assert "5 of 6 layers are sliding_attention (window 16)" in note and "not built yet" in note
+    assert type(manager_spec(g3)) is FullAttentionSpec
     mistral = attention_specs(tf.MistralConfig(**SMALL, num_hidden_layers=2, sliding_window=16), 16, 1, 64, 2)
-    assert manager_spec(mistral) == (mistral[0], None)
+    assert manager_spec(mistral) == mistral[0]
     report = capacity_report(g3, range(6), 640, 1024, 256)
     assert report == {"sliding_attention(window=16) x5 layers": 10.0, "full_attention x1 layers": 10.0}
     assert capacity_report(mistral, range(2), 640, 1024, 256) == {"sliding_attention(window=16) x2 layers":

@@ -161,28 +161,17 @@ def config_attention_specs(config, dtype_bytes: int = 2, num_kv_heads: int | Non
                            getattr(mc, "disable_sliding_window", False))
 
 
-def manager_spec(specs: list[FullAttentionSpec] | None) -> tuple[FullAttentionSpec | None, str | None]:
-    """The one spec the KV cache manager allocates by, and a note when that costs memory.
-
-    Every layer alike: that spec (a model whose layers all slide frees the blocks below the window). Mixed full and
-    sliding layers (Gemma 2 / 3, Qwen2 with max_window_layers) share one block table, so the sliding layers keep
-    their whole context too (their attention still applies the window): a block table per layer group is what
-    would let them free theirs, and is not built yet."""
+def manager_spec(specs: list[FullAttentionSpec] | None) -> FullAttentionSpec | None:
+    """The spec a one-group KV cache manager allocates by (every layer alike: that spec; a model whose layers all
+    slide frees the blocks below the window; several windows and no full layer: the widest window), or, for full
+    attention beside sliding windows, the full spec (such models get a manager per layer group,
+    core/kv_cache_groups.py, and this answers for the group that needs the most blocks)."""
     if not specs:
-        return None, None
-    kinds = set(specs)
-    if len(kinds) == 1:
-        return specs[0], None
+        return None
+    if len(set(specs)) == 1:
+        return specs[0]
     full = next((s for s in specs if type(s) is FullAttentionSpec), None)
-    if full is None:  # several windows, no full layer: allocate by the widest window
-        return max(specs, key=lambda s: s.sliding_window), None
-    sliding = [s for s in specs if isinstance(s, SlidingWindowSpec)]
-    windows = sorted({s.sliding_window for s in sliding})
-    note = (f"{len(sliding)} of {len(specs)} layers are {SlidingWindowSpec.kind} (window "
-            f"{', '.join(map(str, windows))}) beside {FullAttentionSpec.kind} layers: they share one block table, "
-            "so their KV cache holds the whole context (the window still applies in attention; a block table per "
-            "layer group, which would free their old blocks, is not built yet)")
-    return full, note
+    return full if full is not None else max(specs, key=lambda s: s.sliding_window)
 
 
 def capacity_report(specs: list[FullAttentionSpec] | None, layers, num_blocks: int, max_model_len: int,
@@ -190,7 +179,7 @@ def capacity_report(specs: list[FullAttentionSpec] | None, layers, num_blocks: i
     """{group name: how many requests of max_model_len tokens its blocks hold at once} for the layers of `layers`
     grouped by spec, under the manager's one block table (manager_spec): every group has num_blocks blocks and
     a request takes the manager spec's share of them."""
-    spec, _ = manager_spec(specs)
+    spec = manager_spec(specs)
     if spec is None:
         return {}
     per_request = spec.max_blocks_per_request(max_model_len, max_step_tokens)

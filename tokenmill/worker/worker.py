@@ -100,11 +100,8 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max concurrency at max_model_len %d: %.1fx",
                     num_blocks, cc.block_size, num_blocks * per_block / GiB, mc.max_model_len,
                     num_blocks / need_one)
-        from tokenmill.core.kv_cache_spec import capacity_report, manager_spec
-        note = manager_spec(specs)[1]
-        if note:
-            logger.info("KV cache layout: %s.", note)
-        if specs and (len(set(specs)) > 1 or specs[0].num_dead_blocks(1 << 40)):
+        from tokenmill.core.kv_cache_spec import capacity_report
+        if specs and specs[0].num_dead_blocks(1 << 40):  # every layer slides: blocks below the window are freed
             logger.info("KV cache capacity per layer group (requests of max_model_len %d at once): %s",
                         mc.max_model_len, ", ".join(f"{name}: {n:.1f}" for name, n in capacity_report(
                             specs, self.runner.own_layers, int(num_blocks), mc.max_model_len,
@@ -152,7 +149,7 @@ class Worker:
         r, cc, sc = self.runner, self.config.cache_config, self.config.scheduler_config
         specs = config_attention_specs(self.config, torch.empty((), dtype=r.kv_dtype).element_size(),
                                        r.num_kv_heads, r.head_dim)
-        spec = manager_spec(specs)[0]
+        spec = manager_spec(specs)
         mlen = self.config.model_config.max_model_len
         if spec is None:
             return specs, cdiv(mlen, cc.block_size)
