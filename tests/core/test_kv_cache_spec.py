@@ -158,3 +158,12 @@ def test_a_hybrid_cache_frees_sliding_blocks_and_hits_only_where_every_group_can
     need = (full.max_blocks_per_request(1000, 8), slide.max_blocks_per_request(1000, 8))
     assert blocks[0] / need[0] == pytest.approx(blocks[1] / need[1], rel=0.01)
     assert blocks[0] * full.bytes_per_block * 2 + blocks[1] * slide.bytes_per_block * 4 <= 1 << 20
+
+
+def test_kv_capacity_reports_each_layer_group():
+    from tokenmill.core.kv_cache_groups import HybridKVCacheManager, kv_capacity
+    full, slide = FullAttentionSpec(4, 1, 8, 2), SlidingWindowSpec(4, 1, 8, 2, sliding_window=6)
+    rows = kv_capacity(HybridKVCacheManager((250, 12), 4, False, [full, slide]), 1000, 8)
+    need = slide.max_blocks_per_request(1000, 8)
+    assert rows == [["full_attention", 250, 1.0], ["sliding_attention(window=6)", 12, round(12 / need, 2)]]
+    assert kv_capacity(KVCacheManager(500, 4, False, full), 1000, 8) == [["full_attention", 500, 2.0]]

@@ -137,3 +137,15 @@ def split_kv_budget(budget_bytes: float, groups: list[tuple[FullAttentionSpec, l
         return tuple(0 for _ in groups)
     requests = max(budget_bytes, 0) / per_request
     return tuple(int(requests * n) for n in need)
+
+
+def kv_capacity(kv, max_model_len: int, max_step_tokens: int) -> list[list]:
+    """[[group name, blocks, requests of max_model_len its blocks hold at once], ...] for the manager `kv` (one
+    row per layer group; one row for a one-group cache): what the start-up log and /metrics report."""
+    groups = kv.groups if isinstance(kv, HybridKVCacheManager) else [kv]
+    rows = []
+    for g in groups:
+        need = max(g.max_blocks_per_request(max_model_len, max_step_tokens), 1)
+        name = g.spec.name if g.spec is not None else "full_attention"
+        rows.append([name, int(g.num_blocks), round(g.num_blocks / need, 2)])
+    return rows

@@ -49,7 +49,8 @@ class AsyncLLM(EngineClient):
         # With several API servers the first one logs the engines' summary lines.
         self.stat_logger = StatLogger(config, self.client.num_blocks,
                                       log_interval_s if log_stats and client_index == 0 else None,
-                                      num_engines=self.client.num_engines, record_engine_counters=client_index == 0)
+                                      num_engines=self.client.num_engines, record_engine_counters=client_index == 0,
+                                      kv_capacity=self.client.kv_capacity)
         self._queues: dict[str, RequestOutputCollector] = {}
         self._output_task: asyncio.Task | None = None
 

@@ -78,6 +78,7 @@ class AsyncMPClient:
         self._owner: dict[str, int] = {}  # engine request id -> engine index, only with several engines
         self._start_timeout_s = start_timeout_s
         self.num_blocks: int | None = None
+        self.kv_capacity: list | None = None  # the first engine's per layer group (core/kv_cache_groups.kv_capacity)
         if wait:
             self.wait_ready()
 
@@ -109,6 +110,8 @@ class AsyncMPClient:
                     if kind == READY:
                         msg = msgspec.msgpack.decode(payload)
                         ready[msg["engine_index"]] = msg["num_blocks"]
+                        if msg["engine_index"] == 0 or self.kv_capacity is None:
+                            self.kv_capacity = msg.get("kv_capacity")
                     elif kind == FAILED:
                         raise RuntimeError(payload.decode(errors="replace"))
                 if time.monotonic() > deadline:

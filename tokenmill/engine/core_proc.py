@@ -88,7 +88,8 @@ class EngineCoreProc:
         return self.core.reset_prefix_cache()
 
     def announce_ready(self) -> None:
-        msg = self.encoder.encode({"engine_index": self.engine_index, "num_blocks": self.core.num_blocks})
+        msg = self.encoder.encode({"engine_index": self.engine_index, "num_blocks": self.core.num_blocks,
+                                   "kv_capacity": self.core.kv_capacity})
         for sock in self.outputs:
             sock.send_multipart([READY, msg])
 

@@ -55,6 +55,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.num_blocks)
         # One count for the processor's prompt check and the metrics, also with a block count per layer group.
         self.num_blocks = self.scheduler.kv.num_prompt_blocks
+        from tokenmill.core.kv_cache_groups import kv_capacity
+        self.kv_capacity = kv_capacity(self.scheduler.kv, config.model_config.max_model_len,
+                                       config.scheduler_config.max_num_batched_tokens)
         self.startup_seconds = {"workers and weights": t1 - t0, "memory profile": t2 - t1,
                                 "KV cache and CUDA graphs": t3 - t2, "total": time.perf_counter() - t0}
         logger.info("Engine ready in %s%s", format_startup(self.startup_seconds),

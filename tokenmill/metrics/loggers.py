@@ -58,7 +58,7 @@ class StatLogger:
     """
 
     def __init__(self, config, num_gpu_blocks: int | None = None, log_interval_s: float | None = 10.0,
-                 num_engines: int = 1, record_engine_counters: bool = True) -> None:
+                 num_engines: int = 1, record_engine_counters: bool = True, kv_capacity: list | None = None) -> None:
         self.model_name = config.model_config.served_model_name[0]
         self.interval = log_interval_s
         m = vllm_metrics(config.model_config.max_model_len, config.cache_config)
@@ -71,6 +71,9 @@ class StatLogger:
         info["num_gpu_blocks"] = str(num_gpu_blocks)
         for e in range(num_engines):
             m.cache_config_info.labels(**info, engine=str(e)).set(1)
+            for group, blocks, requests in kv_capacity or []:  # the first engine's; DP engines are alike
+                m.kv_group_blocks.labels(self.model_name, str(e), group).set(blocks)
+                m.kv_group_requests.labels(self.model_name, str(e), group).set(requests)
         spec = getattr(config, "speculative_config", None)
         if spec is not None:
             for e in self.engines:

@@ -79,6 +79,12 @@ class VllmMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
         self.cache_config_info = Gauge("vllm:cache_config_info", "The KV-cache configuration, as labels (value 1).",
                                        cache_config_labels(cache_config), multiprocess_mode=mode)
+        # Not in vLLM: the KV cache per layer group (full attention, a sliding window), core/kv_cache_groups.py.
+        self.kv_group_blocks = gauge("tokenmill:kv_cache_group_blocks", "KV-cache blocks of each layer group.",
+                                     ("group",))
+        self.kv_group_requests = gauge("tokenmill:kv_cache_group_max_requests",
+                                       "Requests of max_model_len tokens each layer group's blocks hold at once.",
+                                       ("group",))
         self.lora_info = Gauge("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests "
                                "(comma-separated names) as labels, the value the time of the snapshot.",
                                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],

@@ -359,6 +359,11 @@ def test_vllm_metric_set(http):
     assert total(after, "vllm:engine_sleep_state", sleep_state="awake", **labels) == 1
     (info,) = [dict(ls) for (n, ls) in after if n == "vllm:cache_config_info"]
     assert info["engine"] == "0" and info["block_size"] == "16" and int(info["num_gpu_blocks"]) > 0
+    # The capacity per KV layer group (one group, full attention, for this model): blocks and how many
+    # max_model_len requests they hold.
+    blocks = total(after, "tokenmill:kv_cache_group_blocks", group="full_attention", **labels)
+    assert blocks == int(info["num_gpu_blocks"])
+    assert total(after, "tokenmill:kv_cache_group_max_requests", group="full_attention", **labels) > 0
     for (n, ls) in after:  # every vllm: series but the config info carries model_name and engine
         if n.startswith("vllm:") and n != "vllm:cache_config_info":
             assert labels.items() <= dict(ls).items(), (n, ls)
