@@ -4,7 +4,8 @@ Grafana dashboards and alerts written for `vllm serve` work unchanged against `t
 Left out, because tokenmill has no such feature: multi-modal cache (vllm:mm_cache_*), KV connectors
 (vllm:external_prefix_cache_*, vllm:kv_offload_*), and the opt-in KV residency / MFU / NaN-logits metrics behind
 flags tokenmill rejects. The spec-decode counters (vllm:spec_decode_*) are registered by metrics/spec_decode.py when
-speculative decoding is on. `vllm:time_per_output_token_seconds`
+speculative decoding is on. Two families of tokenmill's own, `tokenmill:kv_cache_group_blocks` and
+`tokenmill:kv_cache_group_max_requests`, report the KV cache per layer group. `vllm:time_per_output_token_seconds`
 (removed in vLLM 0.13, replaced by vllm:inter_token_latency_seconds) is still fed, with the same values, for
 dashboards written against older vLLM. vllm:iteration_tokens_total observes the tokens the scheduler put in each
 engine step (vLLM approximates that from the step's outputs: whole prompts at their first token).
