@@ -21,8 +21,11 @@ def test_a_checkpoint_is_usable_from_the_next_step_and_hits_end_at_one():
     assert slot is not None and c.reserve(b"h2") is None   # one slot per hash
     assert c.ready(b"h2") is None                           # written by this very step's forward
     c.begin_step()
-    assert c.hit_length([b"h1", b"h2", b"h3"], 3) == (2, slot)
-    assert c.hit_length([b"h1", b"h9"], 2) == (0, None)
+    hashes = [b"h1", b"h2", b"h3"]
+    ends = c.ends_hit(hashes)
+    assert [ends(n) for n in (1, 2, 3)] == [False, True, False]   # a 3-block hit shortens to 2 blocks
+    assert c.ready(b"h2") == slot
+    assert c.ready(b"h9") is None
 
 
 def test_eviction_takes_the_least_recently_used_slot_not_read_this_step():

@@ -2,7 +2,7 @@
 KVCacheManager per layer group, each with its own block pool, driven together."""
 from __future__ import annotations
 
-from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_cache_manager import KVCacheManager, longest_hit
 from tokenmill.core.kv_cache_spec import FullAttentionSpec
 from tokenmill.core.request import Request
 
@@ -64,12 +64,12 @@ class HybridKVCacheManager:
         return sum(g.num_held_blocks(request_id) for g in self.groups)
 
     # ----- prefix cache -----
-    def get_computed_blocks(self, request: Request) -> tuple[tuple[list, ...] | list, int]:
+    def get_computed_blocks(self, request: Request, end_ok=None) -> tuple[tuple[list, ...] | list, int]:
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         looked = [g.hit_lengths(hashes) for g in self.groups]
-        n = max(i for i in range(len(hashes) + 1) if all(valid[i] for _, valid in looked))
+        n = longest_hit([all(valid[i] for _, valid in looked) for i in range(len(hashes) + 1)], end_ok)
         self.prefix_queries += request.num_tokens
         self.prefix_hits += n * self.block_size
         if n == 0:

@@ -49,13 +49,15 @@ class KVCacheManager:
         it conservative: the scheduler's check_request knows the exact need)."""
         return self.pool.num_blocks
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest cached prefix of a new request, leaving at least one token to compute (for its logits)."""
+    def get_computed_blocks(self, request: Request, end_ok=None) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of a new request, leaving at least one token to compute (for its logits).
+        end_ok(n), when given, must also hold for a hit of n > 0 blocks (a hybrid model's hit ends where its
+        recurrent state was saved)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs need the logits of every prompt position
         max_blocks = (request.num_tokens - 1) // self.block_size
         found, valid = self.hit_lengths(request.block_hashes[:max_blocks])
-        n = max(i for i, ok in enumerate(valid) if ok)
+        n = longest_hit(valid, end_ok)
         hits = self.hits_of(found, n)
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(hits) * self.block_size
@@ -193,3 +195,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+
+def longest_hit(valid, end_ok=None) -> int:
+    """The largest n with valid[n] (and end_ok(n), when given, for n > 0); valid[0] is always true."""
+    return next(n for n in range(len(valid) - 1, -1, -1) if valid[n] and (n == 0 or end_ok is None or end_ok(n)))

@@ -79,11 +79,9 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats.new(spec.num_speculative_tokens) if spec is not None else None
         # Hybrid models with prefix caching: recurrent-state checkpoints at block boundaries, one slot per
         # sequence the engine may run (core/state_checkpoints.py); a prefix hit ends at a saved one.
-        from tokenmill.config import has_recurrent_layers
-        self.state_ckpts = None
-        if cc.enable_prefix_caching and has_recurrent_layers(config):
-            from tokenmill.core.state_checkpoints import StateCheckpoints
-            self.state_ckpts = StateCheckpoints(self.max_num_seqs, cc.block_size)
+        from tokenmill.core.state_checkpoints import StateCheckpoints, num_checkpoint_slots
+        slots = num_checkpoint_slots(config)
+        self.state_ckpts = StateCheckpoints(slots, cc.block_size) if slots else None
 
     # ----- admission -----
     def check_request(self, prompt_len: int) -> None:
@@ -192,12 +190,11 @@ class Scheduler:
                     and len(loras) >= self.max_loras:
                 deferred.append(self.waiting.pop())  # every slot holds another running request's adapter
                 continue
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            state_load = None
-            if ckpts is not None and num_hit:  # a hybrid model's hit ends where a state checkpoint was saved
-                nb, state_load = ckpts.hit_length(req.block_hashes, num_hit // self.block_size)
-                self.kv.prefix_hits -= num_hit - nb * self.block_size
-                hits, num_hit = hits[:nb], nb * self.block_size
+            # A hybrid model's hit ends where a recurrent-state checkpoint was saved; the request starts from it.
+            hits, num_hit = self.kv.get_computed_blocks(req, None if ckpts is None else
+                                                        ckpts.ends_hit(req.block_hashes))
+            state_load = ckpts.ready(req.block_hashes[num_hit // self.block_size - 1]) \
+                if ckpts is not None and num_hit else None
             n = self._num_tokens_to_schedule(req, num_hit, budget)
             if n <= 0:
                 break

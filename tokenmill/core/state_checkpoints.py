@@ -68,11 +68,15 @@ class StateCheckpoints:
                if b % self.stride_blocks == 0 or b == last]
         return out
 
-    def hit_length(self, block_hashes: list[bytes], num_hit_blocks: int) -> tuple[int, int | None]:
-        """(n, slot): the most blocks n <= num_hit_blocks whose end has a ready checkpoint, and its slot
-        (0, None: none)."""
-        for n in range(num_hit_blocks, 0, -1):
-            slot = self.ready(block_hashes[n - 1])
-            if slot is not None:
-                return n, slot
-        return 0, None
+    def ends_hit(self, block_hashes: list[bytes]):
+        """end_ok for KVCacheManager.get_computed_blocks: a hit of n blocks must end at a ready checkpoint."""
+        return lambda n: block_hashes[n - 1] in self._slots and block_hashes[n - 1] not in self._pending
+
+
+def num_checkpoint_slots(config) -> int:
+    """Checkpoint slots a hybrid model keeps with prefix caching on (as many as sequences), else 0: the one count
+    the scheduler's StateCheckpoints, the runner's state pool and the memory profile share."""
+    from tokenmill.config import has_recurrent_layers
+    if not config.cache_config.enable_prefix_caching or not has_recurrent_layers(config):
+        return 0
+    return config.scheduler_config.max_num_seqs

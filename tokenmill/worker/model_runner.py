@@ -153,10 +153,9 @@ class ModelRunner:
                           else torch.empty(0, dtype=self.kv_dtype, device=self.device) for i in range(self.num_layers)]
         if self.state_shapes:
             from tokenmill.worker.state_cache import RecurrentStateCache
-            # Prefix caching keeps as many state checkpoints as sequences (the scheduler's StateCheckpoints).
-            ckpts = self.max_num_reqs if self.config.cache_config.enable_prefix_caching else 0
+            from tokenmill.core.state_checkpoints import num_checkpoint_slots
             self.state_cache = RecurrentStateCache(self.state_shapes, self.max_num_reqs, self.dtype, self.device,
-                                                   num_checkpoints=ckpts)
+                                                   num_checkpoints=num_checkpoint_slots(self.config))
         max_blocks = cdiv(self.max_model_len, self.block_size)
         self.batch = InputBatch(self.max_num_reqs, self.max_model_len, max_blocks)
         self.group_tables = None

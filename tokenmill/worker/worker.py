@@ -167,8 +167,9 @@ class Worker:
         graphs = self.runner.cuda_graph_output_bytes()
         from tokenmill.core.kv_cache_spec import model_state_specs
         # Per-request state slots (recurrent layers) are reserved first: max_num_seqs of each kind, plus the scratch
-        # slot that CUDA graphs' padding rows use, plus as many prefix-caching checkpoints as sequences.
-        slots = sc.max_num_seqs + 1 + (sc.max_num_seqs if cc.enable_prefix_caching else 0)
+        # slot that CUDA graphs' padding rows use, plus prefix caching's checkpoints.
+        from tokenmill.core.state_checkpoints import num_checkpoint_slots
+        slots = sc.max_num_seqs + 1 + num_checkpoint_slots(self.config)
         state = sum(s.bytes_per_request for s in model_state_specs(self.runner.model)) * slots
         available = total * cc.gpu_memory_utilization - peak - non_torch - graphs - state
         logger.info("Memory: weights+activations peak %.2f GiB, other %.2f GiB, CUDA graph logits %.2f GiB, "
