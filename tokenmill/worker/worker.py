@@ -73,21 +73,9 @@ class Worker:
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
             source = "num_gpu_blocks_override"
-        elif cc.kv_cache_memory_bytes is not None:
-            num_blocks = cc.kv_cache_memory_bytes // per_block
-            source = f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes}"
-        elif self.device.type == "cpu":
-            # Never claim all RAM: a fixed budget, and no more than max_num_seqs full-length requests need.
-            name = "VLLM_CPU_KVCACHE_SPACE" if envs.VLLM_CPU_KVCACHE_SPACE > 0 else "TOKENMILL_CPU_KVCACHE_SPACE_GIB"
-            gib = getattr(envs, name)
-            if gib <= 0:
-                raise ValueError(f"{name}={gib}: the CPU KV cache needs at least 1 GiB")
-            need = sc.max_num_seqs * blocks_per_request
-            num_blocks = min(gib * GiB // per_block, need)
-            source = f"{name}={gib}"
         else:
-            num_blocks = self._profile_gpu_blocks(per_block)
-            source = f"gpu_memory_utilization={cc.gpu_memory_utilization}"
+            budget, source = self._kv_budget_bytes(blocks_per_request * per_block)
+            num_blocks = budget // per_block
         # Every rank must hold the same blocks: the scheduler's one block table addresses all of them.
         num_blocks = world_min(int(num_blocks), self.parallel_state)
         need_one = blocks_per_request
@@ -120,16 +108,7 @@ class Worker:
         if cc.num_gpu_blocks_override is not None:
             blocks, source = (cc.num_gpu_blocks_override,) * len(groups), "num_gpu_blocks_override"
         else:
-            if cc.kv_cache_memory_bytes is not None:
-                budget, source = cc.kv_cache_memory_bytes, f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes}"
-            elif self.device.type == "cpu":
-                name = ("VLLM_CPU_KVCACHE_SPACE" if envs.VLLM_CPU_KVCACHE_SPACE > 0
-                        else "TOKENMILL_CPU_KVCACHE_SPACE_GIB")
-                per_request = sum(n * c for n, c in zip(need, cost))
-                budget, source = min(getattr(envs, name) * GiB, sc.max_num_seqs * per_request), name
-            else:
-                budget = self._profile_gpu_blocks(1)  # bytes: "blocks" of one byte
-                source = f"gpu_memory_utilization={cc.gpu_memory_utilization}"
+            budget, source = self._kv_budget_bytes(sum(n * c for n, c in zip(need, cost)))
             blocks = split_kv_budget(budget, groups, own, mlen, step)
         blocks = tuple(world_min(int(n), self.parallel_state) for n in blocks)
         for (spec, layers), n, want in zip(groups, blocks, need):
@@ -142,6 +121,22 @@ class Worker:
             f"{spec.name} x{len(layers)} layers: {n} blocks ({n * c / GiB:.2f} GiB), {n / want:.1f} requests of "
             f"max_model_len {mlen} at once" for (spec, layers), n, c, want in zip(groups, blocks, cost, need)))
         return blocks
+
+    def _kv_budget_bytes(self, per_request_bytes: int) -> tuple[int, str]:
+        """(bytes the KV cache may take, the setting they come from): kv_cache_memory_bytes; on the CPU a fixed
+        budget (never all RAM), and no more than max_num_seqs requests of per_request_bytes need; on a GPU what
+        the memory profile leaves under gpu_memory_utilization."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        if cc.kv_cache_memory_bytes is not None:
+            return cc.kv_cache_memory_bytes, f"kv_cache_memory_bytes={cc.kv_cache_memory_bytes}"
+        if self.device.type == "cpu":
+            name = "VLLM_CPU_KVCACHE_SPACE" if envs.VLLM_CPU_KVCACHE_SPACE > 0 else "TOKENMILL_CPU_KVCACHE_SPACE_GIB"
+            gib = getattr(envs, name)
+            if gib <= 0:
+                raise ValueError(f"{name}={gib}: the CPU KV cache needs at least 1 GiB")
+            return int(min(gib * GiB, sc.max_num_seqs * per_request_bytes)), f"{name}={gib}"
+        # bytes: the profile's "blocks" of one byte
+        return self._profile_gpu_blocks(1), f"gpu_memory_utilization={cc.gpu_memory_utilization}"
 
     def _kv_specs(self):
         """(this rank's per-layer KV specs or None, the most blocks one max_model_len request holds at once)."""
