@@ -45,6 +45,12 @@ class TokenmillConfig:
             if pp > 1:
                 raise ValueError(f"speculative_config cannot be combined with pipeline_parallel_size={pp} yet.")
             self.scheduler_config.async_scheduling = False
+            spec = self.speculative_config
+            if spec.uses_draft_model and self.model_config.sliding_window:
+                raise ValueError("speculative_config with a draft model cannot be combined with the sliding-window "
+                                 f"attention of {self.model_config.architecture} yet (the draft runs in the "
+                                 "target's block tables, whose blocks below the window are freed).")
+            spec.finalize(self.model_config, self.parallel_config.tensor_parallel_size)
         if self.scheduler_config.async_scheduling is None:
             # Overlap pays where the device runs asynchronously to the host; on the CPU the forward is the host.
             # Pipeline parallelism keeps several micro-batches in flight instead.

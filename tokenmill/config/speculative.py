@@ -13,9 +13,9 @@ from typing import Any
 from tokenmill.config.utils import config_field, not_supported_yet
 
 FLAG = "--speculative-config"
-BUILT_METHODS = ("ngram", "suffix")
+BUILT_METHODS = ("ngram", "suffix", "draft_model")
 # vLLM 0.20's methods that tokenmill does not build yet: refused naming the method.
-UNBUILT_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "ernie_mtp",
+UNBUILT_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "ernie_mtp",
                    "qwen3_next_mtp", "deepseek_mtp", "longcat_flash_mtp", "glm4_moe_mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -24,8 +24,10 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     """One parsed `speculative_config`.
 
-    method: ngram (prompt lookup over the request's own tokens) or suffix (suffix decoding over the request's tokens
-    and earlier outputs); num_speculative_tokens: k, the drafts proposed and verified per decoding request per
+    method: ngram (prompt lookup over the request's own tokens), suffix (suffix decoding over the request's tokens
+    and earlier outputs) or draft_model (a smaller model with the target's vocabulary drafts greedily; `model` and
+    the draft_* / quantization / max_model_len / revision keys describe it, and `finalize` builds its ModelConfig,
+    `draft_model_config`); num_speculative_tokens: k, the drafts proposed and verified per decoding request per
     step (1..16). disable_by_batch_size: with more running requests than this the engine decodes without drafts
     (None: always speculate). benchmark_acceptance_rate (a tokenmill extension, for dummy weights): every step
     proposes k tokens and each draft is accepted with this probability whatever the target says, so the
@@ -41,6 +43,12 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
+    quantization: str | None = None
+    max_model_len: int | None = None
+    revision: str | None = None
+    code_revision: str | None = None
 
     @classmethod
     def from_value(cls, value: Any) -> "SpeculativeConfig | None":
@@ -59,24 +67,29 @@ class SpeculativeConfig:
         d = dict(value)
         method, model = d.pop("method", None), d.pop("model", None)
         if method is None:  # vLLM infers the method from `model` when it is not given
-            method = "ngram" if model in ("ngram", "[ngram]") else ("draft_model" if model else None)
+            method = _method_of_model(model)
         if method is None:
             raise ValueError(f"{FLAG}: `method` is required (one of {', '.join(BUILT_METHODS)}).")
         if method in UNBUILT_METHODS:
             raise not_supported_yet("speculative_config", {"method": method},
                                     f"The speculative method `{method}` is not built yet; use method "
-                                    f"{' or '.join(BUILT_METHODS)}.")
+                                    f"{', '.join(BUILT_METHODS[:-1])} or {BUILT_METHODS[-1]}.")
         if method not in BUILT_METHODS:
             raise ValueError(f"{FLAG}: unknown `method` {method!r}; allowed: "
                              f"{', '.join(BUILT_METHODS + UNBUILT_METHODS)}.")
-        if model not in (None, "ngram", "[ngram]"):
-            raise ValueError(f"{FLAG}: `model` ({model!r}) names a draft model, which method {method} does not use.")
-        for key in ("draft_tensor_parallel_size", "quantization", "max_model_len", "revision", "code_revision",
-                    "tensor_parallel_size"):
-            v = d.pop(key, None)
-            if v not in (None, 1) or (key in ("quantization", "max_model_len", "revision", "code_revision")
-                                      and v is not None):
-                raise ValueError(f"{FLAG}: `{key}` applies to a draft model; method {method} has none.")
+        if method == "draft_model":
+            if not model or model in ("ngram", "[ngram]"):
+                raise ValueError(f"{FLAG}: method draft_model needs `model`, the draft model's directory, .gguf file "
+                                 "or cached repo id.")
+            d["model"] = model
+        else:
+            if model not in (None, "ngram", "[ngram]"):
+                raise ValueError(f"{FLAG}: `model` ({model!r}) names a draft model, which method {method} does not "
+                                 "use.")
+            for key in _DRAFT_KEYS:
+                v = d.pop(key, None)
+                if v not in (None, 1) or (key != "draft_tensor_parallel_size" and v is not None):
+                    raise ValueError(f"{FLAG}: `{key}` applies to a draft model; method {method} has none.")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -111,6 +124,40 @@ class SpeculativeConfig:
             raise ValueError(f"{FLAG}: `suffix_decoding_max_spec_factor` must be > 0.")
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ValueError(f"{FLAG}: `suffix_decoding_min_token_prob` must be in [0, 1].")
+        t = self.draft_tensor_parallel_size
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"{FLAG}: `draft_tensor_parallel_size` must be an integer >= 1, got {t!r}.")
+        m = self.max_model_len
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"{FLAG}: `max_model_len` must be an integer >= 1, got {m!r}.")
+        self.draft_model_config = None  # set by finalize (draft_model)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    def finalize(self, target, tensor_parallel_size: int) -> None:
+        """Build and check the draft model's ModelConfig against the target's (a config.ModelConfig): same
+        vocabulary, a plain full-attention decoder, a context of at most the target's. Raises ValueError naming
+        the key."""
+        if not self.uses_draft_model:
+            return
+        from tokenmill.config.spec_draft import draft_model_config
+        self.draft_model_config = draft_model_config(self, target, tensor_parallel_size)
+
+
+_DRAFT_KEYS = ("draft_tensor_parallel_size", "quantization", "max_model_len", "revision", "code_revision",
+               "tensor_parallel_size")
+
+
+def _method_of_model(model: str | None) -> str | None:
+    """vLLM's inference of `method` from `model` alone."""
+    if model is None:
+        return None
+    if model in ("ngram", "[ngram]"):
+        return "ngram"
+    name = model.lower()
+    return "eagle3" if "eagle3" in name else "eagle" if "eagle" in name else "draft_model"
 
 
 @dataclass
@@ -119,9 +166,10 @@ class SpeculativeArgs:
     speculative_config: dict | None = config_field(
         None, help="Speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": "
                    "4, \"prompt_lookup_max\": 4}' or '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}'. Keys: "
-                   "method (ngram, suffix), num_speculative_tokens (1..16), prompt_lookup_min/max, "
-                   "disable_by_batch_size, suffix_decoding_*, benchmark_acceptance_rate (dummy weights only). "
-                   "Draft models, EAGLE and MTP are not supported yet.")
+                   "method (ngram, suffix, draft_model), model (the draft model), num_speculative_tokens (1..16), "
+                   "prompt_lookup_min/max, disable_by_batch_size, suffix_decoding_*, draft_tensor_parallel_size, "
+                   "quantization / max_model_len / revision (of the draft), benchmark_acceptance_rate (dummy "
+                   "weights only). EAGLE and MTP are not supported yet.")
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, str):  # the CLI hands over the JSON text when it does not parse

@@ -86,7 +86,10 @@ class HybridKVCacheManager:
 
     # ----- allocation -----
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: tuple[list, ...] | list | None = None) -> tuple[list[int], ...] | None:
+                       new_computed_blocks: tuple[list, ...] | list | None = None,
+                       num_lookahead_tokens: int = 0) -> tuple[list[int], ...] | None:
+        if num_lookahead_tokens:
+            raise NotImplementedError("lookahead slots (a draft model) with several KV cache groups")
         hits = new_computed_blocks or [None] * len(self.groups)
         if not all(g.can_allocate(request, num_new_tokens, h) for g, h in zip(self.groups, hits)):
             return None

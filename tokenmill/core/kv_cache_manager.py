@@ -111,8 +111,11 @@ class KVCacheManager:
         return num_needed <= self.pool.get_num_free_blocks() - revived
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] | None = None) -> list[int] | None:
-        """Reserve slots for `num_new_tokens` more tokens after the request's computed ones (and its prefix hits).
+                       new_computed_blocks: list[KVBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
+        """Reserve slots for `num_new_tokens` more tokens after the request's computed ones (and its prefix hits),
+        plus `num_lookahead_tokens` beyond them that a draft model writes its own KV into before the target computes
+        them (never hashed into the prefix cache until the target has computed them).
 
         Returns the ids of the blocks added to the request (prefix hits first), or None when there is no room.
         """
@@ -122,7 +125,7 @@ class KVCacheManager:
         if blocks is not None and not new_computed_blocks:
             # The common decode step: the held blocks have room, so nothing is allocated (15 steps in 16).
             total = request.num_computed_tokens + num_new_tokens
-            if total <= len(blocks) * self.block_size:
+            if total + num_lookahead_tokens <= len(blocks) * self.block_size:
                 if self.enable_caching and total // self.block_size > self._num_cached_blocks[request.request_id]:
                     self._cache_full_blocks(request, blocks, total)
                 return []
@@ -130,7 +133,7 @@ class KVCacheManager:
         held = len(blocks) if blocks is not None else 0
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         total = num_computed + num_new_tokens
-        num_needed = cdiv(total, self.block_size) - held - len(computed)
+        num_needed = cdiv(total + num_lookahead_tokens, self.block_size) - held - len(computed)
         # Prefix hits sitting in the free queue stop being allocatable once touched.
         revived = sum(1 for b in computed if b is not None and b.ref_cnt == 0)
         if num_needed > self.pool.get_num_free_blocks() - revived:

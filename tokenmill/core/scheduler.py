@@ -77,6 +77,9 @@ class Scheduler:
         # Speculative decoding: above this many running requests drafts are dropped (decode normally).
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
         self.spec_stats = SpecDecodingStats.new(spec.num_speculative_tokens) if spec is not None else None
+        # A draft model writes KV for its k drafts past the verified tokens before the target computes them: each
+        # allocation reserves k slots beyond the step's tokens (up to max_model_len).
+        self.num_lookahead = spec.num_speculative_tokens if spec is not None and spec.uses_draft_model else 0
         # Hybrid models with prefix caching: recurrent-state checkpoints at block boundaries, one slot per
         # sequence the engine may run (core/state_checkpoints.py); a prefix hit ends at a saved one.
         from tokenmill.core.state_checkpoints import StateCheckpoints, num_checkpoint_slots
@@ -149,14 +152,15 @@ class Scheduler:
             drafts = self._drafts_to_schedule(req, n, budget) if req.spec_token_ids else None
             if drafts:
                 n += len(drafts)
-            new_block_ids = self.kv.allocate_slots(req, n)
+            ahead = self._lookahead(req.num_computed_tokens + n)
+            new_block_ids = self.kv.allocate_slots(req, n, num_lookahead_tokens=ahead)
             while new_block_ids is None:
                 victim = self._pick_victim()
                 self._preempt(victim)
                 preempted_any = True
                 if victim is req:
                     break
-                new_block_ids = self.kv.allocate_slots(req, n)
+                new_block_ids = self.kv.allocate_slots(req, n, num_lookahead_tokens=ahead)
             if new_block_ids is None:
                 break  # `req` itself was preempted; it sat at the end, so nothing after it remains
             cached.req_ids.append(req.request_id)
@@ -200,7 +204,7 @@ class Scheduler:
                 break
             if not self.chunked_prefill and num_hit + n < req.num_tokens:
                 break  # the whole prompt must fit in one step
-            new_block_ids = self.kv.allocate_slots(req, n, hits)
+            new_block_ids = self.kv.allocate_slots(req, n, hits, num_lookahead_tokens=self._lookahead(num_hit + n))
             if new_block_ids is None:
                 break
             self.waiting.pop()
@@ -250,6 +254,10 @@ class Scheduler:
                                total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
                                finished_req_ids=finished, grammar_req_ids=grammar_req_ids,
                                scheduled_spec_decode_tokens=spec_tokens, state_saves=state_saves)
+
+    def _lookahead(self, end: int) -> int:
+        """KV slots to reserve past a step that ends at position `end` (a draft model's drafts)."""
+        return min(self.num_lookahead, self.max_model_len - end) if self.num_lookahead else 0
 
     def _drafts_to_schedule(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts a decoding request verifies this step (its proposals, cut to the budget, the context length

@@ -1,24 +1,71 @@
 """The drafter interface and the prompt-lookup (n-gram) drafter."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
+@dataclass
+class DraftStep:
+    """What a step left for the drafter, one entry per request the step ran (runner rows, batch order).
+
+    ends[i]: tokens of row i the target has now run or sampled (a prefill chunk's end; for a sampling request all its
+    known tokens, the last one just sampled). propose[i]: row i wants up to k drafts (it sampled, and its sampling
+    can be verified run-wise). accepted[i]: drafts of row i the target kept this step (0 where none were verified).
+    """
+    req_ids: list[str]
+    rows: np.ndarray
+    ends: np.ndarray
+    propose: np.ndarray
+    accepted: np.ndarray
+    k: int
+
 
 class Proposer:
-    """Proposes draft tokens from a request's own tokens.
+    """Proposes draft tokens after each step.
 
-    Contract: `propose(req_id, tokens, k)` returns at most k token ids that are the drafter's guess of what follows
-    `tokens` (all known tokens of the request, prompt then outputs; read-only, valid during the call only); an empty
-    list proposes nothing. Drafts are deterministic (draft probability 1 for the proposed token), which is what the
-    verification in layers/rejection_sampler assumes. `remove(req_id)` is called when the request leaves the runner
-    (a drafter may keep per-request state between calls).
+    Contract: `propose_batch(batch, step)` returns, for each request of the step, at most k token ids that are the
+    drafter's guess of what follows the request's known tokens (`batch.token_ids[row, :num_tokens[row]]`, prompt
+    then outputs), [] where `step.propose` is False or it has no guess. Drafts are deterministic (draft probability 1
+    for the proposed token), which is what the verification in layers/rejection_sampler assumes. The default asks
+    `propose(req_id, tokens, k)` per request (host-side drafters). `add_request` / `remove` are called as requests
+    enter and leave the runner (a drafter may keep per-request state between calls).
+
+    A drafter with its own model (`has_model`) also takes part in set-up: it loads its weights, adds its KV bytes
+    per block to the target's (it writes its KV into the target's blocks, in its own cache tensors), and runs in
+    the memory profile.
     """
+    has_model = False
 
     def propose(self, req_id: str, tokens: np.ndarray, k: int) -> list[int]:
         raise NotImplementedError
 
+    def propose_batch(self, batch, step: DraftStep) -> list[list[int]]:
+        out: list[list[int]] = []
+        for i, rid in enumerate(step.req_ids):
+            row = int(step.rows[i])
+            out.append(self.propose(rid, batch.token_ids[row, :batch.num_tokens[row]], step.k)
+                       if step.propose[i] else [])
+        return out
+
+    def add_request(self, req_id: str, row: int, num_computed: int) -> None:
+        pass
+
     def remove(self, req_id: str) -> None:
+        pass
+
+    # ----- a drafter with a model of its own -----
+    def load_model(self, backend_cls: type) -> None:
+        pass
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return 0
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int) -> None:
+        pass
+
+    def profile_run(self, num_tokens: int) -> None:
         pass
 
 

@@ -19,7 +19,7 @@ from tokenmill.layers.rejection_sampler import accept_fixed_rate, accept_matchin
 from tokenmill.layers.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from tokenmill.metrics.step_timing import TIMER
 from tokenmill.models.loader import load_model
-from tokenmill.spec_decode import make_proposer
+from tokenmill.spec_decode import DraftStep, make_proposer
 from tokenmill.worker.input_batch import InputBatch, PendingTokens
 from tokenmill.worker.runner_output import AsyncRunnerOutput, StepState
 from tokenmill.worker.sampling_state import SamplingState
@@ -83,7 +83,7 @@ class ModelRunner:
         # (their sampling reads the tokens before each position, which the verification of a whole run does not
         # update: penalties, min_tokens, bad words, grammars).
         spec = self.spec = config.speculative_config
-        self.proposer = make_proposer(spec) if spec is not None else None
+        self.proposer = make_proposer(config, device, _KV_DTYPES) if spec is not None else None
         self._drafts: dict[str, list[int]] = {}
         self._no_drafts: set[str] = set()
         self._accept_rng = np.random.default_rng(config.model_config.seed)  # benchmark_acceptance_rate only
@@ -119,10 +119,14 @@ class ModelRunner:
         self.num_kv_heads = kv_heads_per_rank(  # this rank's share of the KV heads: its cache holds only those
             getattr(text, "num_key_value_heads", None) or text.num_attention_heads, ps.tp_size)
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        if self.proposer is not None and self.proposer.has_model:
+            self.proposer.load_model(self.backend_cls)
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * len(self.kv_layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+        own = 2 * len(self.kv_layers) * self.block_size * self.num_kv_heads * self.head_dim * elem
+        # A draft model keeps its KV in the same blocks (cache tensors of its own).
+        return own + (self.proposer.kv_cache_bytes_per_block(self.block_size) if self.proposer is not None else 0)
 
     def kv_layer_groups(self) -> list[int] | None:
         """Each layer's KV cache group when the model has several (full attention beside sliding windows, see
@@ -164,6 +168,8 @@ class ModelRunner:
             self.group_tables = GroupBlockTables(len(counts), self.max_num_reqs, max_blocks, self.block_size,
                                                  layer_group)
         self.pending = PendingTokens(self.batch)
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(counts[0], self.block_size, self.max_num_reqs)
         self.sampling = SamplingState(self.max_num_reqs, self.vocab_size, self.device,
                                       global_seed=self.config.model_config.seed,
                                       logprobs_mode=self.config.model_config.logprobs_mode)
@@ -216,6 +222,9 @@ class ModelRunner:
             hidden = self.model(ids, ids, inter)
             if self.is_last_stage:
                 self.model.compute_logits(hidden[-min(num_tokens, self.max_num_reqs):])
+        if self.proposer is not None:
+            del hidden
+            self.proposer.profile_run(num_tokens)
 
     # ----- one step: prepare inputs -> forward (graph or eager) -> sampler | pooler -> outputs -----
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -244,8 +253,11 @@ class ModelRunner:
                 self.lora.add_request(new.req_id, new.lora_request)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprobs[new.req_id] = new.sampling_params.prompt_logprobs
-            if self.proposer is not None and not _drafts_verify_exactly(new.sampling_params):
-                self._no_drafts.add(new.req_id)
+            if self.proposer is not None:
+                if _drafts_verify_exactly(new.sampling_params):
+                    self.proposer.add_request(new.req_id, row, new.num_computed_tokens)
+                else:
+                    self._no_drafts.add(new.req_id)
         c = sched.scheduled_cached_reqs
         for rid, blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             row = b.req_id_to_row[rid]
@@ -283,6 +295,8 @@ class ModelRunner:
             # Verify widths have no captured graphs yet: a step with drafts runs eagerly.
             step = self._forward_graph(sched, inp) if not self._drafts and not with_lora else None
             self._step = step if step is not None else self._forward_eager(inp, sched.state_saves)
+            if self._step is not None:
+                self._step.seq_lens = inp.seq_lens
         finally:
             if with_lora:
                 self.lora.deactivate()
@@ -464,8 +478,7 @@ class ModelRunner:
         then the next step's drafts. Waits for the device (the drafts are made on the host from the kept tokens)."""
         b, n_req = self.batch, len(st.req_ids)
         sampled: list[list[int]] = [[] for _ in range(n_req)]
-        next_drafts: list[list[int]] = [[] for _ in range(n_req)]
-        logprobs = None
+        logprobs, keep = None, np.zeros(0, dtype=np.int64)
         if len(st.sample_idx):
             ids, lp, _ = self._sample(st, grammar)
             targets = ids.cpu().numpy()
@@ -494,20 +507,37 @@ class ModelRunner:
                 sel = to_device(kept_at, lp.token_ids.device)
                 logprobs = LogprobsTensors(lp.token_ids[sel], lp.logprobs[sel], lp.ranks[sel]).tolists()
             flat, ends = tokens.tolist(), np.cumsum(keep).tolist()
-            k = self.spec.num_speculative_tokens
             for j, i in enumerate(st.sample_idx):
                 sampled[i] = flat[ends[j] - int(keep[j]):ends[j]]
-                rid = st.req_ids[i]
-                if rid in self._no_drafts:
-                    continue
-                row = int(rows[j])
-                context = b.token_ids[row, :b.num_tokens[row]]
-                d = self.proposer.propose(rid, context, k)
-                if rate is not None and len(d) < k:  # benchmark mode verifies k drafts every step
-                    d = d + [int(context[-1])] * (k - len(d))
-                next_drafts[i] = d
+        next_drafts = self._propose(st, keep)  # (a draft model catches up on prefill chunks too)
         return ModelRunnerOutput(req_ids=st.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                  prompt_logprobs=st.prompt_lp, spec_token_ids=next_drafts)
+
+    def _propose(self, st: StepState, keep: np.ndarray) -> list[list[int]]:
+        """The next step's drafts of each request of the step (after its accepted tokens are in the batch); none
+        above disable_by_batch_size running requests."""
+        b, k = self.batch, self.spec.num_speculative_tokens
+        limit = self.spec.disable_by_batch_size
+        if limit is not None and len(b.req_id_to_row) > limit:
+            return [[] for _ in st.req_ids]
+        n = len(st.req_ids)
+        sampling = np.zeros(n, dtype=bool)
+        sampling[st.sample_idx] = True
+        accepted = np.zeros(n, dtype=np.int64)
+        accepted[st.sample_idx] = keep - 1
+        tracked = np.fromiter((rid not in self._no_drafts for rid in st.req_ids), dtype=bool, count=n)
+        ends = np.where(sampling, b.num_tokens[st.rows], st.seq_lens)
+        sel = np.flatnonzero(tracked)
+        step = DraftStep([st.req_ids[i] for i in sel], st.rows[sel], ends[sel], sampling[sel], accepted[sel], k)
+        drafts = self.proposer.propose_batch(b, step)
+        out: list[list[int]] = [[] for _ in range(n)]
+        rate = self.spec.benchmark_acceptance_rate
+        for i, d in zip(sel.tolist(), drafts):
+            if rate is not None and sampling[i] and len(d) < k:  # benchmark mode verifies k drafts every step
+                row = int(st.rows[i])
+                d = d + [int(b.token_ids[row, b.num_tokens[row] - 1])] * (k - len(d))
+            out[i] = d
+        return out
 
     def _apply_grammar(self, grammar: GrammarOutput, req_ids: list[str], sample_idx: np.ndarray,
                        n_sample: np.ndarray, logits: torch.Tensor) -> None:
