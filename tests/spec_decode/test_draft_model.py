@@ -134,3 +134,22 @@ def test_draft_kv_is_exact_where_attention_decides(tiny_llama):
     assert ids(generate(spec, GREEDY, prompts)) == ids(generate(make_llm(tiny_llama, **kw), GREEDY, prompts))
     drafts, accepted = spec_counts(spec)
     assert accepted == drafts > 50
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.executor.worker.runner
+
+
+def test_one_pass_proposal_body_equals_the_step_by_step_path(tiny_llama):
+    """The body that CUDA graphs capture (draft_graph.py: re-feed the last two tokens, then k - 1 steps, KV slots
+    from the block table on the device), run eagerly: the same tokens, every draft still accepted, and most
+    proposals made by it."""
+    prompts = [list(range(40, 70)), list(range(500, 503)), list(range(900, 961, 3))]
+    kw = dict(max_num_batched_tokens=16, long_prefill_token_threshold=0, max_num_seqs=4)
+    spec = make_llm(tiny_llama, draft(tiny_llama, k=5), **kw)
+    runner = _runner(spec)
+    runner.spec_state.proposer.use_proposal_graphs([1, 2, 4], max_blocks=runner.batch.block_table.shape[1], capture=False)
+    assert ids(generate(spec, GREEDY, prompts)) == ids(generate(make_llm(tiny_llama, **kw), GREEDY, prompts))
+    drafts, accepted = spec_counts(spec)
+    assert accepted == drafts > 50
+    assert runner.spec_state.proposer.graphs.proposals > drafts / 5 / 2

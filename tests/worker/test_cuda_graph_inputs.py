@@ -110,6 +110,9 @@ def test_uniform_graphs_of_several_tokens_per_request():
     """Key (batch size, q): three requests of two tokens run in the (4, 2) graph; padding requests have an
     empty query and no context; a batch that is not uniform goes to a mixed graph."""
     cg = _runner(tokens_per_request=(1, 2))
+    # q > 1 graphs only where size * q tokens fit the largest decode graph's 24
+    assert cg.sizes_by_q == {1: SIZES, 2: [1, 2, 4, 8]}
+    assert _runner(tokens_per_request=(1, 25)).sizes_by_q == {1: SIZES}
     qsl = np.array([0, 2, 4, 6])
     key = cg.load(np.arange(6) + 1, np.arange(6), np.arange(6) + 20, qsl, np.array([5, 6, 7]),
                   np.zeros((3, 2), np.int32))

@@ -56,11 +56,26 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{k[1:]}% percentile latency: {v:.4f} seconds")
     print(f"Median prefill + first token: {summarize(prefill)['p50'] * 1000:.2f} ms; decode: {decode_ms:.3f} ms per "
           f"output token at batch {args.batch_size}")
+    spec = _spec_summary(llm)
+    if spec:
+        print(f"Speculative decoding: {spec['drafts']} verify steps, {spec['acceptance'] * 100:.1f}% of drafts "
+              f"accepted, {spec['mean_tokens_per_step']:.2f} tokens per verify step")
     result = {"avg_latency": stats["avg"], "latencies": lat, "percentiles": stats,
               "prefill_latencies": prefill, "decode_ms_per_token": decode_ms, "batch_size": args.batch_size,
-              "input_len": args.input_len, "output_len": args.output_len, **sampling}
+              "input_len": args.input_len, "output_len": args.output_len, "spec_decode": spec, **sampling}
     write_json(args.output_json, result)
     return result
+
+
+def _spec_summary(llm) -> dict | None:
+    """The engine's speculative-decoding counters (None without drafts)."""
+    m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
+    drafts = m.get("vllm:spec_decode_num_drafts")
+    if not drafts:
+        return None
+    tokens, accepted = m["vllm:spec_decode_num_draft_tokens"], m["vllm:spec_decode_num_accepted_tokens"]
+    return {"drafts": int(drafts), "acceptance": accepted / max(tokens, 1),
+            "mean_tokens_per_step": 1 + accepted / drafts}
 
 
 if __name__ == "__main__":

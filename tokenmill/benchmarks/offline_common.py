@@ -31,6 +31,12 @@ def split_engine_args(argv: list[str], bench_parser: argparse.ArgumentParser) ->
     if shipped is not None:
         engine_kwargs["model"] = shipped
         engine_kwargs.setdefault("load_format", "dummy")
+    spec = engine_kwargs.get("speculative_config")
+    if isinstance(spec, str):
+        import json
+        spec = json.loads(spec)
+    if isinstance(spec, dict) and shipped_model_dir(spec.get("model")) is not None:  # a shipped draft shape
+        engine_kwargs["speculative_config"] = {**spec, "model": shipped_model_dir(spec["model"])}
     if engine_kwargs.get("load_format") == "dummy" and engine_kwargs.get("model") and not _has_tokenizer(
             engine_kwargs["model"]):
         engine_kwargs["skip_tokenizer_init"] = True

@@ -10,6 +10,10 @@ steps give drafts 2..k. Drafts 1..k-1 are written into the cache as they are fed
 recomputing: per row, `valid` counts the positions whose draft KV matches the request's tokens and `ahead` the
 drafted positions past it that hold the draft's own guesses, which become valid as the target accepts them.
 A stale or skipped draft KV only lowers acceptance: verification keeps exactly the target's own tokens.
+
+Rows in steady decoding (at most two tokens to catch up) propose through spec_decode/draft_graph.py: the catch-up
+and the k - 1 steps in one CUDA graph replay. Others (a prompt just finished, a row that fell behind) run the
+eager path above.
 """
 from __future__ import annotations
 
@@ -55,9 +59,11 @@ class DraftModelProposer(Proposer):
         self.load_config = dataclasses.replace(load, load_format="dummy" if load.load_format == "dummy" else "auto")
         self.max_len = self.mc.max_model_len
         self.budget = config.scheduler_config.max_num_batched_tokens
+        self.k = spec.num_speculative_tokens
         self.vocab = min(self.mc.vocab_size, config.model_config.vocab_size)
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs = None  # a DraftProposalGraphs once the cache exists (graph_sizes given)
 
     # ----- set-up -----
     def load_model(self, backend_cls: type) -> None:
@@ -78,7 +84,9 @@ class DraftModelProposer(Proposer):
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int,
+                            graph_sizes: list[int] | None = None, max_model_len: int = 0) -> None:
+        """graph_sizes: batch sizes to capture the steady-state proposal for (CUDA graphs; None: eager)."""
         # One block more than the target's: the scratch block, where rows write positions that have no block
         # (drafts past their allocation near max_model_len), never read back as valid.
         self.block_size, self.scratch = block_size, num_blocks
@@ -87,6 +95,15 @@ class DraftModelProposer(Proposer):
                           for _ in range(self.num_layers)]
         self.valid = np.zeros(max_num_reqs, dtype=np.int64)
         self.ahead = np.zeros(max_num_reqs, dtype=np.int64)
+        if graph_sizes:
+            self.use_proposal_graphs(graph_sizes, cdiv(max_model_len, block_size), capture=True)
+
+    def use_proposal_graphs(self, sizes: list[int], max_blocks: int, capture: bool) -> None:
+        """Propose for steady-state rows through draft_graph.DraftProposalGraphs (capture=False: its body runs
+        eagerly, as on the CPU)."""
+        from tokenmill.spec_decode.draft_graph import DraftProposalGraphs
+        self.graphs = DraftProposalGraphs(self.model, self.kv_caches, sizes, self.k, self.block_size, max_blocks,
+                                          self.max_len, self.scratch, self.vocab, self.device, capture)
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:
@@ -113,20 +130,37 @@ class DraftModelProposer(Proposer):
         need = np.maximum(ends - valid[rows], 0)
         # Within the budget, in batch order; a row cut short catches up later.
         take = np.minimum(need, np.maximum(self.budget - (np.cumsum(need) - need), 0))
-        propose = (step.propose & (take == need) & (step.ends <= self.max_len)
-                   & (batch.num_tokens[rows].astype(np.int64) + k - 1 <= self.max_len))
-        run = np.flatnonzero(take > 0)
-        if not len(run):
-            return out
-        first = self._catch_up(batch, rows[run], valid[rows[run]], take[run], propose[run])
-        valid[rows[run]] += take[run]
-        sel = run[propose[run]]
-        if not len(sel):
-            return out
-        drafts = self._decode(batch, rows[sel], first, k)
+        n_tok = batch.num_tokens[rows].astype(np.int64)
+        propose = (step.propose & (take == need) & (step.ends <= self.max_len) & (n_tok + k - 1 <= self.max_len))
+        fast = np.zeros(len(rows), dtype=bool)
+        if self.graphs is not None:
+            fast = propose & (need <= 2) & (n_tok >= 2)
+            if fast.sum() > self.graphs.max_size:
+                fast &= np.cumsum(fast) <= self.graphs.max_size
+        run = np.flatnonzero((take > 0) & ~fast)
+        if len(run):
+            first = self._catch_up(batch, rows[run], valid[rows[run]], take[run], propose[run])
+            valid[rows[run]] += take[run]
+            sel = run[propose[run]]
+            if len(sel):
+                self._collect(out, sel, self._decode(batch, rows[sel], first, k))
+        sel = np.flatnonzero(fast)
+        if len(sel):
+            r = rows[sel]
+            drafts = self.graphs.propose(batch, r)
+            valid[r] = n_tok[sel]
+            self.ahead[r] = self._ahead(batch, r, n_tok[sel], k)
+            self._collect(out, sel, drafts)
+        return out
+
+    @staticmethod
+    def _collect(out: list[list[int]], sel: np.ndarray, drafts: np.ndarray) -> None:
         for i, d in zip(sel.tolist(), drafts.tolist()):
             out[i] = d
-        return out
+
+    def _ahead(self, batch, rows: np.ndarray, base: np.ndarray, k: int) -> np.ndarray:
+        """Drafted positions (from `base`, draft 1's) whose KV went into the rows' own blocks."""
+        return np.clip(batch.num_blocks[rows].astype(np.int64) * self.block_size - base, 0, k - 1)
 
     def _catch_up(self, batch, rows, starts, counts, want) -> torch.Tensor:
         """Run positions [starts, starts + counts) of each row; the greedy next token after the rows in `want`."""
@@ -153,8 +187,7 @@ class DraftModelProposer(Proposer):
             pos = base + i
             drafts.append(self._forward(batch, rows, None, pos, self._slots(batch, rows, pos), qsl, pos + 1,
                                         np.arange(n), ids_t=drafts[-1]))
-        alloc = batch.num_blocks[rows].astype(np.int64) * self.block_size
-        self.ahead[rows] = np.clip(alloc - base, 0, k - 1)
+        self.ahead[rows] = self._ahead(batch, rows, base, k)
         return torch.stack(drafts, dim=1).cpu().numpy()
 
     def _slots(self, batch, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:

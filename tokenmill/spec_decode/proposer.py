@@ -62,7 +62,8 @@ class Proposer:
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return 0
 
-    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, block_size: int, max_num_reqs: int,
+                            graph_sizes: list[int] | None = None, max_model_len: int = 0) -> None:
         pass
 
     def profile_run(self, num_tokens: int) -> None:

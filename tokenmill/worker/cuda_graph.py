@@ -100,7 +100,8 @@ class CudaGraphRunner:
                  mixed_sizes: list[tuple[int, int]] | None = None, prev_sampled: torch.Tensor | None = None,
                  vocab_size: int = 0, dtype: torch.dtype = torch.float32, tokens_per_request=(1,),
                  recurrent=None) -> None:
-        """tokens_per_request: the q values captured for every batch size (1: decode only). recurrent: a
+        """tokens_per_request: the q values captured (1: decode only); a q > 1 (verifying q - 1 drafts) is captured
+        for the batch sizes whose size * q tokens fit the largest decode graph's. recurrent: a
         worker/state_cache.GraphRecurrentStep for models with recurrent layers (decode graphs only; `load` then
         takes each request's state slot)."""
         self.model, self.kv_caches, self.device = model, kv_caches, device
@@ -110,7 +111,8 @@ class CudaGraphRunner:
         self.sizes = sorted(capture_sizes)
         self.max_size = self.sizes[-1]
         self.max_model_len = max_model_len
-        self.sizes_by_q = {q: self.sizes for q in sorted(set(tokens_per_request))}
+        self.sizes_by_q = {q: [s for s in self.sizes if s * q <= self.max_size] for q in sorted(set(tokens_per_request))}
+        self.sizes_by_q = {q: sizes for q, sizes in self.sizes_by_q.items() if sizes}
         self.mixed_sizes = sorted(mixed_sizes or [])
         self.mixed_token_sizes = [t for t, _ in self.mixed_sizes]
         self.mixed_reqs = dict(self.mixed_sizes)

@@ -15,14 +15,13 @@ from tokenmill.distributed import get_parallel_state, kv_heads_per_rank
 from tokenmill.distributed.pp import StageLink, pp_layer_range
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.pooler import Pooler
-from tokenmill.layers.rejection_sampler import accept_fixed_rate, accept_matching
 from tokenmill.layers.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
 from tokenmill.metrics.step_timing import TIMER
 from tokenmill.models.loader import load_model
-from tokenmill.spec_decode import DraftStep, make_proposer
 from tokenmill.worker.input_batch import InputBatch, PendingTokens
 from tokenmill.worker.runner_output import AsyncRunnerOutput, StepState
 from tokenmill.worker.sampling_state import SamplingState
+from tokenmill.worker.spec_state import SpecDecodeState
 from tokenmill.worker.transfer import to_device
 
 __all__ = ["AsyncRunnerOutput", "ModelRunner"]
@@ -79,14 +78,10 @@ class ModelRunner:
         # Pinned host buffers the sampled ids are copied into, in turn (a fresh pinned tensor per step costs a
         # caching-allocator round trip). A buffer is reused three steps later: by then the runner has taken that
         # step's ids (`sample_tokens` calls the previous output's get() first).
-        # Speculative decoding: the drafter, this step's drafts by request, and the requests never drafted for
-        # (their sampling reads the tokens before each position, which the verification of a whole run does not
-        # update: penalties, min_tokens, bad words, grammars).
+        # Speculative decoding: the drafter and the step's drafts (worker/spec_state.py).
         spec = self.spec = config.speculative_config
-        self.proposer = make_proposer(config, device, _KV_DTYPES) if spec is not None else None
-        self._drafts: dict[str, list[int]] = {}
-        self._no_drafts: set[str] = set()
-        self._accept_rng = np.random.default_rng(config.model_config.seed)  # benchmark_acceptance_rate only
+        self.spec_state = SpecDecodeState(config, device, _KV_DTYPES) if spec is not None else None
+        self.proposer = self.spec_state.proposer if spec is not None else None
         self.max_sampled = self.max_num_reqs * (1 + spec.num_speculative_tokens if spec is not None
                                                 else MAX_SAMPLED_PER_REQUEST)
         self._ids_host = [torch.empty(self.max_sampled, dtype=torch.long, pin_memory=True) for _ in range(3)] \
@@ -169,7 +164,13 @@ class ModelRunner:
                                                  layer_group)
         self.pending = PendingTokens(self.batch)
         if self.proposer is not None:
-            self.proposer.initialize_kv_cache(counts[0], self.block_size, self.max_num_reqs)
+            graph_sizes = None
+            if self.use_cuda_graphs():  # the drafter's graphs cover the batches the verify graphs do
+                sizes = self.config.compilation_config.capture_sizes(self.max_num_reqs)
+                q = 1 + self.spec.num_speculative_tokens
+                graph_sizes = [s for s in sizes if s * q <= max(sizes)]
+            self.proposer.initialize_kv_cache(counts[0], self.block_size, self.max_num_reqs, graph_sizes,
+                                              self.max_model_len)
         self.sampling = SamplingState(self.max_num_reqs, self.vocab_size, self.device,
                                       global_seed=self.config.model_config.seed,
                                       logprobs_mode=self.config.model_config.logprobs_mode)
@@ -180,6 +181,9 @@ class ModelRunner:
             sizes = cc.capture_sizes(self.max_num_reqs)
             mixed = cc.mixed_capture_sizes(self.config.scheduler_config.max_num_batched_tokens, self.max_num_reqs)
             recurrent = None
+            # Verifying k drafts: uniform graphs of k + 1 tokens per request too (when every request of a step
+            # verifies exactly k; a step with fewer runs eagerly).
+            per_request = (1,) if self.spec is None else (1, 1 + self.spec.num_speculative_tokens)
             if self.state_cache is not None:
                 # Decode graphs only: a step with a prefill row runs its recurrent layers one sequence at a time.
                 from tokenmill.worker.state_cache import GraphRecurrentStep
@@ -189,7 +193,8 @@ class ModelRunner:
                                                mixed_sizes=mixed, recurrent=recurrent,
                                                prev_sampled=torch.zeros(self.max_sampled, dtype=torch.long,
                                                                         device=self.device),
-                                               vocab_size=self.vocab_size, dtype=self.dtype)
+                                               vocab_size=self.vocab_size, dtype=self.dtype,
+                                               tokens_per_request=per_request if recurrent is None else (1,))
             self.cuda_graphs.capture()
 
     def cuda_graph_output_bytes(self) -> int:
@@ -236,9 +241,8 @@ class ModelRunner:
             self.prompt_logprobs.pop(rid, None)
             if self.lora is not None:
                 self.lora.remove_request(rid)
-            if self.proposer is not None:
-                self.proposer.remove(rid)
-                self._no_drafts.discard(rid)
+            if self.spec_state is not None:
+                self.spec_state.remove(rid)
         for new in sched.scheduled_new_reqs:
             ids = new.block_ids
             if self.group_tables is not None:  # one list per KV cache group
@@ -253,11 +257,8 @@ class ModelRunner:
                 self.lora.add_request(new.req_id, new.lora_request)
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprobs[new.req_id] = new.sampling_params.prompt_logprobs
-            if self.proposer is not None:
-                if _drafts_verify_exactly(new.sampling_params):
-                    self.proposer.add_request(new.req_id, row, new.num_computed_tokens)
-                else:
-                    self._no_drafts.add(new.req_id)
+            if self.spec_state is not None:
+                self.spec_state.add_request(new.req_id, row, new.sampling_params, new.num_computed_tokens)
         c = sched.scheduled_cached_reqs
         for rid, blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             row = b.req_id_to_row[rid]
@@ -273,12 +274,8 @@ class ModelRunner:
                     row, n = b.req_id_to_row[rid], len(toks)
                     b.token_ids[row, b.num_tokens[row]:b.num_tokens[row] + n] = toks
                     b.num_tokens[row] += n
-        # Drafts sit after the known tokens without counting as known: the inputs read them, verification keeps
-        # or overwrites them.
-        self._drafts = sched.scheduled_spec_decode_tokens
-        for rid, drafts in self._drafts.items():
-            row, n = b.req_id_to_row[rid], int(b.num_tokens[b.req_id_to_row[rid]])
-            b.token_ids[row, n:n + len(drafts)] = drafts
+        if self.spec_state is not None:  # drafts sit after the known tokens without counting as known
+            self.spec_state.begin_step(sched.scheduled_spec_decode_tokens, b)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> None:
@@ -292,8 +289,7 @@ class ModelRunner:
         # A step with adapters runs eagerly: the captured graphs hold the base model's fused path only.
         with_lora = self.lora is not None and self.lora.activate(inp.req_ids, inp.n_sched)
         try:
-            # Verify widths have no captured graphs yet: a step with drafts runs eagerly.
-            step = self._forward_graph(sched, inp) if not self._drafts and not with_lora else None
+            step = self._forward_graph(sched, inp) if not with_lora else None
             self._step = step if step is not None else self._forward_eager(inp, sched.state_saves)
             if self._step is not None:
                 self._step.seq_lens = inp.seq_lens
@@ -327,9 +323,8 @@ class ModelRunner:
         sample_idx = np.nonzero(seq_lens >= b.num_tokens[rows])[0]
         # Tokens each sampling request samples: 1 (k + 1 once k draft tokens are verified).
         n_sample = np.ones(len(sample_idx), dtype=np.int64)
-        if self._drafts:
-            n_sample += np.fromiter((len(self._drafts.get(req_ids[i], ())) for i in sample_idx), dtype=np.int64,
-                                    count=len(sample_idx))
+        if self.spec_state is not None and self.spec_state.drafts:
+            n_sample += self.spec_state.num_drafts(req_ids, sample_idx)
         fixup = self.pending.sources(input_ids, token_rows, positions)
         return StepInputs(req_ids, rows, n_sched, computed, qsl, input_ids, rope_positions, slots, seq_lens,
                           block_table, sample_idx, n_sample, fixup)
@@ -473,31 +468,17 @@ class ModelRunner:
         return out.sampled_token_ids, out.logprobs, None
 
     def _sample_and_verify(self, st: StepState, grammar: GrammarOutput | None) -> ModelRunnerOutput:
-        """Speculative decoding's sample step: the target's draw at every verified position, the run of drafts it
-        agrees with (layers/rejection_sampler.accept_matching) plus the next draw kept, written into the batch,
-        then the next step's drafts. Waits for the device (the drafts are made on the host from the kept tokens)."""
-        b, n_req = self.batch, len(st.req_ids)
-        sampled: list[list[int]] = [[] for _ in range(n_req)]
+        """Speculative decoding's sample step: the target's draw at every verified position, the tokens kept
+        (worker/spec_state.SpecDecodeState.accept) written into the batch, then the next step's drafts. Waits for the
+        device (the drafts are made on the host from the kept tokens)."""
+        b, spec = self.batch, self.spec_state
+        sampled: list[list[int]] = [[] for _ in st.req_ids]
         logprobs, keep = None, np.zeros(0, dtype=np.int64)
         if len(st.sample_idx):
             ids, lp, _ = self._sample(st, grammar)
-            targets = ids.cpu().numpy()
             n_sample = st.n_sample.astype(np.int64)
-            starts = np.cumsum(n_sample) - n_sample
-            drafts = np.full(len(targets), -1, dtype=np.int64)
-            for j, i in enumerate(st.sample_idx):
-                d = self._drafts.get(st.req_ids[i])
-                if d:
-                    drafts[starts[j]:starts[j] + len(d)] = d
-            rate = self.spec.benchmark_acceptance_rate
-            if rate is None:
-                keep = accept_matching(targets, drafts, n_sample)
-            else:  # benchmark mode: the kept drafts stand, whatever the target drew there
-                keep = accept_fixed_rate(n_sample, rate, self._accept_rng)
-                local = np.arange(len(targets)) - np.repeat(starts, n_sample)
-                forced = local < np.repeat(keep - 1, n_sample)
-                targets = np.where(forced, drafts, targets)
-            run, offs = _runs(starts, keep)
+            keep, targets = spec.accept(st.req_ids, st.sample_idx, n_sample, ids.cpu().numpy())
+            run, offs = _runs(np.cumsum(n_sample) - n_sample, keep)
             kept_at = run + offs                       # flat index of each kept token
             tokens = targets[kept_at]
             rows = st.rows[st.sample_idx]
@@ -509,35 +490,10 @@ class ModelRunner:
             flat, ends = tokens.tolist(), np.cumsum(keep).tolist()
             for j, i in enumerate(st.sample_idx):
                 sampled[i] = flat[ends[j] - int(keep[j]):ends[j]]
-        next_drafts = self._propose(st, keep)  # (a draft model catches up on prefill chunks too)
+        # (a draft model catches up on prefill chunks too, so this runs on steps that sample nothing)
+        next_drafts = spec.propose(b, st.req_ids, st.rows, st.sample_idx, keep, st.seq_lens)
         return ModelRunnerOutput(req_ids=st.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                  prompt_logprobs=st.prompt_lp, spec_token_ids=next_drafts)
-
-    def _propose(self, st: StepState, keep: np.ndarray) -> list[list[int]]:
-        """The next step's drafts of each request of the step (after its accepted tokens are in the batch); none
-        above disable_by_batch_size running requests."""
-        b, k = self.batch, self.spec.num_speculative_tokens
-        limit = self.spec.disable_by_batch_size
-        if limit is not None and len(b.req_id_to_row) > limit:
-            return [[] for _ in st.req_ids]
-        n = len(st.req_ids)
-        sampling = np.zeros(n, dtype=bool)
-        sampling[st.sample_idx] = True
-        accepted = np.zeros(n, dtype=np.int64)
-        accepted[st.sample_idx] = keep - 1
-        tracked = np.fromiter((rid not in self._no_drafts for rid in st.req_ids), dtype=bool, count=n)
-        ends = np.where(sampling, b.num_tokens[st.rows], st.seq_lens)
-        sel = np.flatnonzero(tracked)
-        step = DraftStep([st.req_ids[i] for i in sel], st.rows[sel], ends[sel], sampling[sel], accepted[sel], k)
-        drafts = self.proposer.propose_batch(b, step)
-        out: list[list[int]] = [[] for _ in range(n)]
-        rate = self.spec.benchmark_acceptance_rate
-        for i, d in zip(sel.tolist(), drafts):
-            if rate is not None and sampling[i] and len(d) < k:  # benchmark mode verifies k drafts every step
-                row = int(st.rows[i])
-                d = d + [int(b.token_ids[row, b.num_tokens[row] - 1])] * (k - len(d))
-            out[i] = d
-        return out
 
     def _apply_grammar(self, grammar: GrammarOutput, req_ids: list[str], sample_idx: np.ndarray,
                        n_sample: np.ndarray, logits: torch.Tensor) -> None:
@@ -609,16 +565,6 @@ class StepInputs:
             return ends - 1
         runs, offsets = _runs(ends - self.n_sample, self.n_sample)
         return runs + offsets
-
-
-def _drafts_verify_exactly(params) -> bool:
-    """Whether verifying a run of drafts samples each position as one-token steps would: not when the sampling
-    of a position reads the outputs before it (penalties, min_tokens, bad words) or a grammar constrains it, nor
-    with logit_bias / allowed_token_ids (SamplingState applies those to one row per request, not to each position
-    of a run)."""
-    return (params.frequency_penalty == 0 and params.presence_penalty == 0 and params.repetition_penalty == 1
-            and not params.min_tokens and not params.bad_words_token_ids and params.structured_outputs is None
-            and not params.logit_bias and params.allowed_token_ids is None)
 
 
 def _runs(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
