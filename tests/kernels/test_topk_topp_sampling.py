@@ -65,15 +65,17 @@ def _rows(b, v, seed):
     return logits, temp, k, p, mp, seeds, pos
 
 
-@pytest.mark.parametrize("use", ["p", "k", "m", "kp", "kpm"])
+@pytest.mark.parametrize("use", ["p", "k", "m", "kp", "kpm", "K", "Kp", "Kpm"])
 @pytest.mark.parametrize("want_thr", [False, True])
 def test_kernel_draws_the_torch_paths_token_and_keeps_the_exact_set(use, want_thr):
+    """k: top-k by the bracket search; K: top-k from torch.topk's k-th value (max_top_k given)."""
     b, v = 6, 160
     logits, temp, k, p, mp, seeds, pos = _rows(b, v, seed=len(use) + 10 * want_thr)
-    kk, pp, mm = (k if "k" in use else None), (p if "p" in use else None), (mp if "m" in use else None)
+    kk, pp, mm = (k if "k" in use.lower() else None), (p if "p" in use else None), (mp if "m" in use else None)
     tok, thr = topk_topp_sample(logits.to(DEV), seeds.to(DEV), pos.to(DEV), temp.to(DEV),
                                 *(t.to(DEV) if t is not None else None for t in (kk, pp, mm)),
-                                want_threshold=want_thr, block=64, chunk=32)
+                                want_threshold=want_thr, block=64, chunk=32,
+                                max_top_k=int(k.max()) if "K" in use else 0)
     tok = tok.cpu()
     assert torch.equal(tok, torch_path(logits, temp, seeds, pos, kk, pp, mm))
     y = logits / temp[:, None]
@@ -135,24 +137,27 @@ def test_kernel_frequencies_match_exact_probabilities():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("sigma", [1.0, 4.0])
-def test_full_vocabulary_on_cuda_equals_the_torch_path_and_replays_in_a_graph(sigma):
+@pytest.mark.parametrize("select", [False, True])
+def test_full_vocabulary_on_cuda_equals_the_torch_path_and_replays_in_a_graph(sigma, select):
+    """select: top-k from torch.topk's k-th value (every k <= TOPK_SELECT_MAX); else the search passes."""
     b, v = 64, 151936
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(b, v, device="cuda", generator=g) * sigma).bfloat16()
     seeds, pos = torch.arange(b, device="cuda") * 31 - 7, torch.arange(b, device="cuda") + 5
     temp = torch.linspace(0.3, 1.5, b, device="cuda")
-    k = torch.tensor([0, 1, 20, 1000, 50000] * 12 + [0] * 4, device="cuda")
+    k = torch.tensor(([0, 1, 20, 100, 256] if select else [0, 1, 20, 1000, 50000]) * 12 + [0] * 4, device="cuda")
     p = torch.linspace(0.05, 1.0, b, device="cuda")
     mp = torch.tensor([0.0, 0.05, 0.0, 0.2] * 16, device="cuda")
-    tok, thr = topk_topp_sample(logits, seeds, pos, temp, k, p, mp, want_threshold=True)
+    mk = int(k.max()) if select else 0
+    tok, thr = topk_topp_sample(logits, seeds, pos, temp, k, p, mp, want_threshold=True, max_top_k=mk)
     ref = torch_path(logits, temp, seeds, pos, k, p, mp)
     assert int((tok != ref).sum()) <= 1   # a top-p mass sum may round differently at a boundary, rarely
     y = logits.float() / temp[:, None]
     assert bool((y.gather(1, tok[:, None]) >= thr[:, None]).all())
-    plain, _ = topk_topp_sample(logits, seeds, pos, temp, k, p, mp)
+    plain, _ = topk_topp_sample(logits, seeds, pos, temp, k, p, mp, max_top_k=mk)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured, _ = topk_topp_sample(logits, seeds, pos, temp, k, p, mp)
+        captured, _ = topk_topp_sample(logits, seeds, pos, temp, k, p, mp, max_top_k=mk)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, plain)
@@ -173,15 +178,16 @@ chunks = {"cmax_ptr": "*fp32", "cbest_ptr": "*fp32", "cidx_ptr": "*i32"}
 build(m._chunks_kernel, {**head, **chunks, "V": "i32", "n_chunks": "i32"},
       dict(**salts, BLOCK=m._CHUNK, HAS_TEMP=True, PDL=1), 8)
 split = {"smass_ptr": "*fp32", "sabove_ptr": "*fp32", "swin_ptr": "*fp32", "swidx_ptr": "*i32"}
-build(m._split_kernel, {**head, "minp_ptr": "*fp32", **chunks, **split, "V": "i32", "n_chunks": "i32"},
-      dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._CHUNK, CHUNKS_P2=128, HAS_TEMP=True, HAS_MINP=True, PDL=1),
-      8)
+build(m._split_kernel, {**head, "minp_ptr": "*fp32", "kth_ptr": "*fp32", **chunks, **split, "V": "i32",
+                        "n_chunks": "i32"},
+      dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._CHUNK, CHUNKS_P2=128, HAS_TEMP=True, HAS_MINP=True,
+           HAS_KTH=True, PDL=1), 8)
 for want, has_split in ((False, False), (True, False), (False, True), (True, True)):
-    build(m._topk_topp_kernel, {**head, "k_ptr": "*i64", "p_ptr": "*fp32", "minp_ptr": "*fp32", **chunks, **split,
-                                "out_ptr": "*i64", "thr_ptr": "*fp32", "V": "i32", "n_chunks": "i32"},
+    build(m._topk_topp_kernel, {**head, "k_ptr": "*i64", "p_ptr": "*fp32", "minp_ptr": "*fp32", "kth_ptr": "*fp32",
+                                **chunks, **split, "out_ptr": "*i64", "thr_ptr": "*fp32", "V": "i32", "n_chunks": "i32"},
           dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._BLOCK, NP=m._NP, CHUNKS_P2=128, HAS_TEMP=True,
-               HAS_K=not has_split, HAS_P=True, HAS_MINP=True, WANT_THR=want, HAS_SPLIT=has_split, PDL=1),
-          m._ROW_WARPS)
+               HAS_K=not has_split, HAS_P=True, HAS_MINP=True, WANT_THR=want, HAS_SPLIT=has_split,
+               HAS_KTH=has_split, PDL=1), m._ROW_WARPS)
 """
 
 

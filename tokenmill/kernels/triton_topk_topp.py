@@ -40,7 +40,9 @@ How, without a sort (a pass streams the row in BLOCK-sized chunks through regist
              instead and returns tau.
   draw       when x0 is not in A after a threshold stage, one more pass draws the race winner over A.
 A row with temperature sampling alone never reaches this kernel (race_argmax is one pass); top_p 0.95 alone costs
-pass 0 + one or two passes; min-p alone pass 0 + at most one; top-k costs the search passes on top.
+pass 0 + one or two passes; min-p alone pass 0 + at most one; top-k costs the search passes on top, unless the
+batch's largest k is at most TOPK_SELECT_MAX: then torch.topk gives each row's k-th largest value, which bounds
+the kept set from below like min-p's floor (ties included), and top-p runs as it does without top-k.
 
 After pass 0, one program per row: the loops are data-dependent per row, and a row is small enough (152k values) to
 stream a few times per step. CUDA-graph safe: no host control flow depends on the data, and the only scratch is the
@@ -66,6 +68,8 @@ _CHUNK = 2048
 _BLOCK = 2048
 _ROW_WARPS = 16
 _NP = 8          # keys evaluated per search pass (the bracket ends included)
+# Largest top_k whose threshold comes from torch.topk (above it, the bracket search passes).
+TOPK_SELECT_MAX = 256
 
 
 def _host_key(x: float) -> int:
@@ -271,14 +275,24 @@ def _value_key(row_ptr, x, temp, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, cmax_ptr, cbest_ptr, cidx_ptr,
-                  smass_ptr, sabove_ptr, swin_ptr, swidx_ptr, V, n_chunks, KEY_NEG_INF: tl.constexpr,
+def _kth_floor(lo, kth_ptr, b, temp, HAS_TEMP: tl.constexpr, HAS_KTH: tl.constexpr):
+    """Top-k from the k-th largest raw logit (torch.topk's, -inf where off): nothing below its scaled key is
+    kept, ties included (min-p's floor and this one are both upper sets, so the higher of the two is top-k of the
+    min-p survivors)."""
+    if HAS_KTH:
+        lo = tl.maximum(lo, _key(_scale(tl.load(kth_ptr + b), temp, HAS_TEMP)))
+    return lo
+
+
+@triton.jit
+def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, kth_ptr, cmax_ptr, cbest_ptr,
+                  cidx_ptr, smass_ptr, sabove_ptr, swin_ptr, swidx_ptr, V, n_chunks, KEY_NEG_INF: tl.constexpr,
                   SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
                   CHUNKS_P2: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_MINP: tl.constexpr,
-                  PDL: tl.constexpr = False):
-    """Without top-k, the row program's first pass spread over (row, chunk) programs: per chunk, the mass of the
-    min-p survivors P, the mass strictly above x0, and the race winner over the keys above x0 (x0 in P) or over P
-    (x0 not in P) - the next candidate."""
+                  HAS_KTH: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Without a top-k search, the row program's first pass spread over (row, chunk) programs: per chunk, the mass
+    of the min-p (and top-k from `kth`) survivors P, the mass strictly above x0, and the race winner over the keys
+    above x0 (x0 in P) or over P (x0 not in P) - the next candidate."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -288,6 +302,7 @@ def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, 
     lo = tl.full([], KEY_NEG_INF, tl.int32)
     if HAS_MINP:
         lo = tl.maximum(lo, _key(m + _log(tl.load(minp_ptr + b).to(tl.float32))))
+    lo = _kth_floor(lo, kth_ptr, b, temp, HAS_TEMP, HAS_KTH)
     kx = _value_key(row_ptr, x0, temp, HAS_TEMP)
     draw_lo = tl.where(kx >= lo, kx + 1, lo)
     cols, mask, y = _chunk(row_ptr, c * BLOCK, V, temp, BLOCK, HAS_TEMP)
@@ -304,12 +319,13 @@ def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, 
 
 
 @triton.jit
-def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr, p_ptr, minp_ptr, cmax_ptr,
+def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr, p_ptr, minp_ptr, kth_ptr, cmax_ptr,
                       cbest_ptr, cidx_ptr, smass_ptr, sabove_ptr, swin_ptr, swidx_ptr, out_ptr, thr_ptr, V, n_chunks,
                       KEY_NEG_INF: tl.constexpr, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr,
                       SALT_COL: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, CHUNKS_P2: tl.constexpr,
                       HAS_TEMP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MINP: tl.constexpr,
-                      WANT_THR: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+                      WANT_THR: tl.constexpr, HAS_SPLIT: tl.constexpr, HAS_KTH: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
     pdl_wait(PDL)
     b = tl.program_id(0)
     row_ptr = logits_ptr + b.to(tl.int64) * stride_b
@@ -325,6 +341,7 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
 
     if HAS_MINP:
         lo = tl.maximum(lo, _key(m + _log(tl.load(minp_ptr + b).to(tl.float32))))
+    lo = _kth_floor(lo, kth_ptr, b, temp, HAS_TEMP, HAS_KTH)
 
     if HAS_SPLIT:   # the split first pass (no top-k in the batch)
         z_split = tl.sum(tl.load(smass_ptr + b * n_chunks + ci, mask=cm, other=0.0), axis=0)
@@ -411,7 +428,7 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
                      temperature: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
                      top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
                      want_threshold: bool = False, block: int = _BLOCK, chunk: int = _CHUNK,
-                     num_warps: int = _ROW_WARPS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     num_warps: int = _ROW_WARPS, max_top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens [B] int64, thresholds [B] fp32 or None) for logits [B, V] (any float dtype, last dim contiguous).
 
     seeds / positions [B] int64 key the race noise (sampling_rng). temperature [B] (optional) divides the fp32
@@ -419,7 +436,9 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
     None parameter is off for every row. With want_threshold the second result holds, per row, the smallest kept
     temperature-scaled value: the kept set is exactly `logits.float() / temperature >= threshold` (-inf = all).
     block / num_warps: the columns per iteration of the row program and its warps; chunk: the columns of one pass-0
-    program (powers of 2; small ones are for the interpreter's tests).
+    program (powers of 2; small ones are for the interpreter's tests). max_top_k: the largest top_k of the batch
+    (0: unknown); up to TOPK_SELECT_MAX, top-k takes its threshold from torch.topk instead of the search passes,
+    and top-p then runs its split first pass as without top-k.
     """
     b, v = logits.shape
     if logits.stride(-1) != 1:
@@ -440,23 +459,34 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
                                   BLOCK=chunk, HAS_TEMP=temperature is not None, num_warps=8, **salts, **pdl)
     # The split first pass pays for top-p alone (its first rejection test spread over the chunks: -37% at batch 1,
     # -37% at 256 on the H200); with top-k the row program searches first, and min-p alone needs no test pass.
+    kth = None
+    if top_k is not None and 0 < max_top_k <= TOPK_SELECT_MAX:
+        # The k-th largest raw logit of each row (-inf where top-k is off): a partial selection, much cheaper
+        # than the search's passes for the small k that generation configs use (Qwen3: 20).
+        vals = torch.topk(logits, min(max_top_k, v), dim=-1).values
+        kk = top_k.to(torch.int64)
+        kth = vals.gather(1, (kk.clamp(1, vals.shape[1]) - 1)[:, None]).squeeze(1).float()
+        kth = torch.where(kk > 0, kth, float("-inf"))
+        top_k = None
     split = top_k is None and top_p is not None
     if split:
         smass, sabove, swin = (torch.empty_like(cmax) for _ in range(3))
         swidx = torch.empty_like(cidx)
         _split_kernel[(b, n_chunks)](
-            logits, logits.stride(0), seeds, positions, temp, min_p if min_p is not None else dummy, cmax, cbest,
-            cidx, smass, sabove, swin, swidx, v, n_chunks, KEY_NEG_INF=_KEY_NEG_INF, BLOCK=chunk,
-            CHUNKS_P2=triton.next_power_of_2(n_chunks), HAS_TEMP=temperature is not None,
-            HAS_MINP=min_p is not None, num_warps=8, **salts, **pdl)
+            logits, logits.stride(0), seeds, positions, temp, min_p if min_p is not None else dummy,
+            kth if kth is not None else temp, cmax, cbest, cidx, smass, sabove, swin, swidx, v, n_chunks,
+            KEY_NEG_INF=_KEY_NEG_INF, BLOCK=chunk, CHUNKS_P2=triton.next_power_of_2(n_chunks),
+            HAS_TEMP=temperature is not None, HAS_MINP=min_p is not None, HAS_KTH=kth is not None, num_warps=8,
+            **salts, **pdl)
     else:
         smass = sabove = swin = cmax
         swidx = cidx
     _topk_topp_kernel[(b,)](
         logits, logits.stride(0), seeds, positions, temp, top_k if top_k is not None else dummy,
-        top_p if top_p is not None else dummy, min_p if min_p is not None else dummy, cmax, cbest, cidx, smass,
+        top_p if top_p is not None else dummy, min_p if min_p is not None else dummy,
+        kth if kth is not None else temp, cmax, cbest, cidx, smass,
         sabove, swin, swidx, out, thr, v, n_chunks, KEY_NEG_INF=_KEY_NEG_INF, BLOCK=block, NP=_NP,
         CHUNKS_P2=triton.next_power_of_2(n_chunks), HAS_TEMP=temperature is not None, HAS_K=top_k is not None,
         HAS_P=top_p is not None, HAS_MINP=min_p is not None, WANT_THR=want_threshold, HAS_SPLIT=split,
-        num_warps=num_warps, **salts, **pdl)
+        HAS_KTH=kth is not None, num_warps=num_warps, **salts, **pdl)
     return out, (thr if want_threshold else None)

@@ -245,7 +245,7 @@ class Sampler(torch.nn.Module):
         greedy = None if md.all_random else logits.argmax(dim=-1)
         want_thr = want_lp and lp_src is None
         rand_tok, thr = topk_topp_sample(logits, md.seeds, md.positions, md.temperature, md.top_k, md.top_p,
-                                         md.min_p, want_threshold=want_thr)
+                                         md.min_p, want_threshold=want_thr, max_top_k=md.max_top_k)
         sampled = rand_tok if greedy is None else torch.where(md.greedy_mask, greedy, rand_tok)
         lp_out = None
         if want_lp:
