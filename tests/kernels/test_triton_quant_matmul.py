@@ -63,6 +63,21 @@ def test_int_weights(bits, m, n, k, group, act_order):
     torch.testing.assert_close(got, x @ w, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 16)])
+def test_int_weights_with_float_offsets(bits, group):
+    """GGUF's affine blocks: w = q * s + m with a float offset m per (group, column), fp16 scales and offsets."""
+    g = torch.Generator().manual_seed(bits)
+    k, n, m = 128, 48, 5
+    q = torch.randint(0, 2 ** bits, (k, n), generator=g)
+    scales = (torch.rand(k // group, n, generator=g) * 0.1 + 0.01).half()
+    offsets = (torch.randn(k // group, n, generator=g) * 0.3).half()
+    gi = torch.arange(k) // group
+    w = q.float() * scales.float()[gi] + offsets.float()[gi]
+    x = torch.randn(m, k, generator=g)
+    got = int_matmul(x.to(DEV), pack_along_k(q, bits).to(DEV), scales.to(DEV), offsets.to(DEV), bits, group).cpu()
+    torch.testing.assert_close(got, x @ w, rtol=1e-3, atol=1e-3)
+
+
 _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -76,11 +91,12 @@ for blocks in (False, True):
                     constexprs={"BLOCK_SCALES": blocks, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64})
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 ints = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", g_ptr="*i32", y_ptr="*bf16", **common,
-            GROUP="i32", BITS="constexpr", HAS_G_IDX="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
-            BLOCK_K="constexpr")
-for bits, gi in ((4, False), (8, True)):
-    src = ASTSource(fn=_int_matmul_kernel, signature=ints,
-                    constexprs={"BITS": bits, "HAS_G_IDX": gi, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64})
+            GROUP="i32", BITS="constexpr", HAS_G_IDX="constexpr", FLOAT_ZERO="constexpr", BLOCK_M="constexpr",
+            BLOCK_N="constexpr", BLOCK_K="constexpr")
+for bits, gi, fz in ((4, False, False), (8, True, False), (4, False, True)):
+    sig = {**ints, "s_ptr": "*fp16", "z_ptr": "*fp16"} if fz else ints
+    src = ASTSource(fn=_int_matmul_kernel, signature=sig, constexprs={
+        "BITS": bits, "HAS_G_IDX": gi, "FLOAT_ZERO": fz, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64})
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 """
 
@@ -96,4 +112,4 @@ def test_the_kernels_compile_for_sm90():
     if r.returncode != 0 and ("ImportError" in r.stderr or "ptxas" in r.stderr):
         pytest.skip(f"no sm_90 compile here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("ttgir") == 4
+    assert r.stdout.count("ttgir") == 5

@@ -12,8 +12,8 @@ gguf = pytest.importorskip("gguf")
 
 from tokenmill.kernels import cpu_int4pack  # noqa: E402
 from tokenmill.layers.quantization.base import LinearShape  # noqa: E402
-from tokenmill.layers.quantization.gguf_cpu import (GGUFCpuConfig, GGUFInt4LinearMethod,  # noqa: E402
-                                                     decode_int4_blocks)
+from tokenmill.layers.quantization.gguf_blocks import decode_blocks  # noqa: E402
+from tokenmill.layers.quantization.gguf_cpu import GGUFCpuConfig, GGUFInt4LinearMethod  # noqa: E402
 from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_int4pack.available(), reason="torch lacks the CPU int4pack ops")
@@ -44,7 +44,7 @@ def _dequantized(raw: np.ndarray, type_name: str, n: int, k: int) -> torch.Tenso
 def test_decoded_blocks_are_the_dequantized_weight(type_name):
     n, k = 24, 512
     raw = _blocks(type_name, n, k)
-    codes, s, m = decode_int4_blocks(torch.from_numpy(raw), type_name)
+    codes, s, m = decode_blocks(torch.from_numpy(raw), type_name)
     assert codes.shape == (n, k) and int(codes.max()) <= 15
     w = codes.float().reshape(n, k // 32, 32) * s.unsqueeze(-1) + m.unsqueeze(-1)
     torch.testing.assert_close(w.reshape(n, k), _dequantized(raw, type_name, n, k), rtol=1e-6, atol=1e-6)

@@ -6,8 +6,9 @@ Two kernels share one tiling (a program per BLOCK_M x BLOCK_N output tile, a loo
   (DeepSeek-V3 / Qwen3-FP8 block-wise checkpoints). A row scale multiplies the accumulator once at the end; block
   scales multiply the weight tile before the dot.
 - `int_matmul`: W is 4- or 8-bit integers packed along K into int32 ([K * bits / 32, N], value j of a word in bits
-  j*bits .. j*bits + bits - 1), with a scale and an integer zero point per (group, output column): w = (q - z) * s.
-  The group of input k is `g_idx[k]` when given (GPTQ act-order), else k // group_size.
+  j*bits .. j*bits + bits - 1), with a scale and a zero point per (group, output column): w = (q - z) * s for an
+  integer z (AWQ, GPTQ), or w = q * s + m for a float offset m (GGUF's block types). The group of input k is
+  `g_idx[k]` when given (GPTQ act-order), else k // group_size.
 
 The activations stay in their dtype (bf16 / fp16 / fp32) and the dot runs in it with fp32 accumulation, so these are
 weight-only products: at a few rows (decode) the cost is the weight bytes streamed, which is what quantization
@@ -76,8 +77,8 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 @triton.jit
 def _int_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride_xm, stride_ym, GROUP,
-                       BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, FLOAT_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -99,7 +100,10 @@ def _int_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride
             g = rk // GROUP
         s = tl.load(s_ptr + g[:, None] * N + rn[None, :], mask=kn_ok, other=0.0)
         z = tl.load(z_ptr + g[:, None] * N + rn[None, :], mask=kn_ok, other=0)
-        w = ((q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+        if FLOAT_ZERO:
+            w = (q.to(tl.float32) * s.to(tl.float32) + z.to(tl.float32)).to(x.dtype)
+        else:
+            w = ((q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
         acc += tl.dot(x, w)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
@@ -108,7 +112,8 @@ def _int_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride
 def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W with W [K, N] = (unpack(qweight) - zeros[g]) * scales[g]; qweight int32 [K * bits / 32, N],
-    scales [G, N] (any float dtype), zeros uint8 [G, N], g = g_idx[k] (int32 [K]) or k // group_size."""
+    scales [G, N] (any float dtype), zeros uint8 [G, N], g = g_idx[k] (int32 [K]) or k // group_size. With float
+    `zeros` (offsets), W = unpack(qweight) * scales[g] + zeros[g] instead."""
     if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         raise ValueError("int_matmul: qweight, scales and zeros must be contiguous (the kernel reads them row-major)")
     n = qweight.shape[1]
@@ -122,5 +127,5 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _int_matmul_kernel[grid](x2, qweight, scales, zeros, g_idx if g_idx is not None else qweight, y, m, n, k,
                              x2.stride(0), y.stride(0), group_size, BITS=bits, HAS_G_IDX=g_idx is not None,
-                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                             FLOAT_ZERO=zeros.is_floating_point(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y.reshape(*x.shape[:-1], n)

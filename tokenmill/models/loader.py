@@ -30,13 +30,8 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
     cls = get_model_class(mc.architecture)
     dtype = mc.get_torch_dtype(device)
     quant_config = get_quant_config(mc)
-    # GGUF on the CPU: the 4-bit blocks stay quantized (fp32 activations by default, measured faster than bf16
-    # ones on this path and closer to the dense oracle) unless --dtype float32 is given without
-    # --quantization gguf: that loads the file dense, the tests' oracle
-    keep_quantized = mc.dtype != "float32" or mc.quantization == "gguf"
-    if quant_config is None and mc.is_gguf and device.type == "cpu" and keep_quantized:
-        from tokenmill.layers.quantization.gguf_cpu import GGUFCpuConfig
-        quant_config = GGUFCpuConfig(_gguf_tensor_types(_gguf_path(mc)))
+    if quant_config is None and mc.is_gguf:
+        quant_config = gguf_quant_config(mc, device)
     with _default_dtype(dtype), torch.device(device):
         model = cls(mc.hf_config, mc.max_model_len, backend_cls, quant_config=quant_config)
     model.eval()
@@ -67,6 +62,21 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype,
                 f", {quant_config.name}" if quant_config is not None else "", device, weight_memory_summary(model))
     return model
+
+
+def gguf_quant_config(mc, device: torch.device):
+    """How a GGUF file's blocks load: kept quantized unless --dtype float32 is given without --quantization gguf
+    (that loads the file dense, the tests' oracle). On the CPU the 4-bit types run torch's int4 matmul
+    (gguf_cpu.py; fp32 activations by default, measured faster than bf16 ones there and closer to the dense
+    oracle), on a GPU every block type runs the Triton integer matmul (gguf_gpu.py)."""
+    if mc.dtype == "float32" and mc.quantization != "gguf":
+        return None
+    types = _gguf_tensor_types(_gguf_path(mc))
+    if device.type == "cpu":
+        from tokenmill.layers.quantization.gguf_cpu import GGUFCpuConfig
+        return GGUFCpuConfig(types)
+    from tokenmill.layers.quantization.gguf_gpu import GGUFBlockConfig
+    return GGUFBlockConfig(types)
 
 
 def _gguf_path(mc) -> str:

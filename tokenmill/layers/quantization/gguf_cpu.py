@@ -3,7 +3,8 @@
 A GGUF file's linear weights come as blocks (llama.cpp's ggml types). Q4_0, Q4_1 and Q4_K store, per group of 32
 inputs, 4-bit codes q and an affine map w = s * q + m: Q4_0 has s = d, m = -8 d; Q4_1 s = d, m = min; Q4_K (super
 blocks of 256 = 8 groups) s = d * sc_j, m = -dmin * mn_j with 6-bit sc_j, mn_j. That is exactly the layout of
-torch's CPU int4 weight-only matmul (kernels/cpu_int4pack.py: W = (q - 8) * scale + zero, group 32) with scale = s
+torch's CPU int4 weight-only matmul (kernels/cpu_int4pack.py: W = (q - 8) * scale + zero, group 32; layers/quantization/gguf_blocks.py decodes the
+blocks) with scale = s
 and zero = m + 8 s, so these layers run on the file's own codes; the only change is the rounding of s and zero to
 bf16 (a relative 2^-9 of each scale, well inside the 4-bit codes' own error). The matmul takes bf16 activations.
 
@@ -22,47 +23,11 @@ from torch import nn
 from tokenmill.kernels import cpu_int4pack
 from tokenmill.layers.quantization.base import LinearMethod, LinearShape, QuantizationConfig
 from tokenmill.layers.quantization.common import checkpoint_modules, replace_param
+from tokenmill.layers.quantization.gguf_blocks import BLOCK_TYPES, decode_blocks
 from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
 
-# ggml type name -> (inputs per block, bytes per block), for the types kept quantized here
-INT4_BLOCK_TYPES: dict[str, tuple[int, int]] = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}
-
-
-def _f16(raw: torch.Tensor) -> torch.Tensor:
-    """[..., 2] uint8 little-endian halves -> [...] float32."""
-    return raw.contiguous().view(torch.float16).squeeze(-1).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[..., 16 * c] packed bytes -> [..., 32 * c] codes: per 32-code run, the low nibbles of 16 bytes come first,
-    then their high nibbles (ggml's order for Q4_0 / Q4_1 blocks and each 64-code chunk of Q4_K)."""
-    return torch.stack([qs & 0xF, qs >> 4], dim=-2)
-
-
-def decode_int4_blocks(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """raw [N, K / block * bytes] uint8 blocks of a Q4_0 / Q4_1 / Q4_K weight [N, K] ->
-    (codes [N, K] uint8 in [0, 15], s [N, K / 32], m [N, K / 32] float32) with w = s * codes + m per group of 32."""
-    block, nbytes = INT4_BLOCK_TYPES[type_name]
-    n = raw.shape[0]
-    b = raw.reshape(n, -1, nbytes)
-    nb = b.shape[1]
-    if type_name in ("Q4_0", "Q4_1"):
-        d = _f16(b[..., 0:2])
-        qs = b[..., 2:18] if type_name == "Q4_0" else b[..., 4:20]
-        m = -8.0 * d if type_name == "Q4_0" else _f16(b[..., 2:4])
-        codes = _nibbles(qs).reshape(n, nb * 32)
-        return codes, d, m
-    # Q4_K: d, dmin (f16), 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes of codes in 4 chunks of 64
-    d, dmin = _f16(b[..., 0:2]).unsqueeze(-1), _f16(b[..., 2:4]).unsqueeze(-1)
-    sc = b[..., 4:16].to(torch.int32)
-    lo_sc, lo_mn = sc[..., 0:4] & 63, sc[..., 4:8] & 63
-    hi_sc = (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)
-    hi_mn = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
-    scales = torch.cat([lo_sc, hi_sc], dim=-1).float()
-    mins = torch.cat([lo_mn, hi_mn], dim=-1).float()
-    qs = b[..., 16:144].reshape(n, nb, 4, 32)
-    codes = _nibbles(qs).reshape(n, nb * 256)
-    return codes, (d * scales).reshape(n, nb * 8), (-dmin * mins).reshape(n, nb * 8)
+# The ggml types kept quantized here (the others load dequantized)
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
 class GGUFInt4LinearMethod(LinearMethod):
@@ -74,7 +39,7 @@ class GGUFInt4LinearMethod(LinearMethod):
 
     def __init__(self, type_name: str) -> None:
         self.type_name = type_name
-        self.block, self.nbytes = INT4_BLOCK_TYPES[type_name]
+        self.block, self.nbytes = BLOCK_TYPES[type_name][:2]
 
     def create_weights(self, layer: nn.Module, shape: LinearShape, dtype: torch.dtype) -> None:
         k = shape.input_size_per_rank
@@ -88,7 +53,7 @@ class GGUFInt4LinearMethod(LinearMethod):
         layer.gguf_out_dtype = dtype
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        codes, s, m = decode_int4_blocks(layer.qweight.data, self.type_name)
+        codes, s, m = decode_blocks(layer.qweight.data, self.type_name)
         packed, sz = cpu_int4pack.pack(codes, s, m + 8.0 * s)
         layer.gguf_out_features = codes.shape[0]
         delattr(layer, "qweight")
@@ -127,7 +92,7 @@ class GGUFCpuConfig(QuantizationConfig):
     def get_linear_method(self, prefix: str) -> LinearMethod:
         names = [f"{m}.weight" for m in checkpoint_modules(prefix)]
         types = {self.tensor_types.get(n) for n in names}
-        if len(types) == 1 and (t := types.pop()) in INT4_BLOCK_TYPES and cpu_int4pack.available():
+        if len(types) == 1 and (t := types.pop()) in INT4_TYPES and cpu_int4pack.available():
             self.raw_names.update(names)
             return GGUFInt4LinearMethod(t)
         return UnquantizedLinearMethod()
