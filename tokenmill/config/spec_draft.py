@@ -50,11 +50,6 @@ def _check_architecture(draft: ModelConfig) -> None:
         raise not_supported_yet("speculative_config", {"model": draft.model},
                                 f"The draft {draft.architecture} uses sliding-window attention; a draft model runs "
                                 "in the target's block tables, which it needs with full attention.")
-    from tokenmill.models.registry import get_model_class
-    try:
-        get_model_class(draft.architecture)
-    except ValueError as e:
-        raise ValueError(f"{FLAG}: the draft `model` {draft.model!r}: {e}") from None
 
 
 def _check_vocabulary(draft: ModelConfig, target: ModelConfig) -> None:

@@ -27,9 +27,14 @@ from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.forward_context import set_forward_context
 from tokenmill.logger import init_logger
 from tokenmill.spec_decode.proposer import DraftStep, Proposer
-from tokenmill.worker.transfer import to_device
 
 logger = init_logger(__name__)
+
+
+def to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` (staged in pinned memory on CUDA, so the copy does not wait for queued work)."""
+    t = torch.from_numpy(x)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class _DraftEngineConfig:
