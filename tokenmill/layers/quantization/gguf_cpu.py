@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import cpu_int4pack
-from tokenmill.layers.quantization.base import LinearMethod, LinearShape, QuantizationConfig
-from tokenmill.layers.quantization.common import checkpoint_modules, replace_param
+from tokenmill.layers.quantization.base import LinearMethod, LinearShape
+from tokenmill.layers.quantization.common import replace_param
 from tokenmill.layers.quantization.gguf_blocks import BLOCK_TYPES, decode_blocks
-from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
+from tokenmill.layers.quantization.gguf_gpu import GGUFBlockConfig
 
 # The ggml types kept quantized here (the others load dequantized)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -75,27 +75,14 @@ class GGUFInt4LinearMethod(LinearMethod):
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
-class GGUFCpuConfig(QuantizationConfig):
+class GGUFCpuConfig(GGUFBlockConfig):
     """A GGUF file on the CPU: layers whose checkpoint tensors are all one 4-bit type run GGUFInt4LinearMethod, the
-    others run dense.
-
-    Contract: built from {HF weight name: ggml type name} of the file's tensors; `get_linear_method(prefix)` records
-    the checkpoint weights it keeps quantized in `raw_names`, which the GGUF reader must then yield as raw blocks
-    (models/weight_utils.iter_gguf_weights's `raw_names`)."""
+    others run dense (GGUFBlockConfig's contract otherwise)."""
 
     name = "gguf-cpu"
 
-    def __init__(self, tensor_types: dict[str, str]) -> None:
-        self.tensor_types = dict(tensor_types)
-        self.raw_names: set[str] = set()
-
-    def get_linear_method(self, prefix: str) -> LinearMethod:
-        names = [f"{m}.weight" for m in checkpoint_modules(prefix)]
-        types = {self.tensor_types.get(n) for n in names}
-        if len(types) == 1 and (t := types.pop()) in INT4_TYPES and cpu_int4pack.available():
-            self.raw_names.update(names)
-            return GGUFInt4LinearMethod(t)
-        return UnquantizedLinearMethod()
+    def kept_method(self, type_name: str | None) -> LinearMethod | None:
+        return GGUFInt4LinearMethod(type_name) if type_name in INT4_TYPES and cpu_int4pack.available() else None
 
     def process_model_after_loading(self, model: nn.Module) -> None:
         """The LM head's product at a few rows goes through an fp16 copy of its (dequantized) weight: torch's CPU
@@ -106,11 +93,3 @@ class GGUFCpuConfig(QuantizationConfig):
         head = getattr(model, "lm_head", None)
         if head is not None and hasattr(head, "enable_half_gemv") and head.weight.dtype == torch.float32:
             head.enable_half_gemv(max_rows=4)
-
-    def summary(self) -> str:
-        """'Q4_1 x210' over the layers kept quantized."""
-        counts: dict[str, int] = {}
-        for n in self.raw_names:
-            t = self.tensor_types[n]
-            counts[t] = counts.get(t, 0) + 1
-        return ", ".join(f"{t} x{c}" for t, c in sorted(counts.items())) or "none"

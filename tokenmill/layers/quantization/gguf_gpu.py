@@ -82,10 +82,15 @@ class GGUFBlockConfig(QuantizationConfig):
     def get_linear_method(self, prefix: str) -> LinearMethod:
         names = [f"{m}.weight" for m in checkpoint_modules(prefix)]
         types = {self.tensor_types.get(n) for n in names}
-        if len(types) == 1 and (t := types.pop()) in BLOCK_TYPES:
-            self.raw_names.update(names)
-            return GGUFBlockLinearMethod(t)
-        return UnquantizedLinearMethod()
+        method = self.kept_method(types.pop()) if len(types) == 1 else None
+        if method is None:
+            return UnquantizedLinearMethod()
+        self.raw_names.update(names)
+        return method
+
+    def kept_method(self, type_name: str | None) -> LinearMethod | None:
+        """The method for a layer whose tensors are all of `type_name`, or None to load it dense."""
+        return GGUFBlockLinearMethod(type_name) if type_name in BLOCK_TYPES else None
 
     def summary(self) -> str:
         """'Q4_K x154, Q6_K x28' over the checkpoint weights kept quantized."""
