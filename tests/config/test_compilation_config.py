@@ -60,3 +60,16 @@ def test_optimization_levels_pick_the_graphs():
     assert CompilationConfig(optimization_level=0, cudagraph_mode="FULL").graphs_enabled  # explicit mode wins
     with pytest.raises(ValueError, match="optimization_level"):
         CompilationConfig(optimization_level=4)
+
+
+def test_verify_graphs_hold_up_to_the_token_limit():
+    """Verifying k drafts: the decode sizes whose (k + 1)-token rows fit max_cudagraph_capture_size tokens (512
+    unset), whatever the largest decode batch is; the shared logits buffer grows to the largest of them."""
+    cc = CompilationConfig()
+    assert cc.verify_capture_sizes(8, 5) == [1, 2, 4, 8]         # 40 tokens: more than the 8-request decode graph
+    assert cc.verify_capture_sizes(256, 5)[-1] == 96             # 96 * 5 <= 512 < 104 * 5
+    assert cc.verify_capture_sizes(256, 1) == []
+    assert CompilationConfig(max_cudagraph_capture_size=64).verify_capture_sizes(256, 5) == [1, 2, 4, 8]
+    assert CompilationConfig(cudagraph_mode="NONE").verify_capture_sizes(8, 5) == []
+    assert cc.graph_output_rows(8, 64, verify_q=5) == 40
+    assert cc.graph_output_rows(256, 8192, verify_q=5) == 480

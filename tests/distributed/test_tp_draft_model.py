@@ -14,7 +14,7 @@ PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog bec
 
 def test_tp2_with_a_draft_model_matches_tp1(tiny_model_factory, tiny_qwen3_1kv):
     target = tiny_model_factory("llama")
-    spec = {"model": tiny_qwen3_1kv, "num_speculative_tokens": 3}
+    spec = {"model": tiny_qwen3_1kv, "num_speculative_tokens": 3, "step_aside": False}
     ref = generate(LLM(target, **ENGINE), PROMPTS, 12)
     llm = LLM(target, tensor_parallel_size=2, speculative_config=spec, **ENGINE)
     try:

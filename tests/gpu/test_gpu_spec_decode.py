@@ -36,6 +36,7 @@ def test_spec_decode_graphs_give_the_plain_tokens(tiny_model_factory, method):
     want = _generate(LLM(d, **kw))
     spec = {"model": d, "num_speculative_tokens": 4} if method == "draft_model" else \
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    spec["step_aside"] = False
     llm = LLM(d, speculative_config=spec, **kw)
     runner = llm.llm_engine.engine_core.executor.worker.runner
     assert (1, 5) in runner.cuda_graphs.graphs
@@ -56,7 +57,7 @@ def test_draft_model_in_bf16_with_a_smaller_draft(tiny_model_factory):
     from tokenmill import LLM
     target, other = tiny_model_factory("llama"), tiny_model_factory("qwen3")
     llm = LLM(target, dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=256, max_num_seqs=8,
-              speculative_config={"model": other, "num_speculative_tokens": 3})
+              speculative_config={"model": other, "num_speculative_tokens": 3, "step_aside": False})
     outs = _generate(llm, 24)
     assert all(len(o) == 24 for o in outs)
     assert llm.llm_engine.engine_core.executor.worker.runner.spec_state.proposer.graphs.proposals > 0

@@ -68,5 +68,11 @@ def cycle_model(tiny_llama, tmp_path_factory) -> str:
 
 
 def make_llm(path: str, spec: dict | None = None, **kw) -> LLM:
+    """An engine on the tiny model; with `spec`, one that speculates at every step (the measured step-aside of
+    spec_decode/step_aside.py would make the drafts a test counts depend on timing; its own tests turn it on)."""
+    if spec is not None:
+        spec = {"step_aside": False, **spec}
     kw = {"max_model_len": 256, "max_num_seqs": 8, "dtype": "float32", "seed": 0, **kw}
+    if torch.cuda.is_available():  # several engines share the GPU here: none may claim a share of its memory
+        kw.setdefault("num_gpu_blocks_override", 256)
     return LLM(path, speculative_config=spec, **kw)

@@ -21,17 +21,20 @@ def test_cli_json_and_dotted_keys_and_dict_give_the_same_config():
     assert SpeculativeConfig.from_value(None) is None
 
 
-def test_engine_config_carries_it_and_turns_async_scheduling_off():
+def test_engine_config_carries_it():
     c = create_engine_config(speculative_config={"method": "suffix", "num_speculative_tokens": 5})
+    # on the CPU async scheduling stays off by default; asked for, it overlaps the steps decoded without drafts
     assert c.speculative_config.method == "suffix" and c.scheduler_config.async_scheduling is False
+    assert c.speculative_config.step_aside is True
     assert create_engine_config().speculative_config is None
-    with pytest.raises(ValueError, match="async_scheduling=True cannot be combined with speculative_config"):
-        create_engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+    c = create_engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "step_aside": False},
                              async_scheduling=True)
+    assert c.scheduler_config.async_scheduling is True and c.speculative_config.step_aside is False
 
 
 @pytest.mark.parametrize("value, said", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "`num_speculative_tokens` must be an integer in 1..16"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "step_aside": "yes"}, "`step_aside` must be true or false"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "`num_speculative_tokens` must be an integer in 1..16"),
     ({"method": "ngram"}, "`num_speculative_tokens` is required"),
     ({"method": "nonsense", "num_speculative_tokens": 2}, "unknown `method` 'nonsense'"),

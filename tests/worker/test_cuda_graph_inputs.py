@@ -16,10 +16,10 @@ SIZES = [1, 2, 4, 8, 16, 24]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _runner(tokens_per_request=(1,), mixed=((16, 8),), vocab=0) -> CudaGraphRunner:
+def _runner(verify_sizes=None, mixed=((16, 8),), vocab=0) -> CudaGraphRunner:
     cg = CudaGraphRunner(None, [], SIZES, max_model_len=64, max_blocks_per_req=4, device=DEV,
-                         mixed_sizes=list(mixed), vocab_size=vocab, tokens_per_request=tokens_per_request)
-    cg.graphs = {(s, q): None for s in SIZES for q in tokens_per_request}   # as if captured
+                         mixed_sizes=list(mixed), vocab_size=vocab, verify_sizes=verify_sizes)
+    cg.graphs = {(s, q): None for q, sizes in cg.sizes_by_q.items() for s in sizes}   # as if captured
     cg.mixed_graphs = {t: None for t, _ in mixed}
     cg.prev_sampled[:3] = torch.tensor([111, 222, 333])
     return cg
@@ -109,10 +109,12 @@ def test_mixed_batches_use_the_ring_too(runner):
 def test_uniform_graphs_of_several_tokens_per_request():
     """Key (batch size, q): three requests of two tokens run in the (4, 2) graph; padding requests have an
     empty query and no context; a batch that is not uniform goes to a mixed graph."""
-    cg = _runner(tokens_per_request=(1, 2))
-    # q > 1 graphs only where size * q tokens fit the largest decode graph's 24
+    cg = _runner(verify_sizes={2: [1, 2, 4, 8]})
     assert cg.sizes_by_q == {1: SIZES, 2: [1, 2, 4, 8]}
-    assert _runner(tokens_per_request=(1, 25)).sizes_by_q == {1: SIZES}
+    assert cg.logits.shape[0] == 24 and cg.input_ids.shape[0] == 24   # the largest graph's rows and tokens
+    assert _runner(verify_sizes={2: [1, 2, 4, 8, 16, 24]}).input_ids.shape[0] == 48
+    with pytest.raises(ValueError, match="decode sizes"):
+        _runner(verify_sizes={2: [3]})
     qsl = np.array([0, 2, 4, 6])
     key = cg.load(np.arange(6) + 1, np.arange(6), np.arange(6) + 20, qsl, np.array([5, 6, 7]),
                   np.zeros((3, 2), np.int32))

@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     if spec:
         print(f"Speculative decoding: {spec['drafts']} verify steps, {spec['acceptance'] * 100:.1f}% of drafts "
               f"accepted, {spec['mean_tokens_per_step']:.2f} tokens per verify step")
+    from tokenmill.metrics.step_timing import TIMER
+    if TIMER.enabled:
+        print(TIMER.report())
     result = {"avg_latency": stats["avg"], "latencies": lat, "percentiles": stats,
               "prefill_latencies": prefill, "decode_ms_per_token": decode_ms, "batch_size": args.batch_size,
               "input_len": args.input_len, "output_len": args.output_len, "spec_decode": spec, **sampling}

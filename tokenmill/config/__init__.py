@@ -38,13 +38,11 @@ class TokenmillConfig:
                              "pipeline overlaps micro-batches instead (a request waits for its sampled token "
                              "before it is scheduled again). Leave async_scheduling unset or pass False.")
         if self.speculative_config is not None:
-            # The drafts of step N+1 come from step N's accepted tokens, so N+1 is scheduled once they are known.
-            if self.scheduler_config.async_scheduling:
-                raise ValueError("async_scheduling=True cannot be combined with speculative_config yet: the next "
-                                 "step's drafts need this step's accepted tokens. Leave async_scheduling unset.")
+            # A speculative step runs synchronously (step N+1's drafts come from step N's accepted tokens);
+            # async_scheduling then applies to the steps the engine decodes without drafts
+            # (spec_decode/step_aside.py).
             if pp > 1:
                 raise ValueError(f"speculative_config cannot be combined with pipeline_parallel_size={pp} yet.")
-            self.scheduler_config.async_scheduling = False
             spec = self.speculative_config
             if spec.uses_draft_model and self.model_config.sliding_window:
                 raise ValueError("speculative_config with a draft model cannot be combined with the sliding-window "

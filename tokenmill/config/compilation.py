@@ -34,10 +34,10 @@ def mixed_capture_sizes(max_tokens: int, max_reqs: int) -> list[tuple[int, int]]
     return [(t, min(t, max_reqs)) for t in MIXED_TOKEN_SIZES if t <= max_tokens]
 
 
-def logits_rows(capture_sizes: list[int], mixed_sizes: list[tuple[int, int]], tokens_per_request=(1,)) -> int:
+def logits_rows(capture_sizes: list[int], mixed_sizes: list[tuple[int, int]]) -> int:
     """Rows of the one logits buffer the graphs share: a uniform graph of b requests with q tokens each returns
     every token's logits (b * q rows), a mixed graph each request's last token's."""
-    return max([s * q for s in capture_sizes for q in tokens_per_request] + [r for _, r in mixed_sizes] + [0])
+    return max(list(capture_sizes) + [r for _, r in mixed_sizes] + [0])
 
 
 @dataclass
@@ -112,13 +112,15 @@ class CompilationConfig:
     def graphs_enabled(self) -> bool:
         return self.cudagraph_mode != "NONE"
 
-    def graph_output_rows(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    def graph_output_rows(self, max_num_seqs: int, max_num_batched_tokens: int, verify_q: int = 1) -> int:
         """Rows of the one [rows, vocab] logits buffer every captured graph writes into (they replay one at a time):
-        the largest graph's logits (the worker leaves it out of the KV budget)."""
+        the largest graph's logits (the worker leaves it out of the KV budget). verify_q: tokens per request of the
+        speculative verify graphs (1: none)."""
         if not self.graphs_enabled:
             return 0
-        return logits_rows(self.capture_sizes(max_num_seqs),
+        rows = logits_rows(self.capture_sizes(max_num_seqs),
                            self.mixed_capture_sizes(max_num_batched_tokens, max_num_seqs))
+        return max([rows] + [s * verify_q for s in self.verify_capture_sizes(max_num_seqs, verify_q)])
 
     def mixed_capture_sizes(self, max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
         """(tokens, requests) capacities of the mixed-batch graphs; none in FULL_DECODE_ONLY mode."""
@@ -126,6 +128,14 @@ class CompilationConfig:
             return []
         limit = min(self.max_cudagraph_capture_size or 512, max_num_batched_tokens)
         return mixed_capture_sizes(limit, min(max_num_seqs, self.max_cudagraph_capture_size or 512))
+
+    def verify_capture_sizes(self, max_num_seqs: int, q: int) -> list[int]:
+        """Batch sizes of the uniform graphs that verify q - 1 drafts per request: the decode sizes whose s * q
+        tokens fit max_cudagraph_capture_size (in tokens, as vLLM counts it; 512 when unset)."""
+        if q <= 1 or not self.graphs_enabled:
+            return []
+        limit = self.max_cudagraph_capture_size or 512
+        return [s for s in self.capture_sizes(max_num_seqs) if s * q <= limit]
 
     def capture_sizes(self, max_num_seqs: int) -> list[int]:
         limit = min(self.max_cudagraph_capture_size or 512, max_num_seqs)

@@ -31,7 +31,9 @@ class SpeculativeConfig:
     step (1..16). disable_by_batch_size: with more running requests than this the engine decodes without drafts
     (None: always speculate). benchmark_acceptance_rate (a tokenmill extension, for dummy weights): every step
     proposes k tokens and each draft is accepted with this probability whatever the target says, so the
-    mechanism's cost can be measured apart from draft quality; the output is then not the model's.
+    mechanism's cost can be measured apart from draft quality; the output is then not the model's. step_aside (a
+    tokenmill extension, default true): the engine measures seconds per output token with and without drafts and
+    decodes without them while that is faster (spec_decode/step_aside.py); false: always speculate.
     """
     method: str
     num_speculative_tokens: int
@@ -39,6 +41,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
     benchmark_acceptance_rate: float | None = None
+    step_aside: bool = True
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
@@ -116,6 +119,8 @@ class SpeculativeConfig:
         r = self.benchmark_acceptance_rate
         if r is not None and not (isinstance(r, (int, float)) and 0.0 <= r <= 1.0):
             raise ValueError(f"{FLAG}: `benchmark_acceptance_rate` must be in [0, 1], got {r!r}.")
+        if not isinstance(self.step_aside, bool):
+            raise ValueError(f"{FLAG}: `step_aside` must be true or false, got {self.step_aside!r}.")
         for key in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key.endswith("depth") else 0):
@@ -169,7 +174,8 @@ class SpeculativeArgs:
                    "method (ngram, suffix, draft_model), model (the draft model), num_speculative_tokens (1..16), "
                    "prompt_lookup_min/max, disable_by_batch_size, suffix_decoding_*, draft_tensor_parallel_size, "
                    "quantization / max_model_len / revision (of the draft), benchmark_acceptance_rate (dummy "
-                   "weights only). EAGLE and MTP are not supported yet.")
+                   "weights only), step_aside (default true: decode without drafts while that is measured faster). "
+                   "EAGLE and MTP are not supported yet.")
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, str):  # the CLI hands over the JSON text when it does not parse

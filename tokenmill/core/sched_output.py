@@ -48,6 +48,9 @@ class SchedulerOutput:
     step_seq: int = 0  # the scheduler's count of this step; tells a reused request id from the one it replaced
     # Speculative decoding: request id -> the draft tokens it verifies this step (scheduled after its last token).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding: this step runs synchronously and its sampling proposes the next step's drafts (False:
+    # a step decoded without drafts, which async scheduling may overlap).
+    propose_drafts: bool = False
     # Hybrid models with prefix caching: per request, (token offset within this step's tokens, checkpoint slot)
     # where its recurrent state is to be saved after that many of its tokens.
     state_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)

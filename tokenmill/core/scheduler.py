@@ -76,6 +76,9 @@ class Scheduler:
         spec = getattr(config, "speculative_config", None)  # absent from tests' minimal configs
         # Speculative decoding: above this many running requests drafts are dropped (decode normally).
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
+        # Whether the steps scheduled now verify drafts and propose the next ones (the engine core's speculation
+        # gate turns it off while decoding without drafts is faster).
+        self.drafting = spec is not None
         self.spec_stats = SpecDecodingStats.new(spec.num_speculative_tokens) if spec is not None else None
         # A draft model writes KV for its k drafts past the verified tokens before the target computes them: each
         # allocation reserves k slots beyond the step's tokens (up to max_model_len).
@@ -253,7 +256,8 @@ class Scheduler:
                                num_scheduled_tokens=num_scheduled,
                                total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
                                finished_req_ids=finished, grammar_req_ids=grammar_req_ids,
-                               scheduled_spec_decode_tokens=spec_tokens, state_saves=state_saves)
+                               scheduled_spec_decode_tokens=spec_tokens, state_saves=state_saves,
+                               propose_drafts=self.drafting)
 
     def _lookahead(self, end: int) -> int:
         """KV slots to reserve past a step that ends at position `end` (a draft model's drafts)."""
@@ -264,7 +268,8 @@ class Scheduler:
         and max_tokens), consumed from the request; none above disable_by_batch_size running requests."""
         drafts, req.spec_token_ids = req.spec_token_ids, []
         limit = self.spec_disable_by_batch_size
-        if n != 1 or req.num_output_placeholders or (limit is not None and len(self.running) > limit):
+        if (not self.drafting or n != 1 or req.num_output_placeholders
+                or (limit is not None and len(self.running) > limit)):
             return []
         room = min(budget - 1, self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
         return drafts[:max(room, 0)]

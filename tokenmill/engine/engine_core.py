@@ -63,6 +63,12 @@ class EngineCore:
         logger.info("Engine ready in %s%s", format_startup(self.startup_seconds),
                     f"; within them, kernel compile {compiles.describe()}" if compiles.available else "")
         self.async_scheduling = bool(config.scheduler_config.async_scheduling)
+        # Speculative decoding steps aside while decoding without drafts is measured faster.
+        spec = config.speculative_config
+        self.gate = None
+        if spec is not None:
+            from tokenmill.spec_decode.step_aside import SpeculationGate
+            self.gate = SpeculationGate(spec.disable_by_batch_size, enabled=spec.step_aside)
         self._in_flight: tuple[SchedulerOutput, object] | None = None  # (batch, AsyncRunnerOutput)
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self._batches: deque[tuple[SchedulerOutput, object]] = deque()  # pipeline parallelism, oldest first
@@ -96,12 +102,25 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if self.max_concurrent_batches > 1:
             return self._step_pipelined()
+        # A speculative step runs synchronously: its drafts need the previous step's tokens.
+        speculate = self.gate is not None and self.gate.speculating(len(self.scheduler.running))
+        overlap = self.async_scheduling and not speculate
+        if self._in_flight is not None and not overlap:
+            # Speculation resumes: the step in flight finishes before the next one is scheduled.
+            prev, handle = self._in_flight
+            self._in_flight = None
+            with TIMER.phase("wait_output"):
+                outputs = self._update(prev, handle.get())
+            return self._stamp(outputs)
         sched = None
         if self.scheduler.has_unfinished_requests():
+            self.scheduler.drafting = speculate
             with TIMER.phase("schedule"):
                 sched = self.last_scheduled = self.scheduler.schedule()
             with TIMER.phase("execute_model"):
                 self.executor.execute_model(sched)
+        elif self.gate is not None and self._in_flight is None:
+            self.gate.idle()
         outputs = None
         if self._in_flight is not None:
             prev, handle = self._in_flight
@@ -114,13 +133,16 @@ class EngineCore:
                 grammar = self.scheduler.get_grammar_bitmask(sched)
             with TIMER.phase("sample"):
                 handle = self.executor.sample_tokens(grammar)
-            if self.async_scheduling:
+            if overlap:
                 self._in_flight = (sched, handle)
             else:
                 outputs = self._update(sched, handle.get())
         if outputs is None:
             outputs = self.scheduler.update_from_output(sched, EMPTY_MODEL_RUNNER_OUTPUT) \
                 if sched is not None else EngineCoreOutputs()
+        return self._stamp(outputs)
+
+    def _stamp(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         outputs.scheduler_stats = self.scheduler.make_stats()
         outputs.timestamp = time.monotonic()
         return outputs
@@ -154,7 +176,19 @@ class EngineCore:
 
     def _update(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> EngineCoreOutputs:
         with TIMER.phase("update_from_output"):
-            return self.scheduler.update_from_output(sched, out)
+            outputs = self.scheduler.update_from_output(sched, out)
+        if self.gate is not None and not sched.is_empty:
+            self._observe(sched, out)
+        return outputs
+
+    def _observe(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """Tell the speculation gate about a finished step: a pure decode step (every request one token plus its
+        drafts) is a measurement."""
+        drafts = sum(len(d) for d in sched.scheduled_spec_decode_tokens.values())
+        n = len(sched.num_scheduled_tokens)
+        counted = not sched.scheduled_new_reqs and sched.total_num_scheduled_tokens == n + drafts
+        tokens = sum(len(t) for t in out.sampled_token_ids)
+        self.gate.observe(time.monotonic(), tokens, n, sched.propose_drafts, counted)
 
     def describe_last_batch(self) -> str:
         """One line on the latest scheduled batch, for diagnostics."""

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.config.compilation import logits_rows
 from tokenmill.forward_context import set_forward_context
 from tokenmill.kernels.triton_sampling import race_argmax
 from tokenmill.kernels.triton_step_inputs import (CTX, FLAG, IDS, LAST, POS, QSL, RPOS, SEEDS, SLOTS, SRC,
@@ -98,25 +97,29 @@ class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], capture_sizes: list[int],
                  max_model_len: int, max_blocks_per_req: int, device: torch.device,
                  mixed_sizes: list[tuple[int, int]] | None = None, prev_sampled: torch.Tensor | None = None,
-                 vocab_size: int = 0, dtype: torch.dtype = torch.float32, tokens_per_request=(1,),
-                 recurrent=None) -> None:
-        """tokens_per_request: the q values captured (1: decode only); a q > 1 (verifying q - 1 drafts) is captured
-        for the batch sizes whose size * q tokens fit the largest decode graph's. recurrent: a
+                 vocab_size: int = 0, dtype: torch.dtype = torch.float32,
+                 verify_sizes: dict[int, list[int]] | None = None, recurrent=None) -> None:
+        """verify_sizes: q -> the batch sizes to capture with q tokens per request (verifying q - 1 drafts; each a
+        decode size; CompilationConfig.verify_capture_sizes). recurrent: a
         worker/state_cache.GraphRecurrentStep for models with recurrent layers (decode graphs only; `load` then
         takes each request's state slot)."""
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.recurrent = recurrent
-        if recurrent is not None and (mixed_sizes or tuple(tokens_per_request) != (1,)):
+        if recurrent is not None and (mixed_sizes or verify_sizes):
             raise ValueError("recurrent-state models capture decode graphs (one token per request) only")
         self.sizes = sorted(capture_sizes)
         self.max_size = self.sizes[-1]
         self.max_model_len = max_model_len
-        self.sizes_by_q = {q: [s for s in self.sizes if s * q <= self.max_size] for q in sorted(set(tokens_per_request))}
-        self.sizes_by_q = {q: sizes for q, sizes in self.sizes_by_q.items() if sizes}
+        self.sizes_by_q = {1: self.sizes}
+        for q, sizes in (verify_sizes or {}).items():
+            if q > 1 and sizes:
+                if not set(sizes) <= set(self.sizes):
+                    raise ValueError(f"verify graph sizes {sizes} must be decode sizes {self.sizes}")
+                self.sizes_by_q[q] = sorted(sizes)
         self.mixed_sizes = sorted(mixed_sizes or [])
         self.mixed_token_sizes = [t for t, _ in self.mixed_sizes]
         self.mixed_reqs = dict(self.mixed_sizes)
-        t = max([self.max_size * q for q in self.sizes_by_q] + self.mixed_token_sizes)
+        t = max([sizes[-1] * q for q, sizes in self.sizes_by_q.items()] + self.mixed_token_sizes)
         r = max([self.max_size] + list(self.mixed_reqs.values()))
         # The graphs' device inputs, written by their first kernel from the host ring: token rows (ids, positions,
         # KV slots), request rows (draw seeds, draw RNG positions, last-token indices), query_start_loc, context
@@ -139,7 +142,7 @@ class CudaGraphRunner:
         # What the device block table holds (as of the last queued copy): an unchanged table is not copied again
         # (a decode step changes it only when a request crosses into a new block or the batch changes).
         self._bt_mirror = np.zeros((r, max_blocks_per_req), dtype=np.int32)
-        rows = logits_rows(self.sizes, self.mixed_sizes, tuple(self.sizes_by_q))
+        rows = max([sizes[-1] * q for q, sizes in self.sizes_by_q.items()] + list(self.mixed_reqs.values()))
         self.logits = torch.empty((rows, vocab_size), dtype=dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}   # (batch size, q) -> uniform graph
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}          # token capacity -> mixed graph

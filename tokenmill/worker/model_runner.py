@@ -73,6 +73,7 @@ class ModelRunner:
         self.lora = None  # a LoRAModelManager when enable_lora
         self.pending: PendingTokens | None = None       # where the step in flight's tokens go (placeholders)
         self._step: StepState | None = None             # between execute_model and sample_tokens
+        self._verify = False                             # the step in _step verifies drafts / proposes
         self._last_output: AsyncRunnerOutput | None = None
         self._prev_sampled: torch.Tensor | None = None  # the last step's sampled ids (flat), on the device
         # Pinned host buffers the sampled ids are copied into, in turn (a fresh pinned tensor per step costs a
@@ -166,9 +167,8 @@ class ModelRunner:
         if self.proposer is not None:
             graph_sizes = None
             if self.use_cuda_graphs():  # the drafter's graphs cover the batches the verify graphs do
-                sizes = self.config.compilation_config.capture_sizes(self.max_num_reqs)
-                q = 1 + self.spec.num_speculative_tokens
-                graph_sizes = [s for s in sizes if s * q <= max(sizes)]
+                graph_sizes = self.config.compilation_config.verify_capture_sizes(
+                    self.max_num_reqs, 1 + self.spec.num_speculative_tokens)
             self.proposer.initialize_kv_cache(counts[0], self.block_size, self.max_num_reqs, graph_sizes,
                                               self.max_model_len)
         self.sampling = SamplingState(self.max_num_reqs, self.vocab_size, self.device,
@@ -183,7 +183,7 @@ class ModelRunner:
             recurrent = None
             # Verifying k drafts: uniform graphs of k + 1 tokens per request too (when every request of a step
             # verifies exactly k; a step with fewer runs eagerly).
-            per_request = (1,) if self.spec is None else (1, 1 + self.spec.num_speculative_tokens)
+            q = 1 if self.spec is None else 1 + self.spec.num_speculative_tokens
             if self.state_cache is not None:
                 # Decode graphs only: a step with a prefill row runs its recurrent layers one sequence at a time.
                 from tokenmill.worker.state_cache import GraphRecurrentStep
@@ -194,7 +194,8 @@ class ModelRunner:
                                                prev_sampled=torch.zeros(self.max_sampled, dtype=torch.long,
                                                                         device=self.device),
                                                vocab_size=self.vocab_size, dtype=self.dtype,
-                                               tokens_per_request=per_request if recurrent is None else (1,))
+                                               verify_sizes={q: cc.verify_capture_sizes(self.max_num_reqs, q)}
+                                               if recurrent is None else None)
             self.cuda_graphs.capture()
 
     def cuda_graph_output_bytes(self) -> int:
@@ -202,8 +203,9 @@ class ModelRunner:
         the KV cache is sized)."""
         if not self.use_cuda_graphs():
             return 0
+        q = 1 if self.spec is None else 1 + self.spec.num_speculative_tokens
         rows = self.config.compilation_config.graph_output_rows(
-            self.max_num_reqs, self.config.scheduler_config.max_num_batched_tokens)
+            self.max_num_reqs, self.config.scheduler_config.max_num_batched_tokens, q)
         return rows * self.vocab_size * self.dtype.itemsize
 
     def use_cuda_graphs(self) -> bool:
@@ -283,6 +285,9 @@ class ModelRunner:
         tokens that sample). Nothing waits for the device; `sample_tokens` finishes the step."""
         self._update_states(sched)
         self._step = None
+        # A speculative step verifies its drafts and proposes the next ones; with speculation stepped aside
+        # (core/scheduler: drafting off) the step samples as without a drafter.
+        self._verify = self.spec is not None and (sched.propose_drafts or bool(sched.scheduled_spec_decode_tokens))
         if sched.is_empty:
             return
         inp = self._prepare_inputs(sched)
@@ -431,7 +436,7 @@ class ModelRunner:
         if st.pooled is not None:
             result = self._last_output = AsyncRunnerOutput(None, st, pooled=st.pooled)
             return result
-        if self.spec is not None:
+        if self._verify:
             result = self._last_output = AsyncRunnerOutput.ready(self._sample_and_verify(st, grammar))
             return result
         sampled, lp, ids_host, placed = None, None, None, None
@@ -477,7 +482,9 @@ class ModelRunner:
         if len(st.sample_idx):
             ids, lp, _ = self._sample(st, grammar)
             n_sample = st.n_sample.astype(np.int64)
-            keep, targets = spec.accept(st.req_ids, st.sample_idx, n_sample, ids.cpu().numpy())
+            with TIMER.phase("spec_wait_targets"):
+                ids_host = ids.cpu().numpy()
+            keep, targets = spec.accept(st.req_ids, st.sample_idx, n_sample, ids_host)
             run, offs = _runs(np.cumsum(n_sample) - n_sample, keep)
             kept_at = run + offs                       # flat index of each kept token
             tokens = targets[kept_at]
@@ -491,7 +498,8 @@ class ModelRunner:
             for j, i in enumerate(st.sample_idx):
                 sampled[i] = flat[ends[j] - int(keep[j]):ends[j]]
         # (a draft model catches up on prefill chunks too, so this runs on steps that sample nothing)
-        next_drafts = spec.propose(b, st.req_ids, st.rows, st.sample_idx, keep, st.seq_lens)
+        with TIMER.phase("spec_propose"):
+            next_drafts = spec.propose(b, st.req_ids, st.rows, st.sample_idx, keep, st.seq_lens)
         return ModelRunnerOutput(req_ids=st.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                  prompt_logprobs=st.prompt_lp, spec_token_ids=next_drafts)
 

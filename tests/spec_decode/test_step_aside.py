@@ -1,0 +1,106 @@
+"""The speculation gate (spec_decode/step_aside.py): it runs whichever of speculative and plain decoding it measures
+faster per output token, trying the other now and then, and the engine switches between the two (speculative
+steps synchronous, plain ones overlapped with async scheduling) without changing a token."""
+from __future__ import annotations
+
+import pytest
+
+from tests.spec_decode.conftest import cycle_prompt, make_llm
+from tests.spec_decode.test_greedy_exact import generate, ids, spec_counts
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.step_aside import MAX_PERIOD, WINDOW, SpeculationGate
+
+
+def _drive(gate: SpeculationGate, steps: int, spec_cost: float, spec_tokens: float, batch=lambda i: 4):
+    """Run `steps` pure decode steps on a simulated clock: a plain step takes 1.0 and yields one token per
+    request; a speculative one takes spec_cost and yields spec_tokens per request. Returns the speculative steps'
+    share."""
+    now, spec_steps = 0.0, 0
+    for i in range(steps):
+        b = batch(i)
+        spec = gate.speculating(b)
+        now += spec_cost if spec else 1.0
+        spec_steps += spec
+        gate.observe(now, round((spec_tokens if spec else 1) * b), b, spec, counted=True)
+    return spec_steps / steps
+
+
+def test_speculation_that_does_not_pay_is_stepped_aside():
+    # nothing accepted, a verify step 1.45x a plain one (the H200's bs1 figure for ngram at 0% acceptance)
+    gate = SpeculationGate()
+    share = _drive(gate, 20000, spec_cost=1.45, spec_tokens=1.0)
+    assert not gate.spec_mode and share < 0.03
+    # once settled, it looks back only every MAX_PERIOD steps, for one window
+    late = _drive(gate, 4 * MAX_PERIOD, spec_cost=1.45, spec_tokens=1.0)
+    assert late <= 1.5 * WINDOW / MAX_PERIOD
+
+
+def test_speculation_that_pays_is_kept():
+    gate = SpeculationGate()
+    share = _drive(gate, 20000, spec_cost=1.4, spec_tokens=3.0)
+    assert gate.spec_mode and share > 0.97
+
+
+def test_a_tie_goes_to_plain_decoding_and_a_change_is_followed():
+    gate = SpeculationGate()
+    _drive(gate, 3000, spec_cost=1.0, spec_tokens=1.0)   # no gain: decode without drafts
+    assert not gate.spec_mode
+    _drive(gate, 3000, spec_cost=1.2, spec_tokens=3.0)   # the prompts turned repetitive: drafts pay now
+    assert gate.spec_mode
+
+
+def test_windows_of_different_batch_sizes_are_not_compared():
+    """A speculative window at batch 1 and a plain one at batch 8 say nothing about each other: measure again."""
+    gate = SpeculationGate()
+    _drive(gate, WINDOW + 1, spec_cost=1.45, spec_tokens=1.0, batch=lambda i: 1)
+    assert not gate.spec_mode                              # measuring plain decoding now
+    _drive(gate, WINDOW + 1, spec_cost=1.45, spec_tokens=1.0, batch=lambda i: 8)   # (+1: the switch)
+    assert gate.spec_mode                                   # not comparable: speculation is measured again
+
+
+def test_the_batch_size_limit_and_the_off_switch():
+    gate = SpeculationGate(disable_by_batch_size=4)
+    assert gate.speculating(4) and not gate.speculating(5)
+    off = SpeculationGate(enabled=False)
+    _drive(off, 2000, spec_cost=3.0, spec_tokens=1.0)
+    assert off.speculating(64) and off.switches == 0
+
+
+def test_intervals_that_are_not_steps_are_not_measured():
+    gate = SpeculationGate()
+    gate.observe(0.0, 4, 4, True, counted=True)            # the first reading only starts the clock
+    gate.observe(1.0, 4, 4, True, counted=False)           # a step with prefill in it
+    gate.idle()
+    gate.observe(100.0, 4, 4, True, counted=True)          # after an idle gap
+    assert gate._current.steps == 0
+
+
+class ScriptedGate(SpeculationGate):
+    """Alternates: `on` steps speculating, then `off` steps without drafts."""
+
+    def __init__(self, on: int, off: int) -> None:
+        super().__init__()
+        self.pattern, self.calls, self.seen = [True] * on + [False] * off, 0, []
+
+    def speculating(self, num_running: int) -> bool:
+        self.calls += 1
+        return self.pattern[self.calls % len(self.pattern)]
+
+    def observe(self, now, tokens, batch, speculated, counted) -> None:
+        self.seen.append(speculated)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_switching_modes_keeps_every_token(cycle_model, async_scheduling):
+    """Steps with and without drafts interleave (the plain ones overlapped when async scheduling is on): the greedy
+    tokens are the plain engine's, and both kinds of step ran."""
+    prompts = [cycle_prompt(7 * i + 1, 12 + 5 * i) for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = ids(generate(make_llm(cycle_model), sp, prompts))
+    llm = make_llm(cycle_model, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+                   async_scheduling=async_scheduling)
+    core = llm.llm_engine.engine_core
+    core.gate = gate = ScriptedGate(on=3, off=4)
+    assert ids(generate(llm, sp, prompts)) == want
+    drafts, accepted = spec_counts(llm)
+    assert accepted > 0 and True in gate.seen and False in gate.seen

@@ -1,0 +1,126 @@
+"""When speculation does not pay, the engine decodes without it: a gate that measures both ways of decoding.
+
+Whether verifying drafts beats plain decoding depends on the acceptance (the prompts, the drafter), on what a
+verify step costs next to a plain one (the model, the batch, the device), and on what plain decoding gains from
+overlapping the host with the device (async scheduling, which a speculative step cannot do: its drafts need its
+tokens). None of these is known in advance, so the gate measures the quantity that matters, seconds per output
+token, over windows of pure decode steps (no prefill in them) in each mode, and runs the faster mode. The slower
+one is tried again for a short window now and then, at an interval that doubles while the choice stands (so a
+settled choice costs a fraction of a percent), and that starts short again when the choice changes or the batch
+size moved away from what the last measurements saw.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Counted steps per measurement window, and the exploitation intervals between windows of the other mode.
+WINDOW = 8
+MIN_PERIOD = 32
+MAX_PERIOD = 1024
+# Speculation must be this much faster per token to be chosen: on a near tie, plain decoding (no slower).
+MARGIN = 0.03
+# Windows whose mean batch sizes differ by more than this factor are not compared.
+BATCH_DRIFT = 1.5
+
+
+@dataclass
+class _Window:
+    seconds: float = 0.0
+    tokens: int = 0
+    steps: int = 0
+    batch: int = 0  # summed requests per step (mean = batch / steps)
+
+    def add(self, seconds: float, tokens: int, batch: int) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
+        self.steps += 1
+        self.batch += batch
+
+    @property
+    def per_token(self) -> float:
+        return self.seconds / max(self.tokens, 1)
+
+    @property
+    def mean_batch(self) -> float:
+        return self.batch / max(self.steps, 1)
+
+
+@dataclass
+class SpeculationGate:
+    """Chooses, before each step, whether it speculates (`speculating`), from the steps it is told about.
+
+    Contract: `observe(now, tokens, batch, speculated, counted)` once per finished step (now: a monotonic clock
+    reading when its outputs are in; tokens: output tokens it produced; batch: requests it ran; counted: a pure
+    decode step, whose time per token is comparable); `idle()` when the engine ran out of work (the next interval
+    is not a step's). The first interval after a switch of mode is not measured (it holds the switch itself).
+    The gate starts speculating; above `disable_by_batch_size` running requests it never speculates.
+    """
+    disable_by_batch_size: int | None = None
+    enabled: bool = True
+    spec_mode: bool = True
+    _last: float | None = None
+    _current: _Window = field(default_factory=_Window)   # the mode being measured or run now
+    _best: dict = field(default_factory=dict)            # mode -> its latest full window
+    _exploring: bool = True       # measuring a window (True) or running the chosen mode (False)
+    _period: int = MIN_PERIOD
+    _since_choice: int = 0        # counted steps run in the chosen mode since the last choice
+    _skip: bool = True            # the next interval holds a mode switch or an idle gap
+    _chosen: bool = True          # the latest choice (speculate or not)
+    switches: int = 0             # mode changes (diagnostics, tests)
+
+    def speculating(self, num_running: int) -> bool:
+        limit = self.disable_by_batch_size
+        if limit is not None and num_running > limit:
+            return False
+        return self.spec_mode or not self.enabled
+
+    def idle(self) -> None:
+        self._last, self._skip = None, True
+
+    def observe(self, now: float, tokens: int, batch: int, speculated: bool, counted: bool) -> None:
+        last, self._last = self._last, now
+        skip, self._skip = self._skip, False
+        if not self.enabled or last is None or skip or not counted or speculated != self.spec_mode or tokens <= 0:
+            return
+        self._current.add(now - last, tokens, batch)
+        if self._exploring:
+            if self._current.steps >= WINDOW:
+                self._best[self.spec_mode] = self._current
+                self._decide()
+        else:
+            self._since_choice += 1
+            if self._current.steps >= WINDOW:  # the chosen mode's figure stays fresh
+                self._best[self.spec_mode] = self._current
+                self._current = _Window()
+            if self._since_choice >= self._period:
+                self._switch(explore=True)
+
+    def _decide(self) -> None:
+        """After a measurement window: run the faster mode (or measure the other one first)."""
+        other = not self.spec_mode
+        mine, theirs = self._best.get(self.spec_mode), self._best.get(other)
+        if theirs is None or not _comparable(mine, theirs):
+            self._period = MIN_PERIOD
+            self._switch(explore=True)
+            return
+        spec, plain = (mine, theirs) if self.spec_mode else (theirs, mine)
+        choice = spec.per_token < plain.per_token * (1 - MARGIN)
+        # The same choice as before doubles the time until the next look; a new one starts it short again.
+        self._period = min(self._period * 2, MAX_PERIOD) if choice == self._chosen else MIN_PERIOD
+        self._chosen = choice
+        if choice != self.spec_mode:
+            self._switch(explore=False)
+        else:
+            self._exploring, self._since_choice, self._current = False, 0, _Window()
+
+    def _switch(self, explore: bool) -> None:
+        self.spec_mode = not self.spec_mode
+        self.switches += 1
+        self._exploring, self._since_choice, self._current, self._skip = explore, 0, _Window(), True
+
+
+def _comparable(a: _Window | None, b: _Window | None) -> bool:
+    if a is None or b is None:
+        return False
+    lo, hi = sorted((a.mean_batch, b.mean_batch))
+    return hi <= lo * BATCH_DRIFT
