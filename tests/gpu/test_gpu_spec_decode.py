@@ -21,19 +21,24 @@ def _count_verify_replays(runner) -> list[int]:
     return seen
 
 
-def _generate(llm, n=40):
+def _generate(llm, n=40, prompts=PROMPTS):
     from tokenmill import SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp,
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
                                                          use_tqdm=False)]
 
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
-def test_spec_decode_graphs_give_the_plain_tokens(tiny_model_factory, method):
+def test_spec_decode_graphs_give_the_plain_tokens(tiny_model_factory, tmp_path, method):
+    from tests.spec_decode.conftest import cycle_prompt, write_cycle_model
     from tokenmill import LLM
     d = tiny_model_factory("llama")
+    prompts = PROMPTS
+    if method == "ngram":  # a model that continues its cycles, so prompt lookup drafts k tokens that are accepted
+        d = write_cycle_model(d, str(tmp_path / "cycle"), mix=0.05)
+        prompts = [cycle_prompt(7 * i + 1, 12 + 5 * i) for i in range(4)]
     kw = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=256, max_num_seqs=8)
-    want = _generate(LLM(d, **kw))
+    want = _generate(LLM(d, **kw), prompts=prompts)
     spec = {"model": d, "num_speculative_tokens": 4} if method == "draft_model" else \
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     spec["step_aside"] = False
@@ -41,7 +46,7 @@ def test_spec_decode_graphs_give_the_plain_tokens(tiny_model_factory, method):
     runner = llm.llm_engine.engine_core.executor.worker.runner
     assert (1, 5) in runner.cuda_graphs.graphs
     verify = _count_verify_replays(runner)
-    assert _generate(llm) == want
+    assert _generate(llm, prompts=prompts) == want
     m = {x.name: x for x in llm.get_metrics()}
     drafts, accepted = (m[f"vllm:spec_decode_num_{k}_tokens"].value for k in ("draft", "accepted"))
     assert accepted > 0 and verify[0] > 0

@@ -207,3 +207,18 @@ def test_packed_upload_rows_are_16_byte_aligned_at_every_batch_size():
             assert tp.data_ptr() % 16 == 0, (f, n)
             assert tp.is_contiguous() and tp.shape == (n,), (f, n)
             assert torch.equal(tp, tq), (f, n)
+
+
+def test_packed_upload_holds_every_verified_position():
+    """Speculative decoding samples each request at k + 1 positions: a step has up to max_rows rows, more than
+    max_num_reqs, and the packed buffer holds them all."""
+    k = 4
+    st = SamplingState(2, V, torch.device("cpu"), packed_upload=True, max_rows=2 * (k + 1))
+    b = Batch()
+    for r in range(2):
+        st.add_request(r, params(temperature=0.7, top_k=20, top_p=0.9, seed=5 + r))
+        b.set(r, [1, 2, 3], [4])
+    rows, offs = np.repeat([0, 1], k + 1), np.tile(np.arange(k + 1), 2)
+    md = st.make_metadata(rows, b.token_ids, b.num_prompt, b.num_tokens, offs)
+    assert md.seeds.shape == (2 * (k + 1),) and md.positions.tolist() == (1 + offs).tolist()
+    assert md.top_k.tolist() == [20] * 10

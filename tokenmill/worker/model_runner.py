@@ -173,7 +173,8 @@ class ModelRunner:
                                               self.max_model_len)
         self.sampling = SamplingState(self.max_num_reqs, self.vocab_size, self.device,
                                       global_seed=self.config.model_config.seed,
-                                      logprobs_mode=self.config.model_config.logprobs_mode)
+                                      logprobs_mode=self.config.model_config.logprobs_mode,
+                                      max_rows=self.max_sampled)
         self.cuda_graphs = None
         if self.use_cuda_graphs():
             from tokenmill.worker.cuda_graph import CudaGraphRunner

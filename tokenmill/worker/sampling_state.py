@@ -43,7 +43,10 @@ class SamplingState:
     """
 
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device, global_seed: int = 0,
-                 logprobs_mode: str = "raw_logprobs", packed_upload: bool | None = None) -> None:
+                 logprobs_mode: str = "raw_logprobs", packed_upload: bool | None = None,
+                 max_rows: int | None = None) -> None:
+        """max_rows: the most logits rows one step samples (max_num_reqs; more when speculative decoding samples
+        every verified position of a request)."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self.max_num_reqs = max_num_reqs
@@ -74,7 +77,8 @@ class SamplingState:
         if packed_upload is None:   # tests force it on the CPU to check the packed layout
             packed_upload = self.device.type == "cuda"
         if packed_upload:
-            nbytes = 3 * 8 * _padded(max_num_reqs, 2) + 6 * 4 * _padded(max_num_reqs, 4)
+            rows = max(max_rows or 0, max_num_reqs)
+            nbytes = 3 * 8 * _padded(rows, 2) + 6 * 4 * _padded(rows, 4)
             self._ring = PinnedRing(nbytes)
             self._dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
