@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
+
 # Counted steps per measurement window, and the exploitation intervals between windows of the other mode.
 WINDOW = 8
 MIN_PERIOD = 32
@@ -105,6 +109,9 @@ class SpeculationGate:
             return
         spec, plain = (mine, theirs) if self.spec_mode else (theirs, mine)
         choice = spec.per_token < plain.per_token * (1 - MARGIN)
+        logger.debug("Speculation gate: %.4f ms per token speculating, %.4f without (batch %.1f / %.1f): %s",
+                     spec.per_token * 1e3, plain.per_token * 1e3, spec.mean_batch, plain.mean_batch,
+                     "speculate" if choice else "decode without drafts")
         # The same choice as before doubles the time until the next look; a new one starts it short again.
         self._period = min(self._period * 2, MAX_PERIOD) if choice == self._chosen else MIN_PERIOD
         self._chosen = choice
