@@ -8,7 +8,7 @@ import pytest
 from tests.spec_decode.conftest import cycle_prompt, make_llm
 from tests.spec_decode.test_greedy_exact import generate, ids, spec_counts
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.step_aside import MAX_PERIOD, WINDOW, SpeculationGate
+from tokenmill.spec_decode.step_aside import CLEAR_STEPS, MAX_PERIOD, WINDOW, SpeculationGate
 
 
 def _drive(gate: SpeculationGate, steps: int, spec_cost: float, spec_tokens: float, batch=lambda i: 4):
@@ -35,6 +35,20 @@ def test_speculation_that_does_not_pay_is_stepped_aside():
     assert late <= 1.5 * WINDOW / MAX_PERIOD
 
 
+def test_a_clearly_worse_mode_is_tried_for_two_steps_only():
+    """Verifying at a batch too large to pay (4x a plain step, nothing accepted): after the first window, each
+    look back at speculation costs CLEAR_STEPS steps (+1, the switch)."""
+    gate = SpeculationGate()
+    _drive(gate, 3 * MAX_PERIOD, spec_cost=4.0, spec_tokens=1.0)
+    late = _drive(gate, 8 * MAX_PERIOD, spec_cost=4.0, spec_tokens=1.0)
+    assert 0 < late <= 8 * (CLEAR_STEPS + 1) / (8 * MAX_PERIOD)
+    # plain decoding clearly worse (drafts accepted): its look-backs are as short
+    gate = SpeculationGate()
+    _drive(gate, 3 * MAX_PERIOD, spec_cost=1.2, spec_tokens=3.0)
+    late = _drive(gate, 8 * MAX_PERIOD, spec_cost=1.2, spec_tokens=3.0)
+    assert 1 - late <= 8 * (CLEAR_STEPS + 1) / (8 * MAX_PERIOD)
+
+
 def test_speculation_that_pays_is_kept():
     gate = SpeculationGate()
     share = _drive(gate, 20000, spec_cost=1.4, spec_tokens=3.0)
@@ -47,6 +61,16 @@ def test_a_tie_goes_to_plain_decoding_and_a_change_is_followed():
     assert not gate.spec_mode
     _drive(gate, 3000, spec_cost=1.2, spec_tokens=3.0)   # the prompts turned repetitive: drafts pay now
     assert gate.spec_mode
+
+
+def test_a_collapse_in_acceptance_is_noticed_within_a_window_or_two():
+    """Quoting prompts, then ordinary chat: the choice to speculate had settled into its longest interval, yet the
+    engine decodes without drafts soon after the drafts stop being accepted."""
+    gate = SpeculationGate()
+    _drive(gate, 4 * MAX_PERIOD, spec_cost=1.4, spec_tokens=3.0)
+    assert gate.spec_mode and gate._period == MAX_PERIOD
+    share = _drive(gate, 400, spec_cost=1.4, spec_tokens=1.0)
+    assert not gate.spec_mode and share * 400 <= 3 * WINDOW
 
 
 def test_windows_of_different_batch_sizes_are_not_compared():
@@ -104,3 +128,15 @@ def test_switching_modes_keeps_every_token(cycle_model, async_scheduling):
     assert ids(generate(llm, sp, prompts)) == want
     drafts, accepted = spec_counts(llm)
     assert accepted > 0 and True in gate.seen and False in gate.seen
+
+
+def test_the_engine_measures_its_steps_and_not_the_gaps_between_requests(cycle_model):
+    llm = make_llm(cycle_model, {"method": "ngram", "num_speculative_tokens": 3, "step_aside": True})
+    gate = llm.llm_engine.engine_core.gate
+    seen = []
+    observe = gate.observe
+    gate.observe = lambda *a, **kw: (seen.append(a), observe(*a, **kw))
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    generate(llm, sp, [cycle_prompt(1, 12), cycle_prompt(8, 9)])
+    # one observation per step, pure decode steps counted; once idle the clock stops (the gap is not a step)
+    assert len(seen) >= 8 and sum(a[4] for a in seen) >= 6 and gate._last is None and gate._skip

@@ -60,13 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="float32: the dense oracle path (batch-shape-invariant "
                     "enough for greedy identity); auto: the default quantized path, whose bf16 / fp16 products can "
                     "round differently at k + 1 rows than at 1 and so flip near-ties")
+    ap.add_argument("--no-step-aside", action="store_true",
+                    help="speculate at every step (step_aside false): the drafts' own cost and gain, without the "
+                    "engine's measured fallback to plain decoding")
     args = ap.parse_args(argv)
     from tokenmill import LLM, SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results, tokens = {}, {}
     for name, spec in METHODS.items():
         if spec is not None:
-            spec = {**spec, "num_speculative_tokens": args.k}
+            spec = {**spec, "num_speculative_tokens": args.k, "step_aside": not args.no_step_aside}
         llm = LLM(args.model, speculative_config=spec, max_model_len=args.max_model_len, dtype=args.dtype)
         llm.chat([[{"role": "user", "content": "Hello"}]], sp, use_tqdm=False)   # warm-up
         for kind, prompts in (("quoting", QUOTING), ("ordinary", ORDINARY)):

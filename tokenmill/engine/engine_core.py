@@ -119,8 +119,6 @@ class EngineCore:
                 sched = self.last_scheduled = self.scheduler.schedule()
             with TIMER.phase("execute_model"):
                 self.executor.execute_model(sched)
-        elif self.gate is not None and self._in_flight is None:
-            self.gate.idle()
         outputs = None
         if self._in_flight is not None:
             prev, handle = self._in_flight
@@ -143,6 +141,8 @@ class EngineCore:
         return self._stamp(outputs)
 
     def _stamp(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        if self.gate is not None and not self.has_unfinished_requests():
+            self.gate.idle()  # the time until the next request arrives is not a step's
         outputs.scheduler_stats = self.scheduler.make_stats()
         outputs.timestamp = time.monotonic()
         return outputs

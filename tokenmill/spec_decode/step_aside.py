@@ -5,9 +5,9 @@ verify step costs next to a plain one (the model, the batch, the device), and on
 overlapping the host with the device (async scheduling, which a speculative step cannot do: its drafts need its
 tokens). None of these is known in advance, so the gate measures the quantity that matters, seconds per output
 token, over windows of pure decode steps (no prefill in them) in each mode, and runs the faster mode. The slower
-one is tried again for a short window now and then, at an interval that doubles while the choice stands (so a
-settled choice costs a fraction of a percent), and that starts short again when the choice changes or the batch
-size moved away from what the last measurements saw.
+one is tried again for a short window now and then (cut to two steps when it is clearly slower), at an interval
+that doubles while the choice stands (so a settled choice costs a fraction of a percent), and that starts short
+again when the choice changes or the batch size moved away from what the last measurements saw.
 """
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ MAX_PERIOD = 1024
 MARGIN = 0.03
 # Windows whose mean batch sizes differ by more than this factor are not compared.
 BATCH_DRIFT = 1.5
+# A window cut short: once it has this many steps and runs this much slower per token than the other mode's
+# latest figure, the verdict is in (trying a clearly worse mode costs 2 steps, not a window).
+CLEAR_STEPS = 2
+CLEAR_RATIO = 1.25
 
 
 @dataclass
@@ -88,7 +92,7 @@ class SpeculationGate:
             return
         self._current.add(now - last, tokens, batch)
         if self._exploring:
-            if self._current.steps >= WINDOW:
+            if self._current.steps >= WINDOW or self._clearly_worse():
                 self._best[self.spec_mode] = self._current
                 self._decide()
         else:
@@ -96,19 +100,34 @@ class SpeculationGate:
             if self._current.steps >= WINDOW:  # the chosen mode's figure stays fresh
                 self._best[self.spec_mode] = self._current
                 self._current = _Window()
+                if self._preferred() is not None and self._preferred() != self.spec_mode:
+                    # It no longer beats the other mode's latest figure (the prompts changed): look again now.
+                    self._period = MIN_PERIOD
+                    self._switch(explore=True)
+                    return
             if self._since_choice >= self._period:
                 self._switch(explore=True)
 
+    def _clearly_worse(self) -> bool:
+        cur, other = self._current, self._best.get(not self.spec_mode)
+        return (cur.steps >= CLEAR_STEPS and _comparable(cur, other)
+                and cur.per_token > other.per_token * CLEAR_RATIO)
+
+    def _preferred(self) -> bool | None:
+        """Whether the latest figures favour speculating (None: no comparable pair)."""
+        spec, plain = self._best.get(True), self._best.get(False)
+        if not _comparable(spec, plain):
+            return None
+        return spec.per_token < plain.per_token * (1 - MARGIN)
+
     def _decide(self) -> None:
         """After a measurement window: run the faster mode (or measure the other one first)."""
-        other = not self.spec_mode
-        mine, theirs = self._best.get(self.spec_mode), self._best.get(other)
-        if theirs is None or not _comparable(mine, theirs):
+        choice = self._preferred()
+        if choice is None:
             self._period = MIN_PERIOD
             self._switch(explore=True)
             return
-        spec, plain = (mine, theirs) if self.spec_mode else (theirs, mine)
-        choice = spec.per_token < plain.per_token * (1 - MARGIN)
+        spec, plain = self._best[True], self._best[False]
         logger.debug("Speculation gate: %.4f ms per token speculating, %.4f without (batch %.1f / %.1f): %s",
                      spec.per_token * 1e3, plain.per_token * 1e3, spec.mean_batch, plain.mean_batch,
                      "speculate" if choice else "decode without drafts")
