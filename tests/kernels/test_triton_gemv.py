@@ -56,11 +56,16 @@ def _rms_ref(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=False, residual=False, lead=(),
-           epilogue=None):
+           epilogue=None, fp8=False):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     k_in = 2 * k if act == "silu_mul" else k
     x = _rand(*lead, m, k_in, dtype=dtype, gen=gen, scale=2.0)
     w = _rand(n, k, dtype=dtype, gen=gen, scale=k ** -0.5)
+    w_ref, w_scale = w.double(), None
+    if fp8:  # e4m3 values with one float32 scale per row (the FP8 linear method's layout)
+        w = (torch.randn(n, k, generator=gen, device=DEV) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w_scale = (torch.rand(n, generator=gen, device=DEV) + 0.5) * (k ** -0.5 / 60)
+        w_ref = w.double() * w_scale.double()[:, None]
     b = _rand(n, dtype=dtype, gen=gen) if bias else None
     nw = _rand(k, dtype=dtype, gen=gen) if norm else None
     r = _rand(*lead, m, k, dtype=dtype, gen=gen) if residual else None
@@ -73,7 +78,7 @@ def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=Fals
         inp = _rms_ref(h, nw, eps)
     else:
         inp = h.double()
-    ref = F.linear(inp, w.double(), b.double() if bias else None)
+    ref = F.linear(inp, w_ref, b.double() if bias else None)
     tol = TOL[dtype]
     if epilogue == "silu_mul":
         # w = [gate | up]; the kernel rounds gate, up, silu(gate) and the product (three more roundings).
@@ -81,7 +86,8 @@ def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=Fals
         n, tol = n // 2, 3 * tol
     out = torch.full((*lead, m, n), float("nan"), dtype=dtype, device=DEV)     # poison: every element written
     x_before = x.clone()
-    res = gemv(x, w, b, act=act, norm_weight=nw, eps=eps, residual=r, out=out, config=config, epilogue=epilogue)
+    res = gemv(x, w, b, act=act, norm_weight=nw, eps=eps, residual=r, out=out, config=config, epilogue=epilogue,
+               weight_scale=w_scale)
     if residual:
         y, r_out = res
         if dtype != torch.bfloat16 or not INTERPRETED:                   # the interpreter truncates bf16
@@ -129,6 +135,23 @@ def test_silu_mul_epilogue(config):
     for i, (m, n) in enumerate(((1, 58), (3, 64), (6, 42))):
         _check(m, n, 80 + 9 * i, torch.float16, seed=60 + i, config=config, epilogue="silu_mul", bias=i == 1,
                norm=i == 2, residual=i == 2)
+
+
+@pytest.mark.parametrize("config", CPU_CONFIGS, ids=CPU_IDS)
+def test_fp8_weights_with_row_scales(config):
+    """float8 e4m3 weights widened in registers, each output column scaled by its row's scale (the FP8 decode
+    path), alone and with the prologues and the SiLU epilogue."""
+    _check(1, 37, 100, torch.bfloat16, seed=70, config=config, fp8=True)
+    _check(5, 50, 72, torch.float16, seed=71, config=config, fp8=True, bias=True, norm=True, residual=True)
+    _check(3, 42, 80, torch.float16, seed=72, config=config, fp8=True, epilogue="silu_mul")
+    if config.use_dot:
+        _check(2, 29, 64, torch.bfloat16, seed=73, config=config, fp8=True, act="silu_mul")
+    w8 = torch.zeros(8, 16, device=DEV).to(torch.float8_e4m3fn)
+    x = torch.zeros(1, 16, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        gemv(x, w8)                                                   # fp8 needs its scales
+    with pytest.raises(ValueError, match="weight_scale must be contiguous float32"):
+        gemv(x, w8, weight_scale=torch.ones(4, device=DEV))
 
 
 def test_residual_without_norm_and_leading_dims():
@@ -284,3 +307,37 @@ def test_gemv_gpu_pdl_chain_in_graph():
 def test_acc2d_needs_the_fma_path():
     with pytest.raises(ValueError, match="acc2d"):
         GemvConfig(64, 128, 1, 4, 3, use_dot=True, acc2d=True)
+
+
+_COMPILE_FP8 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tokenmill.kernels.triton_gemv import _gemv_kernel
+sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", b_ptr="*bf16", y_ptr="*bf16", nw_ptr="*bf16", res_ptr="*bf16",
+           res_out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", k_per_split="i32",
+           split_k="i32", eps="fp32", stride_xm="i32", stride_wn="i32", stride_ym="i32", stride_rm="i32",
+           stride_rom="i32", wsc_ptr="*fp32")
+const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SILU_MUL=False, NORM=True, HAS_RES=True,
+             HAS_BIAS=False, USE_DOT=True, EVEN_K=True, DOT_F32=False, PREFETCH=True, ACC2D=False, OUT_SILU=False,
+             XPRE=True, PDL=False, W_SCALE=True)
+for use_dot, out_silu in ((True, False), (False, True)):
+    c = {**const, "USE_DOT": use_dot, "OUT_SILU": out_silu, "NORM": not out_silu, "HAS_RES": not out_silu,
+         "BLOCK_M": 16 if use_dot else 1}
+    s = {**sig, **{k: "constexpr" for k in c}}
+    src = ASTSource(fn=_gemv_kernel, signature=s, constexprs=c)
+    print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
+"""
+
+
+def test_the_fp8_weight_path_compiles_for_sm90():
+    """The interpreter accepts code the compiler rejects: the fp8-weight variants (dot with the norm prologue and
+    split-K; FMA with the SiLU epilogue) compiled for an H100/H200 target, in a process without the interpreter."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FP8], env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and ("ImportError" in r.stderr or "ptxas" in r.stderr):
+        pytest.skip(f"no sm_90 compile here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("ttgir") == 2

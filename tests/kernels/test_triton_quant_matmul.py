@@ -24,13 +24,15 @@ def test_fp8_row_scales(m, n, k):
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-2)
 
 
-@pytest.mark.parametrize("m, n, k, block", [(2, 64, 128, (32, 64)), (17, 48, 96, (16, 32))])
+# (128, 128): the published blocks, where each 64 x 64 tile takes one scale (200: partial last blocks and tiles)
+@pytest.mark.parametrize("m, n, k, block", [(2, 64, 128, (32, 64)), (17, 48, 96, (16, 32)), (1, 256, 256, (128, 128)),
+                                            (3, 200, 200, (128, 128))])
 def test_fp8_block_scales(m, n, k, block):
     g = torch.Generator().manual_seed(k)
     w = (torch.randn(n, k, generator=g) * 50).clamp(-448, 448).to(FP8)
-    s = torch.rand(n // block[0], k // block[1], generator=g) + 0.01
+    s = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) + 0.01
     x = torch.randn(3, m, k, generator=g)  # leading dims are flattened
-    full = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    full = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
     ref = F.linear(x, w.float() * full)
     got = fp8_matmul(x.to(DEV), w.to(DEV), s.to(DEV), block).cpu()
     assert got.shape == (3, m, n)
@@ -85,10 +87,11 @@ from triton.compiler import ASTSource
 from tokenmill.kernels.triton_quant_matmul import _fp8_matmul_kernel, _int_matmul_kernel
 common = {"M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32"}
 fp8 = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*bf16", **common, s_cols="i32", BN_SCALE="i32",
-           BK_SCALE="i32", BLOCK_SCALES="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr")
-for blocks in (False, True):
-    src = ASTSource(fn=_fp8_matmul_kernel, signature=fp8,
-                    constexprs={"BLOCK_SCALES": blocks, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64})
+           BK_SCALE="i32", BLOCK_SCALES="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
+           TILE_SCALE="constexpr")
+for blocks, tile in ((False, False), (True, False), (True, True)):
+    src = ASTSource(fn=_fp8_matmul_kernel, signature=fp8, constexprs={
+        "BLOCK_SCALES": blocks, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "TILE_SCALE": tile})
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 ints = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", g_ptr="*i32", y_ptr="*bf16", **common,
             GROUP="i32", BITS="constexpr", HAS_G_IDX="constexpr", FLOAT_ZERO="constexpr", BLOCK_M="constexpr",
@@ -112,4 +115,4 @@ def test_the_kernels_compile_for_sm90():
     if r.returncode != 0 and ("ImportError" in r.stderr or "ptxas" in r.stderr):
         pytest.skip(f"no sm_90 compile here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("ttgir") == 5
+    assert r.stdout.count("ttgir") == 6

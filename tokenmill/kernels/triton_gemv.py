@@ -66,7 +66,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr = False,
     ACC2D: tl.constexpr = False, OUT_SILU: tl.constexpr = False, XPRE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, wsc_ptr=0, W_SCALE: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -142,10 +142,10 @@ def _gemv_kernel(
     if not SPLIT:
         if OUT_SILU:
             _gemv_epilogue_silu(part, ssum, b_ptr, y_ptr, offs_m, m_mask, n_safe, pid_n, N, K, eps, stride_ym,
-                                BLOCK_M, BLOCK_N, NORM, HAS_BIAS)
+                                BLOCK_M, BLOCK_N, NORM, HAS_BIAS, wsc_ptr, W_SCALE)
         else:
             _gemv_epilogue(part, ssum, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM,
-                           HAS_BIAS)
+                           HAS_BIAS, wsc_ptr, W_SCALE)
     else:
         tile = pid_n * split_k
         tile_elems = BLOCK_M * BLOCK_N
@@ -169,10 +169,10 @@ def _gemv_kernel(
                                         cache_modifier=".cg")
             if OUT_SILU:
                 _gemv_epilogue_silu(total, ss_total, b_ptr, y_ptr, offs_m, m_mask, n_safe, pid_n, N, K, eps,
-                                    stride_ym, BLOCK_M, BLOCK_N, NORM, HAS_BIAS)
+                                    stride_ym, BLOCK_M, BLOCK_N, NORM, HAS_BIAS, wsc_ptr, W_SCALE)
             else:
                 _gemv_epilogue(total, ss_total, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM,
-                               HAS_BIAS)
+                               HAS_BIAS, wsc_ptr, W_SCALE)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
@@ -234,7 +234,7 @@ def _gemv_step(acc, ss, w, kk, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K, xdt
         if DOT_F32:
             acc += tl.dot(xin.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(xin, w)
+            acc += tl.dot(xin, w.to(xdt))   # fp8 weights widen exactly to bf16 / fp16
     else:
         prod = xin.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :]
         if ACC2D:
@@ -246,7 +246,9 @@ def _gemv_step(acc, ss, w, kk, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K, xdt
 
 @triton.jit
 def _gemv_epilogue(acc, ssum, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym,
-                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr, wsc_ptr, W_SCALE: tl.constexpr):
+    if W_SCALE:
+        acc = acc * tl.load(wsc_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
     if NORM:
         acc = acc * tl.math.rsqrt(ssum / K + eps)[:, None]
     if HAS_BIAS:
@@ -257,10 +259,13 @@ def _gemv_epilogue(acc, ssum, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, s
 
 @triton.jit
 def _gemv_epilogue_silu(acc, ssum, b_ptr, y_ptr, offs_m, m_mask, rows, pid_n, N, K, eps, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        wsc_ptr, W_SCALE: tl.constexpr):
     """silu(gate) * up of the interleaved tile (even columns gate, odd up), rounded like the unfused layers: the
     product's gate and up outputs to the activation dtype, then silu(gate), then the product."""
     dt = y_ptr.dtype.element_ty
+    if W_SCALE:
+        acc = acc * tl.load(wsc_ptr + rows)[None, :]
     if NORM:
         acc = acc * tl.math.rsqrt(ssum / K + eps)[:, None]
     if HAS_BIAS:
@@ -307,7 +312,8 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, act: str | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
          residual_out: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         config: GemvConfig | None = None, epilogue: str | None = None):
+         config: GemvConfig | None = None, epilogue: str | None = None,
+         weight_scale: torch.Tensor | None = None):
     """F.linear(prologue(x), weight, bias) for a few rows of x.
 
     x [..., K] (or [..., 2K] with act="silu_mul"), weight [N, K], bias [N] or None; fp16/bf16, x and weight of one
@@ -319,7 +325,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     Epilogue: epilogue="silu_mul" treats weight as [gate | up] (N = 2I rows) and returns silu(gate) * up, y [..., I]
       (the SiLU-and-mul after gate_up_proj; combines with the norm prologue).
     Returns y [..., N] in x.dtype (written into `out` when given). config overrides the device table's config for
-    the shape, or the heuristic (gemv_config.default_config)."""
+    the shape, or the heuristic (gemv_config.default_config).
+    weight_scale [N] float32: the weight is float8 e4m3 with one scale per row (W = weight * weight_scale[:, None]),
+    widened to x's dtype in registers: the stream is 1 byte per weight."""
     if act not in _ACTS:
         raise ValueError(f"gemv: unsupported act={act!r}; supported: None, 'silu_mul'")
     if epilogue not in (None, "silu_mul"):
@@ -330,7 +338,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("gemv: act='silu_mul' cannot be combined with norm_weight or residual")
     if residual_out is not None and residual is None:
         raise ValueError("gemv: residual_out needs residual")
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+    if weight_scale is not None:
+        if weight.dtype != torch.float8_e4m3fn or x.dtype not in _DTYPES:
+            raise TypeError(f"gemv: weight_scale goes with a float8_e4m3fn weight and fp16/bf16 x, got "
+                            f"{weight.dtype} and {x.dtype}")
+        if weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32 \
+                or not weight_scale.is_contiguous():
+            raise ValueError(f"gemv: weight_scale must be contiguous float32 ({weight.shape[0]},), got "
+                             f"{tuple(weight_scale.shape)} {weight_scale.dtype}")
+    elif x.dtype not in _DTYPES or weight.dtype != x.dtype:
         raise TypeError(f"gemv: x and weight must share dtype float16 or bfloat16, got {x.dtype} and "
                         f"{weight.dtype}")
     if weight.dim() != 2 or weight.stride(-1) != 1:
@@ -382,7 +398,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         if epilogue is not None and config.block_n < 2:
             config = dataclasses.replace(config, block_n=2)
         _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, config, act == "silu_mul",
-                residual is not None, epilogue is not None)
+                residual is not None, epilogue is not None, weight_scale)
     if residual is None:
         return out
     return out, residual_out
@@ -407,7 +423,7 @@ def launch_plan(m: int, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int,
 
 
 def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvConfig, silu_mul: bool,
-            has_res: bool, out_silu: bool = False) -> None:
+            has_res: bool, out_silu: bool = False, weight_scale: torch.Tensor | None = None) -> None:
     block_m, n_tiles, split, k_per_split = launch_plan(m, n, k, cfg)
     if split > 1:
         ws = torch.empty(n_tiles * split * block_m * (cfg.block_n + 1), dtype=torch.float32, device=x2.device)
@@ -423,5 +439,6 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
         SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED, PREFETCH=cfg.prefetch,
         ACC2D=cfg.acc2d, OUT_SILU=out_silu, XPRE=cfg.xprefetch,
+        wsc_ptr=weight_scale if weight_scale is not None else y2, W_SCALE=weight_scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x2.device, "gemv"),
     )

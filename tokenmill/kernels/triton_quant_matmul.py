@@ -3,8 +3,9 @@
 Two kernels share one tiling (a program per BLOCK_M x BLOCK_N output tile, a loop over K):
 - `fp8_matmul`: W is float8 e4m3 [N, K] with either one float32 scale per output row (per-tensor and per-channel
   checkpoints, whose per-slot scales the linear method expands to rows) or one scale per (block_n x block_k) block
-  (DeepSeek-V3 / Qwen3-FP8 block-wise checkpoints). A row scale multiplies the accumulator once at the end; block
-  scales multiply the weight tile before the dot.
+  (DeepSeek-V3 / Qwen3-FP8 block-wise checkpoints). A row scale multiplies the accumulator once at the end; a
+  block scale multiplies each tile's product when the tile lies inside one block (128 x 128 blocks), else the
+  weight tile before the dot.
 - `int_matmul`: W is 4- or 8-bit integers packed along K into int32 ([K * bits / 32, N], value j of a word in bits
   j*bits .. j*bits + bits - 1), with a scale and a zero point per (group, output column): w = (q - z) * s for an
   integer z (AWQ, GPTQ), or w = q * s + m for a float offset m (GGUF's block types). The group of input k is
@@ -30,7 +31,7 @@ def _tiles(m: int, n: int) -> tuple[int, int, int]:
 @triton.jit
 def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym, s_cols, BN_SCALE, BK_SCALE,
                        BLOCK_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, TILE_SCALE: tl.constexpr = False):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -41,13 +42,16 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym
         k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if BLOCK_SCALES:
+        if TILE_SCALE:
+            # The tile lies inside one scale block: one scale for its whole product (e4m3 -> bf16 is exact).
+            s = tl.load(s_ptr + (pid_n * BLOCK_N // BN_SCALE) * s_cols + k0 // BK_SCALE)
+            acc += tl.dot(x, w.to(x.dtype)) * s
+        elif BLOCK_SCALES:
             s = tl.load(s_ptr + (rn[None, :] // BN_SCALE) * s_cols + rk[:, None] // BK_SCALE,
                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            wd = (w.to(tl.float32) * s).to(x.dtype)
+            acc += tl.dot(x, (w.to(tl.float32) * s).to(x.dtype))
         else:
-            wd = w.to(x.dtype)
-        acc += tl.dot(x, wd)
+            acc += tl.dot(x, w.to(x.dtype))
     if not BLOCK_SCALES:
         acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -68,10 +72,13 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, bk = _tiles(m, n)
     bn_s, bk_s = block if block is not None else (1, 1)
+    # Published block-wise checkpoints use 128 x 128 blocks: every 64 x 64 tile then sits inside one block.
+    tile_scale = block is not None and bn_s % bn == 0 and bk_s % bk == 0
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _fp8_matmul_kernel[grid](x2, weight, scale, y, m, n, k, x2.stride(0), y.stride(0),
                              scale.shape[1] if block is not None else 0, bn_s, bk_s,
-                             BLOCK_SCALES=block is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                             BLOCK_SCALES=block is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                             TILE_SCALE=tile_scale)
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -14,8 +14,9 @@ Storage after loading (what `apply` reads):
 Online quantization keeps one scale per output row (amax / 448), finer than vLLM's one scale per tensor.
 
 The products: on CUDA, more than `SCALED_MM_MIN_ROWS` rows with row scales quantize the activations (the checkpoint's
-static scale, else one dynamic scale per token) and run torch._scaled_mm; fewer rows, and every block-wise product,
-run the Triton kernel of kernels/triton_quant_matmul.py, which dequantizes the weight in registers and keeps the
+static scale, else one dynamic scale per token) and run torch._scaled_mm; up to 16 rows with row scales run the
+decode GEMV of kernels/triton_gemv.py on the fp8 weight (scaled per row in its epilogue); the rows between, and
+every block-wise product, run the Triton kernel of kernels/triton_quant_matmul.py, which dequantizes the weight in registers and keeps the
 activations in the model dtype (more precise than the scheme asks: the decode path is weight-bound). Elsewhere (CPU)
 the product is the scheme's definition: activations rounded through fp8 as the scheme quantizes them (the static
 scale, else per token), the weight dequantized into the activation dtype per call (kept in 1 byte per value), then
@@ -128,7 +129,7 @@ class Fp8LinearMethod(LinearMethod):
             sizes = list(layer.shape.output_sizes_per_rank)  # one per slot, in slot order
             per_slot = layer.weight_scale.data
             rows = torch.repeat_interleave(per_slot, torch.tensor(sizes, device=per_slot.device))
-            replace_param(layer, "weight_scale", rows.contiguous())
+            replace_param(layer, "weight_scale", rows.float().contiguous())
         elif s.weight == "channel":
             replace_param(layer, "weight_scale", layer.weight_scale.data.reshape(-1).float().contiguous())
         if hasattr(layer, "input_scale"):
@@ -156,6 +157,10 @@ class Fp8LinearMethod(LinearMethod):
         rows = x.numel() // x.shape[-1]
         if (rows >= SCALED_MM_MIN_ROWS and self.scheme.activation is not None and n % 16 == 0 and k % 16 == 0):
             return scaled_mm(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None))
+        from tokenmill.kernels.triton_gemv import MAX_M, gemv
+        if rows <= MAX_M and x.dtype in (torch.bfloat16, torch.float16):
+            # Decode: the tuned weight-streaming GEMV, reading 1 byte per weight (split-K, deep K tiles).
+            return gemv(x, layer.weight, weight_scale=layer.weight_scale)
         return fp8_matmul(x, layer.weight, layer.weight_scale)
 
 
