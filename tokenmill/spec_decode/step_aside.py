@@ -7,7 +7,8 @@ tokens). None of these is known in advance, so the gate measures the quantity th
 token, over windows of pure decode steps (no prefill in them) in each mode, and runs the faster mode. The slower
 one is tried again for a short window now and then (cut to two steps when it is clearly slower), at an interval
 that doubles while the choice stands (so a settled choice costs a fraction of a percent), and that starts short
-again when the choice changes or the batch size moved away from what the last measurements saw.
+again when the choice changes, when the batch size moved away from what the last measurements saw, or when the
+chosen mode's own fresh figure stops beating the other's latest (the prompts changed).
 """
 from __future__ import annotations
 
