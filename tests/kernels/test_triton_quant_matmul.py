@@ -49,9 +49,13 @@ def pack_along_k(q: torch.Tensor, bits: int) -> torch.Tensor:
         torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 
 
-@pytest.mark.parametrize("bits, m, n, k, group, act_order", [
-    (4, 1, 40, 64, 32, False), (4, 6, 64, 128, 64, True), (8, 18, 33, 64, 16, False), (8, 3, 32, 96, 32, True)])
-def test_int_weights(bits, m, n, k, group, act_order):
+# split_k: K per program, the programs' shares summed by atomic adds (what decode-sized products use on a GPU);
+# 64 of k = 200 leaves a partial last share
+@pytest.mark.parametrize("bits, m, n, k, group, act_order, split_k", [
+    (4, 1, 40, 64, 32, False, None), (4, 6, 64, 128, 64, True, None), (8, 18, 33, 64, 16, False, None),
+    (8, 3, 32, 96, 32, True, None), (4, 1, 40, 256, 32, False, 64), (4, 5, 72, 200, 8, True, 64),
+    (8, 2, 33, 192, 16, False, 128)])
+def test_int_weights(bits, m, n, k, group, act_order, split_k):
     g = torch.Generator().manual_seed(bits * 100 + m)
     q = torch.randint(0, 2 ** bits, (k, n), generator=g)
     groups = k // group
@@ -61,8 +65,13 @@ def test_int_weights(bits, m, n, k, group, act_order):
     w = (q - zeros[g_idx]).float() * scales[g_idx]
     x = torch.randn(m, k, generator=g)
     got = int_matmul(x.to(DEV), pack_along_k(q, bits).to(DEV), scales.to(DEV), zeros.to(torch.uint8).to(DEV), bits,
-                     group, g_idx.to(torch.int32).to(DEV) if act_order else None).cpu()
+                     group, g_idx.to(torch.int32).to(DEV) if act_order else None, split_k=split_k).cpu()
+    assert got.dtype == x.dtype
     torch.testing.assert_close(got, x @ w, rtol=1e-3, atol=1e-3)
+    if split_k:
+        with pytest.raises(ValueError, match="multiple of the K tile"):
+            int_matmul(x.to(DEV), pack_along_k(q, bits).to(DEV), scales.to(DEV), zeros.to(torch.uint8).to(DEV),
+                       bits, group, split_k=split_k + 8)
 
 
 @pytest.mark.parametrize("bits, group", [(4, 32), (8, 16)])
@@ -95,11 +104,14 @@ for blocks, tile in ((False, False), (True, False), (True, True)):
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 ints = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", g_ptr="*i32", y_ptr="*bf16", **common,
             GROUP="i32", BITS="constexpr", HAS_G_IDX="constexpr", FLOAT_ZERO="constexpr", BLOCK_M="constexpr",
-            BLOCK_N="constexpr", BLOCK_K="constexpr")
-for bits, gi, fz in ((4, False, False), (8, True, False), (4, False, True)):
+            BLOCK_N="constexpr", BLOCK_K="constexpr", K_PER_SPLIT="constexpr")
+for bits, gi, fz, split in ((4, False, False, 0), (8, True, False, 0), (4, False, True, 832)):
     sig = {**ints, "s_ptr": "*fp16", "z_ptr": "*fp16"} if fz else ints
+    if split:
+        sig = {**sig, "y_ptr": "*fp32"}
     src = ASTSource(fn=_int_matmul_kernel, signature=sig, constexprs={
-        "BITS": bits, "HAS_G_IDX": gi, "FLOAT_ZERO": fz, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64})
+        "BITS": bits, "HAS_G_IDX": gi, "FLOAT_ZERO": fz, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
+        "K_PER_SPLIT": split})
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 """
 

@@ -13,7 +13,9 @@ Two kernels share one tiling (a program per BLOCK_M x BLOCK_N output tile, a loo
 
 The activations stay in their dtype (bf16 / fp16 / fp32) and the dot runs in it with fp32 accumulation, so these are
 weight-only products: at a few rows (decode) the cost is the weight bytes streamed, which is what quantization
-shrinks. BLOCK_M follows the row count (16 rows or fewer is the GEMV shape; tl.dot's minimum is 16).
+shrinks. BLOCK_M follows the row count (16 rows or fewer is the GEMV shape; tl.dot's minimum is 16). At 16 rows or
+fewer on a GPU, `int_matmul` also splits K when its N tiles alone would leave SMs idle (64 tiles at N = 4096 on
+132 SMs): each share writes its fp32 partial product, and one sum in a fixed order (deterministic) adds them.
 """
 from __future__ import annotations
 
@@ -85,7 +87,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 @triton.jit
 def _int_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride_xm, stride_ym, GROUP,
                        BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, FLOAT_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr = 0):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -93,7 +95,12 @@ def _int_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo, k_hi = 0, K
+    if K_PER_SPLIT:  # this program's share of K, its partial sum written to y's (fp32) slice of the share
+        k_lo = tl.program_id(2) * K_PER_SPLIT
+        y_ptr += tl.program_id(2).to(tl.int64) * M * stride_ym
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         kn_ok = k_ok[:, None] & n_ok[None, :]
@@ -116,11 +123,24 @@ def _int_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+def _k_split(m: int, n_tiles: int, k: int, block_k: int, device: torch.device) -> int:
+    """K per program for a decode-sized product whose N tiles alone leave most SMs idle (0: no split): about two
+    programs per SM, each at least four K steps."""
+    if m > 16 or device.type != "cuda":
+        return 0
+    from tokenmill.kernels.gemv_config import sm_count
+    split = min(triton.cdiv(2 * sm_count(device), n_tiles), k // (4 * block_k))
+    if split <= 1:
+        return 0
+    return triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+
+
 def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-               group_size: int, g_idx: torch.Tensor | None = None) -> torch.Tensor:
+               group_size: int, g_idx: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
     """x [..., K] @ W with W [K, N] = (unpack(qweight) - zeros[g]) * scales[g]; qweight int32 [K * bits / 32, N],
     scales [G, N] (any float dtype), zeros uint8 [G, N], g = g_idx[k] (int32 [K]) or k // group_size. With float
-    `zeros` (offsets), W = unpack(qweight) * scales[g] + zeros[g] instead."""
+    `zeros` (offsets), W = unpack(qweight) * scales[g] + zeros[g] instead. split_k: K per program, a multiple of
+    the K tile (64) (None: split decode-sized products on CUDA so every SM streams weights; 0: no split)."""
     if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         raise ValueError("int_matmul: qweight, scales and zeros must be contiguous (the kernel reads them row-major)")
     n = qweight.shape[1]
@@ -129,10 +149,20 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, bk = _tiles(m, n)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    k_split = split_k if split_k is not None else _k_split(m, triton.cdiv(n, bn), k, bk, x.device)
+    if k_split % bk:
+        raise ValueError(f"int_matmul: split_k={k_split} must be a multiple of the K tile ({bk})")
+    # Split over K: each share's partial product in fp32, summed in a fixed order afterwards (deterministic, unlike
+    # atomic adds: seeded sampling stays reproducible).
+    splits = triton.cdiv(k, k_split) if k_split else 1
+    y = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if k_split else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), splits)
     _int_matmul_kernel[grid](x2, qweight, scales, zeros, g_idx if g_idx is not None else qweight, y, m, n, k,
-                             x2.stride(0), y.stride(0), group_size, BITS=bits, HAS_G_IDX=g_idx is not None,
-                             FLOAT_ZERO=zeros.is_floating_point(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                             x2.stride(0), y.stride(-2), group_size, BITS=bits, HAS_G_IDX=g_idx is not None,
+                             FLOAT_ZERO=zeros.is_floating_point(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                             K_PER_SPLIT=k_split)
+    if k_split:
+        y = y.sum(0).to(x.dtype)
     return y.reshape(*x.shape[:-1], n)
