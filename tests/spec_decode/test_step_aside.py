@@ -70,7 +70,8 @@ def test_a_collapse_in_acceptance_is_noticed_within_a_window_or_two():
     _drive(gate, 4 * MAX_PERIOD, spec_cost=1.4, spec_tokens=3.0)
     assert gate.spec_mode and gate._period == MAX_PERIOD
     share = _drive(gate, 400, spec_cost=1.4, spec_tokens=1.0)
-    assert not gate.spec_mode and share * 400 <= 3 * WINDOW
+    # one fresh window shows it, one plain window confirms it; then looks back at 32, 64, 128 steps
+    assert gate._chosen is False and share <= 0.1
 
 
 def test_windows_of_different_batch_sizes_are_not_compared():

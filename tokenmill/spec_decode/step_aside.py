@@ -27,9 +27,14 @@ MARGIN = 0.03
 # Windows whose mean batch sizes differ by more than this factor are not compared.
 BATCH_DRIFT = 1.5
 # A window cut short: once it has this many steps and runs this much slower per token than the other mode's
-# latest figure, the verdict is in (trying a clearly worse mode costs 2 steps, not a window).
+# latest figure, the verdict is in (trying a clearly worse mode costs 2 steps, not a window). Speculative steps
+# need the larger ratio: at batch 1 the tokens a step keeps vary from 1 to k + 1, so two steps say little about
+# the acceptance, only about a step that costs several plain ones.
 CLEAR_STEPS = 2
-CLEAR_RATIO = 1.25
+CLEAR_RATIO = {False: 1.25, True: 2.0}
+# The chosen mode's fresh window must lose to the other mode's latest figure by this much to be looked at again
+# before its interval ends (more than a window's noise).
+RECHECK_MARGIN = 0.10
 
 
 @dataclass
@@ -101,7 +106,7 @@ class SpeculationGate:
             if self._current.steps >= WINDOW:  # the chosen mode's figure stays fresh
                 self._best[self.spec_mode] = self._current
                 self._current = _Window()
-                if self._preferred() is not None and self._preferred() != self.spec_mode:
+                if self._losing():
                     # It no longer beats the other mode's latest figure (the prompts changed): look again now.
                     self._period = MIN_PERIOD
                     self._switch(explore=True)
@@ -112,7 +117,11 @@ class SpeculationGate:
     def _clearly_worse(self) -> bool:
         cur, other = self._current, self._best.get(not self.spec_mode)
         return (cur.steps >= CLEAR_STEPS and _comparable(cur, other)
-                and cur.per_token > other.per_token * CLEAR_RATIO)
+                and cur.per_token > other.per_token * CLEAR_RATIO[self.spec_mode])
+
+    def _losing(self) -> bool:
+        mine, other = self._best.get(self.spec_mode), self._best.get(not self.spec_mode)
+        return _comparable(mine, other) and mine.per_token > other.per_token * (1 + RECHECK_MARGIN)
 
     def _preferred(self) -> bool | None:
         """Whether the latest figures favour speculating (None: no comparable pair)."""
