@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from tests.kernels.kernel_check import DEV, INTERPRETED, check_pdl_chain, rel_err  # noqa: E402
+from tests.kernels.kernel_check import DEV, INTERPRETED, check_pdl_chain, compile_for_sm90, rel_err  # noqa: E402
 from tokenmill.kernels import gemv_config, triton_gemv  # noqa: E402
 from tokenmill.kernels.gemv_config import GemvConfig, default_config  # noqa: E402
 from tokenmill.kernels.triton_gemv import gemv, use_gemv  # noqa: E402
@@ -333,11 +333,4 @@ for use_dot, out_silu in ((True, False), (False, True)):
 def test_the_fp8_weight_path_compiles_for_sm90():
     """The interpreter accepts code the compiler rejects: the fp8-weight variants (dot with the norm prologue and
     split-K; FMA with the SiLU epilogue) compiled for an H100/H200 target, in a process without the interpreter."""
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_FP8], env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode != 0 and ("ImportError" in r.stderr or "ptxas" in r.stderr):
-        pytest.skip(f"no sm_90 compile here: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("ttgir") == 2
+    assert compile_for_sm90(_COMPILE_FP8).count("ttgir") == 2

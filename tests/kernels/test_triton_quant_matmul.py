@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.kernel_check import compile_for_sm90
 from tokenmill.kernels.triton_quant_matmul import fp8_matmul, int_matmul
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,12 +120,4 @@ for bits, gi, fz, split in ((4, False, False, 0), (8, True, False, 0), (4, False
 def test_the_kernels_compile_for_sm90():
     """The interpreter accepts code the compiler rejects: compile for an H100/H200 target too (on the CPU, in a
     process without the interpreter; where this triton cannot, the test says so and skips)."""
-    import os
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode != 0 and ("ImportError" in r.stderr or "ptxas" in r.stderr):
-        pytest.skip(f"no sm_90 compile here: {r.stderr.strip().splitlines()[-1]}")
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("ttgir") == 6
+    assert compile_for_sm90(_COMPILE).count("ttgir") == 6
