@@ -141,3 +141,13 @@ def test_the_engine_measures_its_steps_and_not_the_gaps_between_requests(cycle_m
     generate(llm, sp, [cycle_prompt(1, 12), cycle_prompt(8, 9)])
     # one observation per step, pure decode steps counted; once idle the clock stops (the gap is not a step)
     assert len(seen) >= 8 and sum(a[4] for a in seen) >= 6 and gate._last is None and gate._skip
+
+
+def test_above_disable_by_batch_size_nothing_is_drafted(cycle_model):
+    """The gate is the one place the limit is applied: above it the scheduler drafts nothing, alone it drafts."""
+    llm = make_llm(cycle_model, {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 1})
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    generate(llm, sp, [cycle_prompt(1, 12), cycle_prompt(8, 12)])     # two running all along
+    assert spec_counts(llm)[0] == 0
+    generate(llm, sp, [cycle_prompt(1, 12)])
+    assert spec_counts(llm)[0] > 0

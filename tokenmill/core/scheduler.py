@@ -74,10 +74,9 @@ class Scheduler:
         lora = getattr(config, "lora_config", None)  # absent from tests' minimal configs
         self.max_loras = lora.max_loras if lora is not None else None
         spec = getattr(config, "speculative_config", None)  # absent from tests' minimal configs
-        # Speculative decoding: above this many running requests drafts are dropped (decode normally).
-        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
-        # Whether the steps scheduled now verify drafts and propose the next ones (the engine core's speculation
-        # gate turns it off while decoding without drafts is faster).
+        # Whether the steps scheduled now verify drafts and propose the next ones: the engine core's speculation
+        # gate (spec_decode/step_aside.py) turns it off while decoding without drafts is faster and above
+        # disable_by_batch_size running requests.
         self.drafting = spec is not None
         self.spec_stats = SpecDecodingStats.new(spec.num_speculative_tokens) if spec is not None else None
         # A draft model writes KV for its k drafts past the verified tokens before the target computes them: each
@@ -265,11 +264,9 @@ class Scheduler:
 
     def _drafts_to_schedule(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts a decoding request verifies this step (its proposals, cut to the budget, the context length
-        and max_tokens), consumed from the request; none above disable_by_batch_size running requests."""
+        and max_tokens), consumed from the request; none while drafting is off."""
         drafts, req.spec_token_ids = req.spec_token_ids, []
-        limit = self.spec_disable_by_batch_size
-        if (not self.drafting or n != 1 or req.num_output_placeholders
-                or (limit is not None and len(self.running) > limit)):
+        if not self.drafting or n != 1 or req.num_output_placeholders:
             return []
         room = min(budget - 1, self.max_model_len - req.num_tokens, req.max_tokens - req.num_output_tokens - 1)
         return drafts[:max(room, 0)]

@@ -69,12 +69,11 @@ class SpecDecodeState:
 
     def propose(self, batch, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray, keep: np.ndarray,
                 seq_lens: np.ndarray) -> list[list[int]]:
-        """The next step's drafts of each request of the step (after its kept tokens are in the batch); none above
-        disable_by_batch_size running requests. A drafter with a model also catches up on prefill chunks here."""
-        k, limit = self.k, self.spec.disable_by_batch_size
+        """The next step's drafts of each request of the step (after its kept tokens are in the batch). Called on
+        speculative steps only (above disable_by_batch_size running requests the engine's gate schedules none). A
+        drafter with a model also catches up on prefill chunks here."""
+        k = self.k
         n = len(req_ids)
-        if limit is not None and len(batch.req_id_to_row) > limit:
-            return [[] for _ in range(n)]
         sampling = np.zeros(n, dtype=bool)
         sampling[sample_idx] = True
         accepted = np.zeros(n, dtype=np.int64)
