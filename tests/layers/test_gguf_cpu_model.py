@@ -44,10 +44,11 @@ def test_teacher_forced_logprobs_stay_close_to_the_dense_path(quantized_and_dens
     q, d = _teacher_forced(quantized), _teacher_forced(dense)
     assert len(q) == len(d) > 50
     diffs = [abs(a - b) for a, b in zip(q, d)]
-    # bf16 rounding of the int4 kernel's inputs, outputs and scales is the whole difference: measured mean 0.014,
-    # max 0.06 over this text
+    # bf16 rounding of the int4 kernel's inputs, outputs and scales is the whole difference, plus, for the prompt's
+    # rows (12 or more run on the bf16 copy of those weights), the weights' own bf16 rounding: measured mean 0.0164
+    # (0.0164 without the copy), max 0.10 (0.07) over this text
     assert sum(diffs) / len(diffs) <= 2e-2, diffs
-    assert max(diffs) <= 0.1, diffs
+    assert max(diffs) <= 0.15, diffs
 
 
 def test_greedy_tokens_match_the_dense_path_up_to_near_ties(quantized_and_dense):

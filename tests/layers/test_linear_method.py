@@ -227,5 +227,17 @@ def test_row_parallel_delta_is_added_before_the_all_reduce():
             row = RowParallelLinear(12, 8)
         row.weight.weight_loader(row.weight, w)
         row.set_output_delta(lora_delta(a[:, r * 6:(r + 1) * 6], b))
-        partial.append(row._apply(x[:, r * 6:(r + 1) * 6], None))
+        partial.append(row._product(x[:, r * 6:(r + 1) * 6], None))
     torch.testing.assert_close(sum(partial), F.linear(x, w + b @ a))
+
+
+def test_layers_move_and_cast_as_modules():
+    """nn.Module.to / .cuda / .double go through nn.Module._apply: a layer's own methods must not shadow it."""
+    layer = QKVParallelLinear(32, 8, 4, 2, bias=True)
+    with torch.no_grad():
+        layer.weight.normal_()
+    x = torch.randn(3, 32)
+    want = layer(x).double()
+    moved = layer.to(torch.float64)
+    assert moved.weight.dtype == torch.float64 and moved.bias.dtype == torch.float64
+    torch.testing.assert_close(moved(x.double()), want, rtol=1e-6, atol=1e-6)

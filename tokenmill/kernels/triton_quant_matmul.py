@@ -11,11 +11,12 @@ Two kernels share one tiling (a program per BLOCK_M x BLOCK_N output tile, a loo
   integer z (AWQ, GPTQ), or w = q * s + m for a float offset m (GGUF's block types). The group of input k is
   `g_idx[k]` when given (GPTQ act-order), else k // group_size.
 
-The activations stay in their dtype (bf16 / fp16 / fp32) and the dot runs in it with fp32 accumulation, so these are
-weight-only products: at a few rows (decode) the cost is the weight bytes streamed, which is what quantization
-shrinks. BLOCK_M follows the row count (16 rows or fewer is the GEMV shape; tl.dot's minimum is 16). At 16 rows or
-fewer on a GPU, `int_matmul` also splits K when its N tiles alone would leave SMs idle (64 tiles at N = 4096 on
-132 SMs): each share writes its fp32 partial product, and one sum in a fixed order (deterministic) adds them.
+The activations stay in their dtype (bf16 / fp16 / fp32) and the dot runs in it with fp32 accumulation (fp32
+operands in full precision, not TF32: an fp32 model stays exact), so these are weight-only products: at a few rows
+(decode) the cost is the weight bytes streamed, which is what quantization shrinks. BLOCK_M follows the row count
+(tl.dot's minimum is 16). On a GPU, 16 rows or fewer take kernels/triton_int_gemv.py (each packed word loaded once)
+unless a split over K is asked for: then each share writes its fp32 partial product and one sum in a fixed order
+(deterministic) adds them.
 """
 from __future__ import annotations
 
@@ -47,13 +48,13 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym
         if TILE_SCALE:
             # The tile lies inside one scale block: one scale for its whole product (e4m3 -> bf16 is exact).
             s = tl.load(s_ptr + (pid_n * BLOCK_N // BN_SCALE) * s_cols + k0 // BK_SCALE)
-            acc += tl.dot(x, w.to(x.dtype)) * s
+            acc += tl.dot(x, w.to(x.dtype), input_precision="ieee") * s
         elif BLOCK_SCALES:
             s = tl.load(s_ptr + (rn[None, :] // BN_SCALE) * s_cols + rk[:, None] // BK_SCALE,
                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc += tl.dot(x, (w.to(tl.float32) * s).to(x.dtype))
+            acc += tl.dot(x, (w.to(tl.float32) * s).to(x.dtype), input_precision="ieee")
         else:
-            acc += tl.dot(x, w.to(x.dtype))
+            acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")
     if not BLOCK_SCALES:
         acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -118,21 +119,9 @@ def _int_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride
             w = (q.to(tl.float32) * s.to(tl.float32) + z.to(tl.float32)).to(x.dtype)
         else:
             w = ((q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
-        acc += tl.dot(x, w)
+        acc += tl.dot(x, w, input_precision="ieee")
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
-
-
-def _k_split(m: int, n_tiles: int, k: int, block_k: int, device: torch.device) -> int:
-    """K per program for a decode-sized product whose N tiles alone leave most SMs idle (0: no split): about two
-    programs per SM, each at least four K steps."""
-    if m > 16 or device.type != "cuda":
-        return 0
-    from tokenmill.kernels.gemv_config import sm_count
-    split = min(triton.cdiv(2 * sm_count(device), n_tiles), k // (4 * block_k))
-    if split <= 1:
-        return 0
-    return triton.cdiv(triton.cdiv(k, split), block_k) * block_k
 
 
 def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
@@ -140,7 +129,8 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     """x [..., K] @ W with W [K, N] = (unpack(qweight) - zeros[g]) * scales[g]; qweight int32 [K * bits / 32, N],
     scales [G, N] (any float dtype), zeros uint8 [G, N], g = g_idx[k] (int32 [K]) or k // group_size. With float
     `zeros` (offsets), W = unpack(qweight) * scales[g] + zeros[g] instead. split_k: K per program, a multiple of
-    the K tile (64) (None: split decode-sized products on CUDA so every SM streams weights; 0: no split)."""
+    the K tile (64) (None: no split; on CUDA, 16 rows or fewer then run triton_int_gemv.int_gemv; 0: this kernel
+    without a split)."""
     if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         raise ValueError("int_matmul: qweight, scales and zeros must be contiguous (the kernel reads them row-major)")
     n = qweight.shape[1]
@@ -149,8 +139,12 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if split_k is None and x.is_cuda and m <= 16:
+        # Decode: the weight-streaming GEMV (each packed word loaded once, unpacked in registers).
+        from tokenmill.kernels.triton_int_gemv import int_gemv
+        return int_gemv(x, qweight, scales, zeros, bits, group_size, g_idx)
     bm, bn, bk = _tiles(m, n)
-    k_split = split_k if split_k is not None else _k_split(m, triton.cdiv(n, bn), k, bk, x.device)
+    k_split = split_k or 0
     if k_split % bk:
         raise ValueError(f"int_matmul: split_k={k_split} must be a multiple of the K tile ({bk})")
     # Split over K: each share's partial product in fp32, summed in a fixed order afterwards (deterministic, unlike

@@ -105,7 +105,7 @@ class LinearBase(nn.Module):
     def set_output_delta(self, delta: OutputDelta | None) -> None:
         self.output_delta = delta
 
-    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.quant_method.apply(self, x, bias)
         if self.output_delta is not None:
             self.output_delta(x, y)
@@ -132,14 +132,14 @@ class ColumnParallelLinear(LinearBase):
         _copy_checked(param.data, loaded, type(self).__name__)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._apply(x, self.bias)
+        return self._product(x, self.bias)
 
     def forward_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x + residual)) and x + residual (x when residual is None), the norm fused in where it pays."""
         if self.output_delta is None:
             return self.quant_method.apply_norm(self, x, residual, norm, self.bias)
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
-        return self._apply(h, self.bias), residual
+        return self._product(h, self.bias), residual
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -252,7 +252,7 @@ class RowParallelLinear(LinearBase):
         if act == "silu_mul":
             y = self.quant_method.apply_silu_mul(self, x, bias)
         else:
-            y = self._apply(x, bias)
+            y = self._product(x, bias)
         if self.tp_size == 1:
             return y
         y = tensor_model_parallel_all_reduce(y, self.parallel)

@@ -61,6 +61,7 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.cat([freqs, t[:, None] * long_inv_freq.to(t.device)[None, :]])
         self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
+        self._rows = None   # (positions, dtype, cos, sin) of the step being run (see _cos_sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -81,6 +82,24 @@ class RotaryEmbedding(nn.Module):
             from tokenmill.kernels.triton_norm_rope_act import rotary_embedding
             return rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim,
                                     self.rotary_dim, self.is_neox_style)
-        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
-        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
+        cos, sin = self._cos_sin(positions, q.dtype)
+        esize = q.element_size()
+        if (q.dim() == 2 and q.stride() == k.stride() and q.stride(-1) == 1
+                and k.data_ptr() == q.data_ptr() + q.shape[-1] * esize):
+            # q and k side by side in the fused qkv output (the usual case): one rotation of both heads' sets
+            # halves the small ops, which bound the CPU step.
+            qk = self._rotate(q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride()), cos, sin)
+            return qk[:, :q.shape[1]], qk[:, q.shape[1]:]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table rows of `positions` ([T, 1, rotary_dim / 2] each). Every layer of a step passes the same
+        positions tensor: the rows are looked up once per step. Callers pass a fresh tensor per forward (the
+        runners build positions from host arrays each step); one refilled in place would need its own call."""
+        hit = self._rows
+        if hit is not None and hit[0] is positions and hit[1] == dtype:
+            return hit[2], hit[3]
+        cos = self.cos_cache[positions].to(dtype)[:, None, :]
+        sin = self.sin_cache[positions].to(dtype)[:, None, :]
+        self._rows = (positions, dtype, cos, sin)
+        return cos, sin

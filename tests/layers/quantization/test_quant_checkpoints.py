@@ -101,6 +101,7 @@ def fp8_checkpoints(tiny_model_factory, tmp_path_factory):
 def test_fp8_checkpoints_match_transformers_or_their_dequantized_weights(fp8_checkpoints, tm_log):
     """Per-tensor static: HF's compressed-tensors reference on the same tensors (HF runs `quant_method: fp8` only
     on CUDA). Block-wise: tokenmill on the dequantized weights."""
+    pytest.importorskip("compressed_tensors")   # HF's reference loader for the compressed-tensors twin
     tensor, tensor_ct, block, block_dense = fp8_checkpoints
     assert greedy(tensor) == hf_greedy(tensor_ct)
     assert "float8_e4m3fn" in tm_log.text and "fp8" in tm_log.text   # the weight-memory line by dtype
@@ -111,6 +112,7 @@ def test_online_fp8_of_a_dense_checkpoint(tiny_model_factory, tmp_path):
     """--quantization fp8 on a dense checkpoint: weights rounded to e4m3 with one scale per output row, activations
     per token; the reference is HF on a compressed-tensors checkpoint written with those rules (a random tiny
     model's logits have too many near-ties to compare with the unrounded model)."""
+    pytest.importorskip("compressed_tensors")
     src = tiny_model_factory("llama")
     sd = load_file(os.path.join(src, "model.safetensors"))
     rounded = {}

@@ -49,6 +49,8 @@ class TorchRefBackend(AttentionBackend):
         k = k[:t].view(t, self.num_kv_heads, self.head_size)
         v = v[:t].view(t, self.num_kv_heads, self.head_size)
         write_kv(kv_cache, k, v, md.slot_mapping[:t], k_scale, v_scale)
+        if md.max_query_len == 1 and self._sdpa_decode_ok(q, kv_cache):
+            return self._decode_sdpa(q, kv_cache, md)
         scales = (k_scale, v_scale)
         out = torch.empty_like(q)
         qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
@@ -115,6 +117,29 @@ class TorchRefBackend(AttentionBackend):
         plan = md.plans[key] = (ids, span, md.query_start_loc[rows_t].long(), valid_t,
                                 ~valid_t[:, None, None, :], None if w is None else ~valid_t[:, :, None, None])
         return plan
+
+    def _sdpa_decode_ok(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """A CPU step of decodes only, fp32, full attention without soft-capping: torch's fused attention op
+        replaces the dozen small ops of `_decode` (the CPU step is bound by per-op overhead). The CUDA oracle keeps
+        the explicit path."""
+        return (not q.is_cuda and q.dtype == torch.float32 and kv_cache.dtype == torch.float32
+                and self.sliding_window is None and self.logits_soft_cap is None)
+
+    def _decode_sdpa(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        _, _, bs, h, d = kv_cache.shape
+        b = md.num_actual_tokens
+        key = ("torch_ref_sdpa", bs)
+        plan = md.plans.get(key)
+        if plan is None:
+            ids, span, _, valid, _, _ = self._decode_plan(md, np.arange(b), bs, q.device)
+            # Columns past a row's length (its last block's tail, shorter rows' padding) are masked out.
+            plan = md.plans[key] = (ids, span, None if bool(valid.all()) else valid[:, None, None, :])
+        ids, span, mask = plan
+        k = kv_cache[0].index_select(0, ids).view(b, span, h, d).transpose(1, 2)
+        v = kv_cache[1].index_select(0, ids).view(b, span, h, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.view(b, self.num_heads, 1, d), k, v, attn_mask=mask,
+                                           scale=self.scale, enable_gqa=self.num_heads != h)
+        return o.view(b, self.num_heads * d)
 
     def _decode(self, q, kv_cache, md: AttentionMetadata, rows, out, scales) -> None:
         _, _, bs, h, d = kv_cache.shape

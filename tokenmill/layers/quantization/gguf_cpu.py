@@ -28,14 +28,21 @@ from tokenmill.layers.quantization.gguf_gpu import GGUFBlockConfig
 
 # The ggml types kept quantized here (the others load dequantized)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# From this many rows on a product runs on a bf16 copy of the same weights instead: torch's int4 kernel costs
+# about the same per row at any row count (it is compute-bound past one row), a bf16 GEMM does not (2 cores,
+# default model, one layer's four products: 1 row 127 us int4 / 276 bf16; 8 rows 421 / 468; 16 rows 815 / 573;
+# 32 rows 1612 / 827). The copy holds exactly the int4 kernel's weights (its bf16 scales and zeros applied),
+# rounded to bf16 once.
+DENSE_MIN_ROWS = 12
 
 
 class GGUFInt4LinearMethod(LinearMethod):
     """A layer whose checkpoint tensors are all of one 4-bit ggml type: raw blocks in, torch's int4 matmul out.
 
     Contract: `qweight` [out, in / block * bytes] uint8 holds the file's blocks (stacked slots one after another);
-    after loading it is replaced by `packed` and `scales_zeros` (kernels/cpu_int4pack.py). `apply` casts x to bf16
-    for the product and returns the model dtype."""
+    after loading it is replaced by `packed` and `scales_zeros` (kernels/cpu_int4pack.py) and by `dense_bf16`, the
+    same weights in bf16 for products of DENSE_MIN_ROWS rows or more. `apply` casts x to bf16 for the product and
+    returns the model dtype."""
 
     def __init__(self, type_name: str) -> None:
         self.type_name = type_name
@@ -55,19 +62,26 @@ class GGUFInt4LinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         codes, s, m = decode_blocks(layer.qweight.data, self.type_name)
         packed, sz = cpu_int4pack.pack(codes, s, m + 8.0 * s)
-        layer.gguf_out_features = codes.shape[0]
+        n = layer.gguf_out_features = codes.shape[0]
         delattr(layer, "qweight")
         replace_param(layer, "packed", packed)
         replace_param(layer, "scales_zeros", sz)
+        # The int4 kernel's own weights ((q - 8) * scale + zero, with its bf16 scales and zeros), in bf16.
+        scale = sz[:, :n, 0].t().float().repeat_interleave(cpu_int4pack.GROUP_SIZE, 1)
+        zero = sz[:, :n, 1].t().float().repeat_interleave(cpu_int4pack.GROUP_SIZE, 1)
+        replace_param(layer, "dense_bf16", ((codes.float() - 8.0) * scale + zero).to(torch.bfloat16).contiguous())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
-        y = cpu_int4pack.mm(x2.contiguous(), layer.packed, layer.scales_zeros)
-        if y.shape[-1] != layer.gguf_out_features:
-            y = y[:, :layer.gguf_out_features].contiguous()
+        if x2.shape[0] >= DENSE_MIN_ROWS:
+            y = torch.nn.functional.linear(x2, layer.dense_bf16)
+        else:
+            y = cpu_int4pack.mm(x2.contiguous(), layer.packed, layer.scales_zeros)
+            if y.shape[-1] != layer.gguf_out_features:
+                y = y[:, :layer.gguf_out_features].contiguous()
         if y.dtype != layer.gguf_out_dtype:
             y = y.to(layer.gguf_out_dtype)
         if bias is not None:

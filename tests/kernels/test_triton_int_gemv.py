@@ -1,0 +1,103 @@
+"""The packed-integer decode GEMV against dequantize-then-matmul: 4- and 8-bit codes, integer zero points and float
+offsets (GGUF), act-order group indices, small groups, splits over K, and the 4-bit codes-as-float-bits path (bf16 and
+fp16) that applies each group's scale after the product, and the one-row register-FMA kernel. Interpreted on the
+CPU; compiled for sm_90 too."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.kernel_check import DEV, compile_for_sm90, rel_err
+from tests.kernels.test_triton_quant_matmul import pack_along_k
+from tokenmill.kernels.triton_int_gemv import IntGemvConfig, int_gemv
+
+
+def _case(bits, m, n, k, group, act_order, float_zero, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2 ** bits, (k, n), generator=g)
+    groups = -(-k // group)
+    scales = torch.rand(groups, n, generator=g) * 0.1 + 0.01
+    zeros = torch.randn(groups, n, generator=g) * 0.3 if float_zero else \
+        torch.randint(0, 2 ** bits, (groups, n), generator=g)
+    g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=g)] if act_order else torch.arange(k) // group
+    w = q.float() * scales[g_idx] + zeros[g_idx] if float_zero else (q - zeros[g_idx]).float() * scales[g_idx]
+    x = torch.randn(m, k, generator=g)
+    return q, scales, zeros, g_idx, w, x
+
+
+# (bits, m, n, k, group, act_order, float zero, config): group 128 with 128-deep steps is the one-scale-per-step
+# path (4-bit: codes as float bits); 200 and 72 leave partial K and N tiles; splits 2-3 sum partial products
+CASES = [
+    (4, 1, 40, 256, 128, False, False, IntGemvConfig(64, 128, 1)),
+    (4, 3, 72, 512, 128, False, False, IntGemvConfig(32, 128, 2)),
+    (4, 16, 48, 128, 32, False, True, IntGemvConfig(64, 32, 2)),
+    (4, 5, 72, 200, 8, True, False, IntGemvConfig(64, 64, 2)),
+    (8, 2, 33, 192, 16, False, False, IntGemvConfig(32, 64, 3)),
+    (8, 1, 48, 256, 64, False, True, IntGemvConfig(16, 64, 1)),
+    (4, 2, 64, 256, 128, False, False, IntGemvConfig(64, 128, 2, magic=False)),
+    # one row: the register-FMA kernel (with and without splits, float offsets, 8-bit), and the tile kernel
+    (4, 1, 72, 512, 128, False, False, IntGemvConfig(64, 128, 3)),
+    (4, 1, 40, 256, 64, False, True, IntGemvConfig(32, 64, 2)),
+    (8, 1, 33, 256, 128, False, False, IntGemvConfig(16, 128, 1)),
+    (4, 1, 40, 256, 128, False, False, IntGemvConfig(64, 128, 2, row_kernel=False)),
+]
+
+
+@pytest.mark.parametrize("bits, m, n, k, group, act_order, float_zero, cfg", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int_gemv_matches_dequantized_product(bits, m, n, k, group, act_order, float_zero, cfg, dtype):
+    q, scales, zeros, g_idx, w, x = _case(bits, m, n, k, group, act_order, float_zero, seed=bits * 100 + m)
+    x = x.to(dtype)
+    got = int_gemv(x.to(DEV), pack_along_k(q, bits).to(DEV), scales.to(dtype).to(DEV),
+                   (zeros.to(dtype) if float_zero else zeros.to(torch.uint8)).to(DEV), bits, group,
+                   g_idx.to(torch.int32).to(DEV) if act_order else None, config=cfg).cpu()
+    assert got.dtype == dtype and got.shape == (m, n)
+    ref = x.float() @ (w if dtype == torch.float32 else
+                       (q.float() * scales.to(dtype).float()[g_idx] + zeros.to(dtype).float()[g_idx]) if float_zero
+                       else (q - zeros[g_idx]).float() * scales.to(dtype).float()[g_idx])
+    # fp32: the dot runs in full precision; 16-bit: the output's rounding (and the generic path's rounding of each
+    # dequantized weight to x's dtype) bound the error
+    assert rel_err(got, ref) < (1e-6 if dtype == torch.float32 else 8e-3)
+
+
+def test_int_gemv_refuses_more_rows_and_bad_steps():
+    q, scales, zeros, _, _, x = _case(4, 17, 32, 64, 32, False, False, seed=0)
+    with pytest.raises(ValueError, match="at most 16"):
+        int_gemv(x.to(DEV), pack_along_k(q, 4).to(DEV), scales.to(DEV), zeros.to(torch.uint8).to(DEV), 4, 32)
+    with pytest.raises(ValueError, match="block_k=4"):
+        int_gemv(x[:2].to(DEV), pack_along_k(q, 4).to(DEV), scales.to(DEV), zeros.to(torch.uint8).to(DEV), 4, 32,
+                 config=IntGemvConfig(32, 4, 1))
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tokenmill.kernels.triton_int_gemv import _int_gemv_kernel
+sig = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", g_ptr="*i32", y_ptr="*fp32", M="i32", N="i32",
+           K="i32", stride_xm="i32", stride_ym="i32", GROUP="i32", k_per_split="i32")
+const = ("BITS", "HAS_G_IDX", "FLOAT_ZERO", "GROUP_STEP", "SPLIT", "DOT_F32", "BLOCK_M", "BLOCK_N", "BLOCK_K",
+         "MAGIC", "OFFSET")
+for bits, g_idx, fz, step, magic, off in ((4, False, False, True, 0x4300, 128.0), (4, False, True, True, 0x4300, 128.0),
+                                         (4, True, False, False, 0, 0.0), (8, False, False, True, 0, 0.0)):
+    s = {**sig, **{c: "constexpr" for c in const}}
+    if fz:
+        s = {**s, "z_ptr": "*bf16"}
+    src = ASTSource(fn=_int_gemv_kernel, signature=s, constexprs={
+        "BITS": bits, "HAS_G_IDX": g_idx, "FLOAT_ZERO": fz, "GROUP_STEP": step, "SPLIT": True, "DOT_F32": False,
+        "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "MAGIC": magic, "OFFSET": off})
+    print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
+from tokenmill.kernels.triton_int_gemv import _int_gemv_row_kernel
+row = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", y_ptr="*fp32", N="i32", K="i32", GROUP="i32",
+           k_per_split="i32", BITS="constexpr", FLOAT_ZERO="constexpr", SPLIT="constexpr", BLOCK_N="constexpr",
+           BLOCK_K="constexpr")
+for bits in (4, 8):
+    src = ASTSource(fn=_int_gemv_row_kernel, signature=row, constexprs={
+        "BITS": bits, "FLOAT_ZERO": False, "SPLIT": True, "BLOCK_N": 128, "BLOCK_K": 128})
+    print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
+"""
+
+
+def test_the_kernel_compiles_for_sm90():
+    """The interpreter accepts code the compiler rejects (the codes-as-float-bits bitcast among them)."""
+    assert compile_for_sm90(_COMPILE).count("ttgir") == 6

@@ -1,0 +1,213 @@
+"""Decode-sized products (16 rows or fewer) with packed 4- or 8-bit integer weights: a weight-streaming GEMV.
+
+The weight layout is `int_matmul`'s (kernels/triton_quant_matmul.py): int32 words [K * bits / 32, N] packed along
+K (value j of a word in bits j*bits ..), a scale and a zero point per (group, output column), w = (q - z) * s, or
+w = q * s + m with float offsets (GGUF blocks). At a few rows the cost is the weight bytes, so each program loads
+every word of its tile exactly once, coalesced along N, and unpacks the PACK values of a word in registers by
+shifts (int_matmul's tile instead has each word loaded by the PACK rows that share it). When a K step lies inside
+one quantization group (group 128, no act-order) the scale and zero point are one row per step; otherwise they
+are gathered per input (act-order `g_idx`, small groups).
+
+K is split across programs when the N tiles alone leave SMs idle; each split writes an fp32 partial product and
+one sum in a fixed order adds them (deterministic: seeded sampling stays reproducible).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill import envs
+
+MAX_M = 16
+# The CPU interpreter multiplies bf16 dot operands as raw bit patterns (see triton_gemv): it gets fp32 operands.
+_INTERPRETED = envs.TRITON_INTERPRET
+# x dtype -> (the 16-bit pattern a 4-bit code is OR-ed into, the value it encodes)
+_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class IntGemvConfig:
+    """One launch: N tile, K step (a multiple of the words' PACK values), number of K splits, warps, stages."""
+
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    magic: bool = True      # 4-bit codes as float bit patterns where the K step lies in one group (see the kernel)
+    row_kernel: bool = True  # one row, K steps inside one group: the register-FMA kernel (_int_gemv_row_kernel)
+
+
+@triton.jit(do_not_specialize=["M", "N", "k_per_split"])
+def _int_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride_xm, stride_ym, GROUP, k_per_split,
+                     BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, FLOAT_ZERO: tl.constexpr,
+                     GROUP_STEP: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     MAGIC: tl.constexpr = 0, OFFSET: tl.constexpr = 0.0):
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    WROWS: tl.constexpr = BLOCK_K // PACK
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    # Columns past N re-read column N - 1 (loads stay unpredicated along N); only the store is masked.
+    n_safe = tl.minimum(rn, N - 1)
+    rw = tl.arange(0, WROWS)
+    shifts = tl.arange(0, PACK) * BITS
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    xdt = x_ptr.dtype.element_ty
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        wrow = k0 // PACK + rw
+        words = tl.load(q_ptr + wrow[:, None] * N + n_safe[None, :], mask=(wrow < K // PACK)[:, None], other=0)
+        qi = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if GROUP_STEP:
+            # The step lies inside one group: one scale / zero row for the tile.
+            g = k0 // GROUP
+            s = tl.load(s_ptr + g * N + n_safe).to(tl.float32)[None, :]
+            z = tl.load(z_ptr + g * N + n_safe).to(tl.float32)[None, :]
+        else:
+            if HAS_G_IDX:
+                g = tl.load(g_ptr + rk, mask=k_ok, other=0)
+            else:
+                g = tl.minimum(rk, K - 1) // GROUP
+            s = tl.load(s_ptr + g[:, None] * N + n_safe[None, :]).to(tl.float32)
+            z = tl.load(z_ptr + g[:, None] * N + n_safe[None, :]).to(tl.float32)
+        if MAGIC:
+            # A 4-bit code OR-ed into the bits of a 16-bit float is that float plus the code (bf16 0x4300 = 128,
+            # fp16 0x6400 = 1024; both hold OFFSET + q exactly), so the tile needs no conversion instructions. The
+            # step's one scale and zero point apply after the product, in fp32:
+            # sum_k x (q - z) s = s (x . (OFFSET + q) - (OFFSET + z) sum_k x).
+            qb = (qi | MAGIC).to(tl.int16).to(xdt, bitcast=True)
+            if DOT_F32:
+                p = tl.dot(x.to(tl.float32), qb.to(tl.float32), input_precision="ieee")
+            else:
+                p = tl.dot(x, qb)
+            xs = tl.sum(x.to(tl.float32), axis=1)[:, None]
+            if FLOAT_ZERO:
+                acc += (p - OFFSET * xs) * s + xs * z
+            else:
+                acc += (p - (OFFSET + z) * xs) * s
+        else:
+            q = qi.to(tl.float32)
+            if FLOAT_ZERO:
+                w = q * s + z
+            else:
+                w = (q - z) * s
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), w.to(xdt).to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(x, w.to(xdt), input_precision="ieee")
+    if SPLIT:
+        y_ptr += pid_k.to(tl.int64) * M * stride_ym
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & (rn < N)[None, :])
+
+
+@triton.jit(do_not_specialize=["N", "k_per_split"])
+def _int_gemv_row_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, GROUP, k_per_split,
+                         BITS: tl.constexpr, FLOAT_ZERO: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row of x, every K step inside one group: no tensor-core tile (whose 16-row minimum wastes 15 rows and
+    whose operand layouts cost shared-memory shuffles), only register math per weight: shift, mask-and-OR the code
+    into the bits of the float 2^23 + q, subtract 2^23 (exact), one FMA into a [K step / PACK, BLOCK_N] accumulator
+    of this step's group; the group's scale multiplies it once per step, its zero point enters through sum(x)."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    WROWS: tl.constexpr = BLOCK_K // PACK
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_safe = tl.minimum(rn, N - 1)
+    rw = tl.arange(0, WROWS)
+    rj = tl.arange(0, PACK)
+    shifts = rj * BITS
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((WROWS, BLOCK_N), dtype=tl.float32)
+    acc_z = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        wrow = k0 // PACK + rw
+        words = tl.load(q_ptr + wrow[:, None] * N + n_safe[None, :], mask=(wrow < K // PACK)[:, None], other=0)
+        kk = k0 + rw[:, None] * PACK + rj[None, :]
+        xk = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)                  # [WROWS, PACK]
+        q = ((words[:, None, :] >> shifts[None, :, None]) & MASK) | 0x4B000000           # [WROWS, PACK, BLOCK_N]
+        qf = q.to(tl.float32, bitcast=True) - 8388608.0
+        part = tl.sum(qf * xk[:, :, None], axis=1)                                       # [WROWS, BLOCK_N]
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * N + n_safe).to(tl.float32)
+        z = tl.load(z_ptr + g * N + n_safe).to(tl.float32)
+        xs = tl.sum(tl.sum(xk, axis=1), axis=0)
+        acc += part * s[None, :]
+        if FLOAT_ZERO:
+            acc_z -= z * xs
+        else:
+            acc_z += z * s * xs
+    y = tl.sum(acc, axis=0) - acc_z
+    if SPLIT:
+        y_ptr += pid_k.to(tl.int64) * N
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+def default_config(m: int, n: int, k: int, bits: int, num_sms: int) -> IntGemvConfig:
+    """128-wide N tiles, 128-deep K steps, K split until there are about four programs per SM (each split at
+    least two K steps): the best of a sweep at the 8B shapes on an H200 at 1 and 8 rows, where the product is bound
+    by its unpacking, not by the bytes."""
+    block_n, block_k = 128, 128
+    n_tiles = triton.cdiv(n, block_n)
+    split = 1
+    if n_tiles < 4 * num_sms:
+        split = max(1, min(triton.cdiv(4 * num_sms, n_tiles), k // (2 * block_k)))
+    return IntGemvConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+             group_size: int, g_idx: torch.Tensor | None = None,
+             config: IntGemvConfig | None = None) -> torch.Tensor:
+    """`int_matmul`'s product (same arguments and layout) for x of at most MAX_M rows, in x's dtype."""
+    n = qweight.shape[1]
+    pack = 32 // bits
+    k = qweight.shape[0] * pack
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"int_gemv: {m} rows; at most {MAX_M} (int_matmul takes more)")
+    if config is None:
+        from tokenmill.kernels.gemv_config import sm_count
+        config = default_config(m, n, k, bits, sm_count(x.device))
+    bk = config.block_k
+    if bk % pack or bk & (bk - 1) or bk < 16:
+        raise ValueError(f"int_gemv: block_k={bk} must be a power of two >= 16 and a multiple of {pack}")
+    split = max(1, min(config.split_k, triton.cdiv(k, bk)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_per_split)
+    y = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else \
+        torch.empty(m, n, dtype=x.dtype, device=x.device)
+    group_step = g_idx is None and group_size % bk == 0
+    if m == 1 and group_step and config.row_kernel:
+        _int_gemv_row_kernel[(triton.cdiv(n, config.block_n), split)](
+            x2, qweight, scales, zeros, y, n, k, group_size, k_per_split, BITS=bits,
+            FLOAT_ZERO=zeros.is_floating_point(), SPLIT=split > 1, BLOCK_N=config.block_n, BLOCK_K=bk,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        if split > 1:
+            y = y.sum(0).to(x.dtype)
+        return y.reshape(*x.shape[:-1], n)
+    magic, offset = (_MAGIC.get(x.dtype, (0, 0.0)) if bits == 4 and group_step and config.magic else (0, 0.0))
+    _int_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
+        x2, qweight, scales, zeros, g_idx if g_idx is not None else qweight, y, m, n, k, x2.stride(0),
+        y.stride(-2), group_size, k_per_split, BITS=bits, HAS_G_IDX=g_idx is not None,
+        FLOAT_ZERO=zeros.is_floating_point(), GROUP_STEP=group_step, SPLIT=split > 1, DOT_F32=_INTERPRETED,
+        BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=bk, MAGIC=magic, OFFSET=offset, num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    if split > 1:
+        y = y.sum(0).to(x.dtype)
+    return y.reshape(*x.shape[:-1], n)
