@@ -28,14 +28,14 @@ def test_cpu_lists_parse_and_bad_ones_name_the_variable():
             cpu_threads.parse_cpu_list(bad)
 
 
-def test_auto_uses_every_allowed_cpu_offline_and_leaves_one_to_an_api_server(restore_threads, monkeypatch):
+def test_auto_uses_every_allowed_cpu_offline_and_beside_an_api_server(restore_threads, monkeypatch):
     n = len(os.sched_getaffinity(0))
     with envs.override(VLLM_CPU_OMP_THREADS_BIND="auto", TOKENMILL_CPU_NUM_THREADS=0):
         line = cpu_threads.configure_cpu_threads()
-        assert torch.get_num_threads() == n and "not pinned" in line
+        assert torch.get_num_threads() == n and "not pinned" in line and "API server" not in line
         monkeypatch.setattr(cpu_threads, "FRONTEND_SHARES_CPUS", True)
-        cpu_threads.configure_cpu_threads()
-        assert torch.get_num_threads() == max(1, n - 1)
+        line = cpu_threads.configure_cpu_threads()
+        assert torch.get_num_threads() == n and "shared with the API server" in line
     with envs.override(VLLM_CPU_OMP_THREADS_BIND="auto", TOKENMILL_CPU_NUM_THREADS=3):
         assert "TOKENMILL_CPU_NUM_THREADS=3" in cpu_threads.configure_cpu_threads()
         assert torch.get_num_threads() == 3

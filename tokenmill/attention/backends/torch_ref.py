@@ -71,14 +71,23 @@ class TorchRefBackend(AttentionBackend):
         first = max(ctx - w + 1, 0) // bs if w is not None else 0   # the first block any query's window reaches
         key, value = gather_kv(kv_cache, block_ids[first:], seq_len - first * bs)
         group = self.num_heads // self.num_kv_heads
-        key = dequantize(key, scales[0], q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
-        value = dequantize(value, scales[1], q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        key = dequantize(key, scales[0], q.dtype)
+        value = dequantize(value, scales[1], q.dtype)
         # Query i sits at position ctx + i and sees keys 0..ctx + i (with a window W: ctx + i - W + 1..ctx + i).
         kpos = first * bs + torch.arange(seq_len - first * bs, device=q.device)[None, :]
         qpos = (ctx + torch.arange(ql, device=q.device))[:, None]
         mask = kpos <= qpos
         if w is not None:
             mask &= kpos > qpos - w
+        if self.logits_soft_cap is None and not q.is_cuda:
+            # Batched 4-D inputs with grouped heads take torch's fused CPU attention (3-D inputs with repeated
+            # K/V heads take its unfused path: 15.3 against 6.6 ms a layer for a 500-token prompt, 2 cores).
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                               value.transpose(0, 1)[None], attn_mask=mask, scale=self.scale,
+                                               enable_gqa=group > 1)[0]
+            return o.transpose(0, 1)
+        key = key.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+        value = value.repeat_interleave(group, dim=1).transpose(0, 1)
         if self.logits_soft_cap is None:
             o = F.scaled_dot_product_attention(q.transpose(0, 1), key, value, attn_mask=mask, scale=self.scale)
         else:
