@@ -1,5 +1,5 @@
-"""VLLM_CPU_OMP_THREADS_BIND / TOKENMILL_CPU_NUM_THREADS pick the CPU worker's threads and pinning; VLLM_CPU_KVCACHE_SPACE
-sizes the CPU KV cache."""
+"""VLLM_CPU_OMP_THREADS_BIND / TOKENMILL_CPU_NUM_THREADS pick the CPU worker's threads and pinning;
+VLLM_CPU_KVCACHE_SPACE sizes the CPU KV cache."""
 from __future__ import annotations
 
 import os

@@ -3,10 +3,11 @@
 A GGUF file's linear weights come as blocks (llama.cpp's ggml types). Q4_0, Q4_1 and Q4_K store, per group of 32
 inputs, 4-bit codes q and an affine map w = s * q + m: Q4_0 has s = d, m = -8 d; Q4_1 s = d, m = min; Q4_K (super
 blocks of 256 = 8 groups) s = d * sc_j, m = -dmin * mn_j with 6-bit sc_j, mn_j. That is exactly the layout of
-torch's CPU int4 weight-only matmul (kernels/cpu_int4pack.py: W = (q - 8) * scale + zero, group 32; layers/quantization/gguf_blocks.py decodes the
-blocks) with scale = s
-and zero = m + 8 s, so these layers run on the file's own codes; the only change is the rounding of s and zero to
-bf16 (a relative 2^-9 of each scale, well inside the 4-bit codes' own error). The matmul takes bf16 activations.
+torch's CPU int4 weight-only matmul (kernels/cpu_int4pack.py: W = (q - 8) * scale + zero, group 32;
+layers/quantization/gguf_blocks.py decodes the blocks) with scale = s and zero = m + 8 s, so these layers run on the
+file's own codes; the only change is the rounding of s and zero to bf16 (a relative 2^-9 of each scale, well inside
+the 4-bit codes' own error). The matmul takes bf16 activations. Products of many rows run on a bf16 copy of the
+same weights instead (DENSE_MIN_ROWS).
 
 Other types (Q5_*, Q6_K, Q8_0, F16, F32) load dequantized into the model dtype: torch has no CPU kernel for their
 block layouts (its int8 matmul wants one scale per output row, which would re-quantize Q8_0's per-block scales).
