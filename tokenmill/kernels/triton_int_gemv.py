@@ -6,7 +6,8 @@ w = q * s + m with float offsets (GGUF blocks). At a few rows the cost is the we
 every word of its tile exactly once, coalesced along N, and unpacks the PACK values of a word in registers by
 shifts (int_matmul's tile instead has each word loaded by the PACK rows that share it). When a K step lies inside
 one quantization group (group 128, no act-order) the scale and zero point are one row per step; otherwise they
-are gathered per input (act-order `g_idx`, small groups).
+are gathered per input (act-order `g_idx`, small groups). One row with such steps takes `_int_gemv_row_kernel`
+(register FMAs, no tensor-core tile); more rows take `_int_gemv_kernel` (a 16-row tl.dot tile).
 
 K is split across programs when the N tiles alone leave SMs idle; each split writes an fp32 partial product and
 one sum in a fixed order adds them (deterministic: seeded sampling stays reproducible).
