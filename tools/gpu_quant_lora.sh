@@ -47,14 +47,14 @@ PY
 }
 
 lora() {
-  python3 - "$SRC" "$OUT" <<'PY'
+  for mode in base lora; do python3 - "$SRC" "$OUT" $mode <<'PY'
 import json, os, sys, time
 import torch
 from safetensors.torch import save_file
 from tokenmill import LLM, SamplingParams
 from tokenmill.lora.request import LoRARequest
 from tokenmill.benchmarks.offline_common import random_token_prompts
-src, out = sys.argv[1], sys.argv[2]
+src, out, mode = sys.argv[1:4]
 NUM = int(os.environ.get("NUM_PROMPTS", "256"))
 cfg = json.load(open(os.path.join(src, "config.json")))
 H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
@@ -76,13 +76,15 @@ def make_adapter(i):
     json.dump({"peft_type": "LORA", "r": R, "lora_alpha": 32, "target_modules": list(shapes), "bias": "none",
                "base_model_name_or_path": src}, open(f"{d}/adapter_config.json", "w"))
     return d
-t0 = time.perf_counter(); paths = [make_adapter(i) for i in range(8)]
-print(f"made 8 adapters in {time.perf_counter() - t0:.1f} s", flush=True)
-llm = LLM(src, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=256, seed=0,
-          enable_lora=True, max_loras=8, max_lora_rank=R)
+kw = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=256, seed=0)
+if mode == "lora":
+    t0 = time.perf_counter(); paths = [make_adapter(i) for i in range(8)]
+    print(f"made 8 adapters in {time.perf_counter() - t0:.1f} s", flush=True)
+    kw.update(enable_lora=True, max_loras=8, max_lora_rank=R)
+llm = LLM(src, **kw)
 reqs = lambda ps: [{"prompt_token_ids": p} for p in ps]
 res = {}
-# bs1 decode: 128 in / 128 out, base and one adapter, ms per output token from two lengths' difference.
+# bs1 decode: 128 in / 128 out, ms per output token from two lengths' difference.
 def bs1(lora):
     p = reqs(random_token_prompts(1, 128, 128, 0.0, cfg["vocab_size"], 1)[0])
     ts = {}
@@ -95,21 +97,26 @@ def bs1(lora):
             best = min(best, time.perf_counter() - t)
         ts[n] = best
     return (ts[130] - ts[2]) / 128 * 1e3
-lr = [LoRARequest(f"a{i}", i + 1, paths[i]) for i in range(8)]
-t = time.perf_counter(); llm.generate(reqs([[1, 2, 3]]), SamplingParams(max_tokens=1, detokenize=False), lora_request=lr[0], use_tqdm=False)
-res["first_use_adapter_s"] = round(time.perf_counter() - t, 3)
-res["bs1_base_ms"] = round(bs1(None), 3); res["bs1_lora1_ms"] = round(bs1(lr[0]), 3)
-print(res, flush=True)
 prompts, lens = random_token_prompts(NUM, 562, 562, 0.82, cfg["vocab_size"], 0)
 params = [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, temperature=0) for n in lens]
-for tag, loras in (("base", None), ("lora1", [lr[0]] * NUM), ("lora8", [lr[i % 8] for i in range(NUM)])):
+def nano(tag, loras):
     llm.generate(reqs(prompts[:8]), params[:8], lora_request=None if loras is None else loras[:8], use_tqdm=False)
     t = time.perf_counter(); outs = llm.generate(reqs(prompts), params, lora_request=loras, use_tqdm=False)
-    dt = time.perf_counter() - t
-    res[f"nano_{tag}_tok_s"] = round(sum(len(o.outputs[0].token_ids) for o in outs) / dt, 1)
+    res[f"nano_{tag}_tok_s"] = round(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t), 1)
     print(tag, res[f"nano_{tag}_tok_s"], flush=True)
-print(json.dumps(res)); json.dump(res, open(os.path.join(out, "lora.json"), "w"))
+if mode == "base":
+    res["bs1_base_ms"] = round(bs1(None), 3); nano("base", None)
+else:
+    lr = [LoRARequest(f"a{i}", i + 1, paths[i]) for i in range(8)]
+    one = SamplingParams(max_tokens=1, detokenize=False)
+    t = time.perf_counter(); llm.generate(reqs([[1, 2, 3]]), one, lora_request=lr[0], use_tqdm=False)
+    res["first_use_adapter_s"] = round(time.perf_counter() - t, 3)
+    res["bs1_lora_enabled_no_adapter_ms"] = round(bs1(None), 3); res["bs1_lora1_ms"] = round(bs1(lr[0]), 3)
+    print(res, flush=True)
+    nano("lora1", [lr[0]] * NUM); nano("lora8", [lr[i % 8] for i in range(NUM)])
+print(json.dumps(res)); json.dump(res, open(os.path.join(out, f"lora_{mode}.json"), "w"))
 PY
+  done
 }
 
 for w in $PARTS; do "$w"; done

@@ -87,14 +87,17 @@ def test_the_triton_kernels_in_the_engine_match_peft(llm, lora_adapters, peft_gr
     manager = llm.llm_engine.engine_core.executor.worker.runner.lora
     loras = _requests(lora_adapters)
     reqs = [loras["all"], None, loras["qv_rslora"]]
-    manager.use_triton = True
+    manager.set_kernels(True)
     try:
         sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         outs = llm.generate([PROMPTS[1]] * 3, sp, use_tqdm=False, lora_request=reqs)
+        # A step without adapters publishes an empty map: the kernels (still attached) change nothing.
+        base = llm.generate([PROMPTS[1]], sp, use_tqdm=False)
     finally:
-        manager.use_triton = False
+        manager.set_kernels(False)
     for r, out in zip(reqs, outs):
         assert out.outputs[0].token_ids == peft_greedy(r.lora_path if r else None, out.prompt_token_ids, 4)
+    assert base[0].outputs[0].token_ids == peft_greedy(None, base[0].prompt_token_ids, 4)
 
 
 def test_scheduler_stats_count_adapters_for_the_metric(llm, lora_adapters):

@@ -6,41 +6,81 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.kernel_check import compile_for_sm90
-from tokenmill.lora.ops import lora_delta_ref
-from tokenmill.lora.triton_ops import BLOCK_M, lora_delta_triton, make_tiles
+from tests.kernels.kernel_check import check_pdl_chain, compile_for_sm90
+from tokenmill.lora.ops import build_lora_map, lora_delta_ref, map_groups
+from tokenmill.lora.triton_ops import lora_delta_triton, map_to_device
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def test_tiles_are_runs_of_one_slot_cut_every_block():
-    start, length, slot = (t.tolist() for t in make_tiles(np.array([-1, 0, 0, 1] + [2] * (BLOCK_M + 3) + [-1, 0]),
-                                                          torch.device("cpu")))
-    assert start == [1, 3, 4, 4 + BLOCK_M, 4 + BLOCK_M + 3 + 1]
-    assert length == [2, 1, BLOCK_M, 3, 1] and slot == [0, 1, 2, 2, 0]
-    assert make_tiles(np.array([-1, -1]), torch.device("cpu")) is None
+def test_lora_map_lists_each_slots_tokens_in_order():
+    m = build_lora_map(np.array([-1, 2, 0, 0, -1, 2, 1]), 4)
+    assert m.dtype == np.int32 and m[:5].tolist() == [0, 2, 3, 5, 5]
+    assert m[5:].tolist() == [2, 3, 6, 1, 5]
+    assert [(s, r.tolist()) for s, r in map_groups(m, 4)] == [(0, [2, 3]), (1, [6]), (2, [1, 5])]
+    assert build_lora_map(np.array([-1, -1]), 3).tolist() == [0, 0, 0, 0]
+    assert build_lora_map(np.array([], dtype=np.int64), 2).tolist() == [0, 0, 0]
 
 
-@pytest.mark.parametrize("rank, dtype", [(8, torch.float32), (16, torch.float32), (1, torch.float16),
-                                         pytest.param(16, torch.bfloat16, marks=pytest.mark.gpu)])
-def test_triton_matches_the_reference(rank, dtype):
+# A prefill chunk under slot 1 longer than a row tile, decode rows of several slots, tokens without adapters; the
+# longer batch takes the large-tile path (64 rows).
+_SHORT = [1] * 21 + [-1, 0, 2, 0, -1, 2, 1]
+_LONG = [1] * 70 + [-1, 0] * 5 + [2] * 3
+
+
+@pytest.mark.parametrize("rank, dtype, slots", [
+    (8, torch.float32, _SHORT), (16, torch.float32, _LONG), (1, torch.float16, _SHORT),
+    pytest.param(16, torch.bfloat16, _SHORT, marks=pytest.mark.gpu),
+    pytest.param(16, torch.bfloat16, _LONG, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("sizes", [[24, 8, 8], [40]])
+def test_triton_matches_the_reference(rank, dtype, slots, sizes):
     g = torch.Generator().manual_seed(rank)
-    K, sizes, S = 40, [24, 8, 8], 3
-    # A prefill chunk under slot 1 longer than one tile, decode rows of several slots, tokens without adapters.
-    slots = np.array([1] * (BLOCK_M + 5) + [-1, 0, 2, 0, -1, 2, 1])
-    T = len(slots)
+    K, S = 600, 3  # K long enough for several split partials
+    slots = np.array(slots)
+    T, R = len(slots), rank
     x = torch.randn(T, K, generator=g).to(DEV, dtype)
-    a = [torch.randn(S, rank, K, generator=g).to(DEV, dtype) for _ in sizes]
-    b = [torch.randn(S, n, rank, generator=g).to(DEV, dtype) for n in sizes]
-    offsets = [int(o) for o in np.cumsum([0, *sizes[:-1]])]
+    a = torch.randn(S, len(sizes) * R, K, generator=g).to(DEV, dtype) / K ** 0.5
+    b = torch.randn(S, sum(sizes), R, generator=g).to(DEV, dtype)
     y0 = torch.randn(T, sum(sizes), generator=g).to(DEV, dtype)
-    groups = [(s, torch.from_numpy(np.flatnonzero(slots == s)).to(DEV)) for s in range(S)]
+    lora_map = build_lora_map(slots, S)
+    groups = [(s, torch.from_numpy(r.astype(np.int64)).to(DEV)) for s, r in map_groups(lora_map, S)]
     want, got = y0.clone(), y0.clone()
-    lora_delta_ref(x, want, groups, a, b, offsets)
-    lora_delta_triton(x, got, make_tiles(slots, DEV), a, b, offsets)
+    lora_delta_ref(x, want, groups, a, b, sizes, R)
+    lora_delta_triton(x, got, map_to_device(lora_map, DEV), a, b, sizes, R)
     tol = 1e-4 if dtype == torch.float32 else (5e-2 if dtype == torch.bfloat16 else 2e-2)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 10)
     assert torch.equal(got[slots < 0], y0[slots < 0])
+    assert not torch.equal(got[slots >= 0], y0[slots >= 0])
+
+
+def test_an_empty_map_leaves_the_output_alone():
+    x = torch.randn(5, 32).to(DEV)
+    y = torch.randn(5, 16).to(DEV)
+    a, b = torch.randn(2, 8, 32).to(DEV), torch.randn(2, 16, 8).to(DEV)
+    got = y.clone()
+    lora_delta_triton(x, got, map_to_device(build_lora_map(np.full(5, -1), 2), DEV), a, b, [16], 8)
+    assert torch.equal(got, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [[0, -1, 1, 1], [-1, -1, -1, -1]])
+def test_pdl_launches_in_a_graph_are_bit_identical(slots):
+    """Behind a product (an early-triggering PDL gemv) and in front of a plain kernel, with and without adapter
+    tokens: the second case is the one where every program but program 0 returns before its wait."""
+    from tokenmill.layers.linear_ops import linear
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 512, generator=g).to(DEV, torch.bfloat16)
+    w = torch.randn(96, 512, generator=g).to(DEV, torch.bfloat16)
+    a = torch.randn(2, 3 * 16, 512, generator=g).to(DEV, torch.bfloat16) / 20
+    b = torch.randn(2, 96, 16, generator=g).to(DEV, torch.bfloat16)
+    lora_map = map_to_device(build_lora_map(np.array(slots), 2), DEV)
+
+    def chain():
+        y = linear(x, w, None)
+        lora_delta_triton(x, y, lora_map, a, b, [64, 16, 16], 16)
+        return y * 2
+
+    check_pdl_chain(chain)
 
 
 _COMPILE = """
@@ -48,14 +88,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tokenmill.lora.triton_ops import _expand_kernel, _shrink_kernel
-common = {"start_ptr": "*i32", "len_ptr": "*i32", "slot_ptr": "*i32", "R": "i32"}
-shrink = dict(common, x_ptr="*bf16", a_ptr="*bf16", h_ptr="*fp32", K="i32", x_stride="i32", a_slot_stride="i32",
-              a_row_stride="i32", h_stride="i32", BLOCK_M="constexpr", BLOCK_R="constexpr", BLOCK_K="constexpr")
-expand = dict(common, h_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16", N="i32", h_stride="i32", b_slot_stride="i32",
-              b_row_stride="i32", y_stride="i32", y_offset="i32", BLOCK_M="constexpr", BLOCK_R="constexpr",
+common = {"map_ptr": "*i32", "h_split_stride": "i32", "h_stride": "i32", "NUM_SLOTS": "constexpr",
+          "BLOCK_M": "constexpr", "BLOCK_R": "constexpr", "IEEE": "constexpr", "PDL": "constexpr"}
+shrink = dict(common, x_ptr="*bf16", a_ptr="*bf16", h_ptr="*fp32", K="i32", R_TOT="i32", K_PER="i32",
+              x_stride="i32", a_slot_stride="i32", a_row_stride="i32", BLOCK_K="constexpr")
+expand = dict(common, h_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16", R="i32", SPLITS="i32", b_slot_stride="i32",
+              b_row_stride="i32", y_stride="i32", n0="i32", n1="i32", n2="i32", nb0="i32", nb01="i32",
               BLOCK_N="constexpr")
-for fn, sig, c in ((_shrink_kernel, shrink, {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_K": 32}),
-                   (_expand_kernel, expand, {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_N": 64})):
+c = {"NUM_SLOTS": 8, "BLOCK_M": 16, "BLOCK_R": 64, "IEEE": False, "PDL": 1}
+for fn, sig, c in ((_shrink_kernel, shrink, dict(c, BLOCK_K=64)), (_expand_kernel, expand, dict(c, BLOCK_N=64))):
     sig = {k: sig[k] for k in fn.arg_names}
     print(sorted(triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32)).asm))
 """

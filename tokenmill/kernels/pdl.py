@@ -21,7 +21,9 @@ The contract every PDL kernel keeps (see `pdl_wait` for the code):
     while early triggers in the short kernels between products (attention, norms, rope) were 16% and 0.2% slower:
     the next product's weight loads then run under those latency-bound kernels and slow them.
   * a program that the step's metadata shows has nothing to do (an unused decode split) returns before the wait;
-    its exit counts as its trigger, and its SM slot is free at once.
+    its exit counts as its trigger, and its SM slot is free at once. At least one program of every grid waits:
+    a grid whose programs all returned before waiting would complete before its predecessor, and the kernel after
+    it, whose wait covers only its own predecessor, could read the older kernel's output unfinished.
 A kernel launched without PDL (cuBLAS, torch ops, NCCL) keeps plain stream order, and a PDL kernel after one of them
 still waits on it, so mixing is safe. The launches work inside CUDA-graph capture (programmatic graph edges).
 
@@ -46,7 +48,7 @@ except ImportError:  # a Triton without griddepcontrol: PDL stays off
     gdc_wait = gdc_launch_dependents = None
 
 _INTERPRETED = envs.TRITON_INTERPRET
-KINDS = ("gemv", "attention", "norm", "rope", "act", "sampling")
+KINDS = ("gemv", "attention", "norm", "rope", "act", "sampling", "lora")
 EARLY_KINDS = frozenset({"gemv"})
 _enabled = True
 _early = EARLY_KINDS

@@ -2,20 +2,21 @@
 deltas that apply each token's adapter inside the model's linear layers.
 
 Every projection an adapter may target (q/k/v, o, gate/up, down, restricted by lora_target_modules) gets stacked
-slot buffers once, at start: per output slice j of the layer (q, k, v of a fused qkv_proj), A_j [max_loras, R, in]
-and B_j [max_loras, n_j, R] with R = max_lora_rank, on this rank's share of the layer (column-parallel layers
-keep B's rows of their output slice, row-parallel ones A's columns of their input slice, so the partial products
-sum in the layer's own all-reduce). A slot not used by an adapter for a module is zero there.
+slot buffers once, at start (lora/ops.py's layout: the output slices of a fused qkv_proj or gate_up_proj share
+one A and one B), R = max_lora_rank, on this rank's share of the layer (column-parallel layers keep B's rows of
+their output slice, row-parallel ones A's columns of their input slice, so the partial products sum in the
+layer's own all-reduce). A slot not used by an adapter for a module is zero there.
 
 Per step the runner calls `activate(req_ids, n_sched)`: adapters of the step's requests are moved into slots
 (least recently used slots of adapters the step does not need are reused; the scheduler never puts more distinct
-adapters in a step than there are slots), the tokens are grouped by slot, and the deltas are attached to the
-layers; `deactivate()` detaches them, so steps without adapters run the fused, graph-captured path untouched.
-Steps with adapters run eagerly (no CUDA graph holds the deltas yet). `prefetch(lora)` (the engine core calls it
-when a request names an adapter it has not seen) reads the adapter from disk in a background thread, so the step
-that first needs it only waits for what is left of the read; the host LRU itself is only touched by the step
-loop. The deltas are the Triton kernels of
-lora/triton_ops.py on CUDA and the torch reference (lora/ops.py) elsewhere.
+adapters in a step than there are slots) and the step's lora map (which tokens use which slot) goes to the
+deltas. On CUDA the deltas are the Triton kernels of lora/triton_ops.py, attached for good: they read the map from
+one device buffer, so the CUDA graphs are captured with them and every step, with adapters or not, replays them (a
+step without adapters publishes an empty map and the kernels return at once). On the CPU the torch reference
+(lora/ops.py) is attached only for steps with adapters; `deactivate()` detaches it, so other steps keep the fused
+paths. `prefetch(lora)` (the engine core calls it when a request names an adapter it has not seen) reads the
+adapter from disk in a background thread, so the step that first needs it only waits for what is left of the
+read; the host LRU itself is only touched by the step loop.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 
 from tokenmill.config.lora import LoRAConfig
 from tokenmill.layers.linear import LinearBase, MergedColumnParallelLinear
-from tokenmill.lora.ops import lora_delta_ref
+from tokenmill.lora.ops import build_lora_map, lora_delta_ref, map_groups
 from tokenmill.lora.peft import LoRAAdapter, read_adapter
 from tokenmill.lora.request import LoRARequest
 
@@ -38,24 +39,26 @@ _LEAVES = {"qkv_proj": ("qkv_proj", "q_proj", "k_proj", "v_proj"), "o_proj": ("o
 
 
 class _LayerSlots:
-    """One linear layer's slot buffers and the layout of its output slices."""
+    """One linear layer's slot buffers (lora/ops.py's layout) and its output slices."""
 
     def __init__(self, layer: LinearBase, max_loras: int, rank: int, dtype, device) -> None:
-        self.layer = layer
+        self.layer, self.rank = layer, rank
         if isinstance(layer, MergedColumnParallelLinear):
             self.slices = list(layer.shards)  # shard ids in output order
             self.offsets = [layer.shards[s][0] for s in self.slices]
-            sizes = [layer.shards[s][1] for s in self.slices]
+            self.sizes = [layer.shards[s][1] for s in self.slices]
         else:
-            self.slices, self.offsets, sizes = [None], [0], [layer.shape.output_size_per_rank]
+            self.slices, self.offsets, self.sizes = [None], [0], [layer.shape.output_size_per_rank]
+        if self.offsets != [sum(self.sizes[:j]) for j in range(len(self.sizes))]:
+            raise ValueError(f"{layer.prefix}: LoRA needs the output slices contiguous from 0, got offsets "
+                             f"{self.offsets} for sizes {self.sizes}")
         fin = layer.shape.input_size_per_rank
-        self.a = [torch.zeros(max_loras, rank, fin, dtype=dtype, device=device) for _ in sizes]
-        self.b = [torch.zeros(max_loras, n, rank, dtype=dtype, device=device) for n in sizes]
+        self.a = torch.zeros(max_loras, len(self.sizes) * rank, fin, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, sum(self.sizes), rank, dtype=dtype, device=device)
 
     def clear(self, slot: int) -> None:
-        for a, b in zip(self.a, self.b):
-            a[slot].zero_()
-            b[slot].zero_()
+        self.a[slot].zero_()
+        self.b[slot].zero_()
 
     def write(self, slot: int, shard, a: torch.Tensor, b: torch.Tensor) -> None:
         """Copy one adapter module's full (A [r, in], B [out, r]) into `slot`, this rank's share; shard None with
@@ -67,15 +70,15 @@ class _LayerSlots:
                 self.write(slot, sid, a, piece)
             return
         j = self.slices.index(shard)
+        n = self.sizes[j]
         if layer.sums_over_ranks:  # row-parallel: this rank's input columns
-            n = layer.shape.input_size_per_rank
-            a = a[:, layer.tp_rank * n:(layer.tp_rank + 1) * n]
+            k = layer.shape.input_size_per_rank
+            a = a[:, layer.tp_rank * k:(layer.tp_rank + 1) * k]
         else:
-            n = self.b[j].shape[1]
             start = layer.shard_start(shard) if shard is not None else layer.tp_rank * n
             b = b[start:start + n]
-        self.a[j][slot, :r].copy_(a)
-        self.b[j][slot, :, :r].copy_(b)
+        self.a[slot, j * self.rank:j * self.rank + r].copy_(a)
+        self.b[slot, self.offsets[j]:self.offsets[j] + n, :r].copy_(b)
 
 
 class LoRAModelManager:
@@ -83,7 +86,7 @@ class LoRAModelManager:
     `add_request(req_id, lora_request)` and dropped with `remove_request`."""
 
     def __init__(self, model: torch.nn.Module, config: LoRAConfig, model_dtype: torch.dtype, device: torch.device,
-                 text_config, served_names: list[str]) -> None:
+                 text_config, served_names: list[str], max_num_tokens: int) -> None:
         self.config, self.device = config, device
         self.dtype = _DTYPES.get(config.lora_dtype, model_dtype)
         self.text_config, self.served_names = text_config, served_names
@@ -97,11 +100,12 @@ class LoRAModelManager:
         self.slots: list[int | None] = [None] * config.max_loras
         self._slot_lru: list[int] = list(range(config.max_loras))  # least recently used first
         self.req_lora: dict[str, LoRARequest] = {}
-        self._groups: list[tuple[int, torch.Tensor]] = []
-        # On CUDA the Triton kernels run over tiles of the step's tokens; elsewhere the torch reference by group.
-        self.use_triton = device.type == "cuda"
-        self._tiles = None
-        self.active = False
+        self._groups: list[tuple[int, torch.Tensor]] = []  # the CPU step's (slot, token rows)
+        # On CUDA the Triton kernels read the step's lora map from a device buffer and stay attached (the graphs
+        # are captured with them); elsewhere the torch reference runs by group, attached for steps with adapters.
+        self.use_triton = False
+        self._map_cap = config.max_loras + 1 + max_num_tokens
+        self.set_kernels(device.type == "cuda")
         self.loads = 0  # adapters read from disk (the host LRU's misses)
         self._pending: dict[int, Future] = {}  # lora_int_id -> the background read of a prefetched adapter
         self._pool: ThreadPoolExecutor | None = None
@@ -185,10 +189,14 @@ class LoRAModelManager:
 
     # ----- one step -----
     def activate(self, req_ids: list[str], n_sched: np.ndarray) -> bool:
-        """Put the step's adapters into slots and attach the deltas; False (nothing attached) when no request of
-        the step has an adapter."""
+        """Put the step's adapters into slots and publish the step's lora map to the deltas; False when no request
+        of the step has an adapter (on the CPU nothing is attached then)."""
         loras = [self.req_lora.get(r) for r in req_ids]
+        S = len(self.slots)
         if not any(loras):
+            if self.use_triton and not self._map_empty:
+                self._stage(np.zeros(S + 1, dtype=np.int32))
+                self._map_empty = True
             return False
         needed = {lo.lora_int_id for lo in loras if lo is not None}
         slot_of: dict[int, int] = {}
@@ -196,31 +204,62 @@ class LoRAModelManager:
             if lo is not None and lo.lora_int_id not in slot_of:
                 slot_of[lo.lora_int_id] = self._slot_for(lo, needed)
         per_req = np.array([slot_of[lo.lora_int_id] if lo is not None else -1 for lo in loras], dtype=np.int64)
-        tok = np.repeat(per_req, n_sched)
+        lora_map = build_lora_map(np.repeat(per_req, n_sched), S)
         if self.use_triton:
-            from tokenmill.lora.triton_ops import make_tiles
-            self._tiles = make_tiles(tok, self.device)
+            self._stage(lora_map)
+            self._map_empty = False
         else:
-            self._groups = [(s, torch.from_numpy(np.nonzero(tok == s)[0]).to(self.device)) for s in slot_of.values()]
-        for ls in self.layers.values():
-            ls.layer.set_output_delta(self._delta(ls))
-        self.active = True
+            self._groups = [(s, torch.from_numpy(rows.astype(np.int64)).to(self.device))
+                            for s, rows in map_groups(lora_map, S)]
+            self._attach()
         return True
 
     def deactivate(self) -> None:
-        if self.active:
+        """End the step: on the CPU the deltas are detached (steps without adapters keep the fused paths)."""
+        if not self.use_triton and self._groups:
             for ls in self.layers.values():
                 ls.layer.set_output_delta(None)
-            self.active, self._groups, self._tiles = False, [], None
+            self._groups = []
+
+    def set_kernels(self, triton: bool) -> None:
+        """Pick the deltas: the Triton kernels (attached from now on) or the torch reference (attached per step).
+        The CUDA graphs are captured with whichever is set, so this is for start-up and tests."""
+        self.use_triton = triton
+        if triton:
+            pin = torch.cuda.is_available()
+            self._map_dev = torch.zeros(self._map_cap, dtype=torch.int32, device=self.device)
+            self._map_host = [torch.zeros(self._map_cap, dtype=torch.int32, pin_memory=pin) for _ in range(4)]
+            self._map_turn, self._map_empty = 0, True
+            self._attach()
+        else:
+            for ls in self.layers.values():
+                ls.layer.set_output_delta(None)
+
+    def _stage(self, lora_map: np.ndarray) -> None:
+        """Copy the step's map into the device buffer the deltas (and the graphs) read, through the next pinned
+        host buffer of a ring: the engine has at most one step in flight, so a buffer is free again long before
+        its turn comes back."""
+        n = len(lora_map)
+        if n > self._map_dev.shape[0]:
+            raise RuntimeError(f"A step has {n - len(self.slots) - 1} adapter tokens; the LoRA map holds at most "
+                               f"{self._map_dev.shape[0] - len(self.slots) - 1} (max_num_batched_tokens).")
+        host = self._map_host[self._map_turn % len(self._map_host)]
+        self._map_turn += 1
+        host[:n].numpy()[:] = lora_map
+        self._map_dev[:n].copy_(host[:n], non_blocking=True)
+
+    def _attach(self) -> None:
+        for ls in self.layers.values():
+            ls.layer.set_output_delta(self._delta(ls))
 
     def _delta(self, ls: _LayerSlots):
         if self.use_triton:
             from tokenmill.lora.triton_ops import lora_delta_triton
 
             def delta(x: torch.Tensor, y: torch.Tensor) -> None:
-                lora_delta_triton(x, y, self._tiles, ls.a, ls.b, ls.offsets)
+                lora_delta_triton(x, y, self._map_dev, ls.a, ls.b, ls.sizes, ls.rank)
             return delta
 
         def delta(x: torch.Tensor, y: torch.Tensor) -> None:
-            lora_delta_ref(x, y, self._groups, ls.a, ls.b, ls.offsets)
+            lora_delta_ref(x, y, self._groups, ls.a, ls.b, ls.sizes, ls.rank)
         return delta

@@ -99,7 +99,8 @@ class ModelRunner:
             from tokenmill.lora.manager import LoRAModelManager
             mc = self.config.model_config
             self.lora = LoRAModelManager(self.model, self.config.lora_config, self.dtype, self.device, text,
-                                         [*mc.served_model_name, mc.model or ""])
+                                         [*mc.served_model_name, mc.model or ""],
+                                         self.config.scheduler_config.max_num_batched_tokens)
         ps = self.parallel = get_parallel_state()  # called inside the worker's use_parallel_state
         self.is_first_stage, self.is_last_stage = ps.pp_rank == 0, ps.pp_rank == ps.pp_size - 1
         self.num_layers = text.num_hidden_layers
@@ -292,15 +293,15 @@ class ModelRunner:
         if sched.is_empty:
             return
         inp = self._prepare_inputs(sched)
-        # A step with adapters runs eagerly: the captured graphs hold the base model's fused path only.
-        with_lora = self.lora is not None and self.lora.activate(inp.req_ids, inp.n_sched)
+        if self.lora is not None:  # the step's adapters into slots, its lora map to the layers' deltas
+            self.lora.activate(inp.req_ids, inp.n_sched)
         try:
-            step = self._forward_graph(sched, inp) if not with_lora else None
+            step = self._forward_graph(sched, inp)
             self._step = step if step is not None else self._forward_eager(inp, sched.state_saves)
             if self._step is not None:
                 self._step.seq_lens = inp.seq_lens
         finally:
-            if with_lora:
+            if self.lora is not None:
                 self.lora.deactivate()
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
