@@ -25,11 +25,19 @@ from torch import nn
 
 from tokenmill.distributed import divide, get_parallel_state, get_tp_size, kv_heads_per_rank
 from tokenmill.distributed.communication_op import tensor_model_parallel_all_reduce
+from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.quantization.base import LinearMethod, LinearShape, QuantizationConfig
 from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
 
-# delta(x, y) adds this layer's extra output for input rows x into y in place (y = x W^T + b on this rank).
-OutputDelta = Callable[[torch.Tensor, torch.Tensor], None]
+# delta(x, y) adds this layer's extra output for input rows x into y in place (y = x W^T + b on this rank). A
+# delta whose `prologue_rows` attribute is n >= the rows of x also takes delta(x, y, prologue=p), x then being
+# what the product's fused prologue read: p = ("rmsnorm", norm) (the product's input is norm(x), a plain RMSNorm)
+# or ("silu_mul",) (x is [gate | up], the input silu(gate) * up). The layer then keeps its fused kernel.
+OutputDelta = Callable[..., None]
+
+
+def _prologue_ok(delta: OutputDelta, x: torch.Tensor) -> bool:
+    return getattr(delta, "prologue_rows", 0) >= x.shape[0]
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -59,8 +67,9 @@ class LinearBase(nn.Module):
     Contract: subclasses fix the split (`LinearShape`) and implement `weight_loader`; the method creates the
     weight parameters; `process_weights_after_loading()` is called once by the model loader after every tensor
     landed. `set_output_delta(fn)` attaches a delta that is added to this rank's product (before any
-    communication) for every call; while one is attached the fused norm / activation paths are not used, so the
-    delta sees the very input the product sees.
+    communication) for every call; the fused norm / activation paths stay in use where the delta takes their
+    prologue (OutputDelta), else they are not used, so the delta sees the very input the product sees. (The SiLU
+    epilogue of a [gate | up] product is never used with a delta: the delta must land before the SiLU.)
     """
 
     def __init__(self, shape: LinearShape, bias: bool, quant_config: QuantizationConfig | None, prefix: str) -> None:
@@ -136,8 +145,13 @@ class ColumnParallelLinear(LinearBase):
 
     def forward_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x + residual)) and x + residual (x when residual is None), the norm fused in where it pays."""
-        if self.output_delta is None:
+        delta = self.output_delta
+        if delta is None:
             return self.quant_method.apply_norm(self, x, residual, norm, self.bias)
+        if type(norm) is RMSNorm and _prologue_ok(delta, x):
+            y, residual = self.quant_method.apply_norm(self, x, residual, norm, self.bias)
+            delta(residual, y, prologue=("rmsnorm", norm))
+            return y, residual
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
         return self._product(h, self.bias), residual
 
@@ -245,12 +259,15 @@ class RowParallelLinear(LinearBase):
         """act="silu_mul": x is [gate | up] and the product takes silu(gate) * up (fused where it pays)."""
         if act not in (None, "silu_mul"):
             raise ValueError(f"RowParallelLinear: unknown act {act!r}")
-        if act == "silu_mul" and self.output_delta is not None:
+        delta = self.output_delta
+        if act == "silu_mul" and delta is not None and not _prologue_ok(delta, x):
             from tokenmill.layers.activation import silu_and_mul
             x, act = silu_and_mul(x), None
         bias = self.bias if self.tp_size == 1 else None
         if act == "silu_mul":
             y = self.quant_method.apply_silu_mul(self, x, bias)
+            if delta is not None:
+                delta(x, y, prologue=("silu_mul",))
         else:
             y = self._product(x, bias)
         if self.tp_size == 1:

@@ -32,6 +32,7 @@ from tokenmill.lora.ops import build_lora_map, lora_delta_ref, map_groups
 from tokenmill.lora.peft import LoRAAdapter, read_adapter
 from tokenmill.lora.request import LoRARequest
 
+PROLOGUE_MAX_ROWS = 16
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # tokenmill's projection -> the module names an adapter may target it by.
 _LEAVES = {"qkv_proj": ("qkv_proj", "q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -55,6 +56,7 @@ class _LayerSlots:
         fin = layer.shape.input_size_per_rank
         self.a = torch.zeros(max_loras, len(self.sizes) * rank, fin, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, sum(self.sizes), rank, dtype=dtype, device=device)
+        self.counters: dict = {}  # the one-launch decode kernel's ticket counters (lora/triton_ops.py)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -256,8 +258,11 @@ class LoRAModelManager:
         if self.use_triton:
             from tokenmill.lora.triton_ops import lora_delta_triton
 
-            def delta(x: torch.Tensor, y: torch.Tensor) -> None:
-                lora_delta_triton(x, y, self._map_dev, ls.a, ls.b, ls.sizes, ls.rank)
+            def delta(x: torch.Tensor, y: torch.Tensor, prologue: tuple | None = None) -> None:
+                lora_delta_triton(x, y, self._map_dev, ls.a, ls.b, ls.sizes, ls.rank, prologue, ls.counters)
+            # Up to a decode tile of rows the shrink recomputes a fused norm / SiLU itself, so the layer keeps its
+            # fused product (a launch fewer) at the cost of a pass over the rows per program.
+            delta.prologue_rows = PROLOGUE_MAX_ROWS
             return delta
 
         def delta(x: torch.Tensor, y: torch.Tensor) -> None:

@@ -8,8 +8,11 @@ when the list is shorter (a slot the step does not use, a token without an adapt
 
 The shrink computes h[t] = x[t] A[s]^T for every output slice at once (A stacks the slices' ranks: [S * R, in]),
 split over K into fp32 partials [splits, T, S * R] so a decode batch of one token still spreads over the SMs; the
-expand sums the partials in a fixed order (deterministic, no atomics) and adds h[t, slice j] B[s, slice j]^T into
-y, one column block of one slice per program.
+expand sums the partials in a fixed order (deterministic) and adds h[t, slice j] B[s, slice j]^T into y, one
+column block of one slice per program. A decode batch of at most one row tile runs both in one launch
+(_fused_kernel: its expanders wait for the partials through a counter), which halves the launches a step adds per
+projection. The shrink can also compute the product's fused prologue (a RMSNorm or SiLU-and-mul of its input),
+so the layer keeps its fused kernel.
 """
 from __future__ import annotations
 
@@ -29,73 +32,73 @@ MAX_SLICES = 3  # q, k, v of a fused qkv_proj
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, K, R_TOT, K_PER, x_stride, a_slot_stride, a_row_stride,
-                   h_split_stride, h_stride, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    tile, split, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    lo = tl.load(map_ptr + slot)
+def _tile_rows(map_ptr, slot, first, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows (token indices) of slot `slot`'s list from position `first`, and which of them exist."""
     hi = tl.load(map_ptr + slot + 1)
-    first = lo + tile * BLOCK_M
-    # An idle program returns before the PDL wait, except program 0: its wait makes this grid's completion imply
-    # the previous kernel's, which the next kernel relies on when the step has no adapter tokens at all.
-    if (first >= hi) & (tile + split + slot > 0):
-        return
-    pdl_wait(PDL)  # x is the previous kernel's output; the map was copied in before the forward
-    if first >= hi:
-        return
     m = tl.arange(0, BLOCK_M)
     valid = first + m < hi
     rows = tl.load(map_ptr + NUM_SLOTS + 1 + first + m, mask=valid, other=0).to(tl.int64)
+    return rows, valid
+
+
+@triton.jit
+def _shrink_part(x_ptr, a_ptr, nw_ptr, eps, rows, valid, slot, K, R_TOT, k_lo, k_hi, x_stride, a_slot_stride,
+                 a_row_stride, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRO: tl.constexpr, IEEE: tl.constexpr):
+    """x[rows, k_lo:k_hi] A[slot, :, k_lo:k_hi]^T in fp32 ([BLOCK_M, BLOCK_R]), x through the prologue PRO."""
     r = tl.arange(0, BLOCK_R)
-    k_lo = split * K_PER
-    k_hi = tl.minimum(k_lo + K_PER, K)
     a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
+    xrow = x_ptr + rows[:, None] * x_stride
+    xdt = x_ptr.dtype.element_ty
+    if PRO == 1:  # RMSNorm prologue: every program needs its rows' full sum of squares
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(xrow + k[None, :], mask=valid[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
+            ss += tl.sum(v * v, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=valid[:, None] & (k[None, :] < k_hi),
-                     other=0.0)
-        at = tl.load(a_base + r[None, :] * a_row_stride + k[:, None], mask=(r[None, :] < R_TOT) & (k[:, None] < k_hi),
-                     other=0.0)
+        xmask = valid[:, None] & (k[None, :] < k_hi)
+        xt = tl.load(xrow + k[None, :], mask=xmask, other=0.0)
+        if PRO == 1:  # as RMSNorm: normalise in fp32, round to the input dtype, then scale by the weight
+            w = tl.load(nw_ptr + k, mask=k < k_hi, other=0.0)
+            xt = (xt.to(tl.float32) * rstd[:, None]).to(xdt) * w[None, :]
+        elif PRO == 2:  # x is [gate | up]: silu(gate) * up in fp32, rounded once
+            g = xt.to(tl.float32)
+            u = tl.load(xrow + K + k[None, :], mask=xmask, other=0.0).to(tl.float32)
+            xt = (g / (1.0 + tl.exp(-g)) * u).to(xdt)
+        at = tl.load(a_base + r[None, :] * a_row_stride + k[:, None],
+                     mask=(r[None, :] < R_TOT) & (k[:, None] < k_hi), other=0.0)
         if IEEE:
             acc += tl.dot(xt.to(at.dtype), at, input_precision="ieee")
         else:
             acc += tl.dot(xt.to(at.dtype), at)
-    tl.store(h_ptr + split * h_split_stride + rows[:, None] * h_stride + r[None, :], acc,
-             mask=valid[:, None] & (r[None, :] < R_TOT))
+    return acc
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, SPLITS, h_split_stride, h_stride, b_slot_stride, b_row_stride,
-                   y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    tile, blk, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    lo = tl.load(map_ptr + slot)
-    hi = tl.load(map_ptr + slot + 1)
-    first = lo + tile * BLOCK_M
-    if (first >= hi) & (tile + blk + slot > 0):  # as in the shrink: program 0 always waits
-        return
-    if first >= hi:
-        pdl_wait(PDL)
-        return
-    m = tl.arange(0, BLOCK_M)
-    valid = first + m < hi
-    rows = tl.load(map_ptr + NUM_SLOTS + 1 + first + m, mask=valid, other=0).to(tl.int64)
-    # The slice of this column block: slices 0, 1, 2 own nb0, nb01 - nb0 and the remaining blocks.
+def _expand_cols(blk, n0, n1, n2, nb0, nb01, BLOCK_N: tl.constexpr):
+    """Column block `blk`'s slice j, its columns and the slice's end: slices 0, 1, 2 own nb0, nb01 - nb0 and the
+    remaining blocks."""
     j = (blk >= nb0).to(tl.int32) + (blk >= nb01).to(tl.int32)
     col0 = tl.where(j == 0, 0, tl.where(j == 1, n0, n0 + n1))
     blk0 = tl.where(j == 0, 0, tl.where(j == 1, nb0, nb01))
     end = tl.where(j == 0, n0, tl.where(j == 1, n0 + n1, n0 + n1 + n2))
-    c = col0 + (blk - blk0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return j, col0 + (blk - blk0) * BLOCK_N + tl.arange(0, BLOCK_N), end
+
+
+@triton.jit
+def _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, SPLITS, h_split_stride, h_stride, y_stride,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+    """y[rows, c] += (sum of the SPLITS partials of h[rows, slice j]) bt, bt = B[slot, c, :]^T."""
     r = tl.arange(0, BLOCK_R)
-    bt = tl.load(b_ptr + slot.to(tl.int64) * b_slot_stride + c[None, :] * b_row_stride + r[:, None],
-                 mask=(c[None, :] < end) & (r[:, None] < R), other=0.0)
-    pdl_wait(PDL)  # h is the shrink's output, y the product's
     hmask = valid[:, None] & (r[None, :] < R)
     hp = h_ptr + rows[:, None] * h_stride + (j * R + r)[None, :]
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for s in range(0, SPLITS):
-        h += tl.load(hp + s * h_split_stride, mask=hmask, other=0.0)
+        h += tl.load(hp + s * h_split_stride, mask=hmask, other=0.0, cache_modifier=".cg")
     if IEEE:
         d = tl.dot(h.to(bt.dtype), bt, input_precision="ieee")
     else:
@@ -106,6 +109,107 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, SPLITS, h_split_stride, h_st
     tl.store(yp, (y.to(tl.float32) + d).to(y.dtype), mask=mask)
 
 
+@triton.jit
+def _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R: tl.constexpr):
+    r = tl.arange(0, BLOCK_R)
+    return tl.load(b_ptr + slot.to(tl.int64) * b_slot_stride + c[None, :] * b_row_stride + r[:, None],
+                   mask=(c[None, :] < end) & (r[:, None] < R), other=0.0)
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, nw_ptr, eps, K, R_TOT, K_PER, x_stride, a_slot_stride,
+                   a_row_stride, h_split_stride, h_stride, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr):
+    tile, split, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    first = tl.load(map_ptr + slot) + tile * BLOCK_M
+    idle = first >= tl.load(map_ptr + slot + 1)
+    # An idle program returns before the PDL wait, except program 0: its wait makes this grid's completion imply
+    # the previous kernel's, which the next kernel relies on when the step has no adapter tokens at all.
+    if idle & (tile + split + slot > 0):
+        return
+    pdl_wait(PDL)  # x is the previous kernel's output; the map was copied in before the forward
+    if idle:
+        return
+    rows, valid = _tile_rows(map_ptr, slot, first, NUM_SLOTS, BLOCK_M)
+    k_lo = split * K_PER
+    acc = _shrink_part(x_ptr, a_ptr, nw_ptr, eps, rows, valid, slot, K, R_TOT, k_lo, tl.minimum(k_lo + K_PER, K),
+                       x_stride, a_slot_stride, a_row_stride, BLOCK_M, BLOCK_R, BLOCK_K, PRO, IEEE)
+    r = tl.arange(0, BLOCK_R)
+    tl.store(h_ptr + split * h_split_stride + rows[:, None] * h_stride + r[None, :], acc,
+             mask=valid[:, None] & (r[None, :] < R_TOT))
+
+
+@triton.jit
+def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, SPLITS, h_split_stride, h_stride, b_slot_stride, b_row_stride,
+                   y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    tile, blk, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    first = tl.load(map_ptr + slot) + tile * BLOCK_M
+    idle = first >= tl.load(map_ptr + slot + 1)
+    if idle & (tile + blk + slot > 0):  # as in the shrink: program 0 always waits
+        return
+    if idle:
+        pdl_wait(PDL)
+        return
+    rows, valid = _tile_rows(map_ptr, slot, first, NUM_SLOTS, BLOCK_M)
+    j, c, end = _expand_cols(blk, n0, n1, n2, nb0, nb01, BLOCK_N)
+    bt = _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R)
+    pdl_wait(PDL)  # h is the shrink's output, y the product's
+    _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, SPLITS, h_split_stride, h_stride, y_stride, BLOCK_M,
+                 BLOCK_R, IEEE)
+
+
+@triton.jit
+def _fused_kernel(x_ptr, a_ptr, h_ptr, b_ptr, y_ptr, map_ptr, cnt_ptr, nw_ptr, eps, K, R_TOT, K_PER, R,
+                  x_stride, a_slot_stride, a_row_stride, h_split_stride, h_stride, b_slot_stride, b_row_stride,
+                  y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, SPLITS: tl.constexpr,
+                  NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_RT: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Shrink and expand of one row tile in one launch.
+
+    Each program of slot s takes a ticket from the slot's counter. Of a launch's SPLITS + NUM_BLOCKS tickets the
+    first SPLITS compute a shrink partial each and count it in (release); the others, one column block each, wait
+    until the launch's partials are all in (acquire), then expand. Tickets go out in the order programs start, so
+    the partials' programs are already running when an expander waits: no deadlock whatever the scheduling. The
+    counters only grow (int64): launch e of a layer owns tickets e * P ... (e + 1) * P - 1 (P = SPLITS +
+    NUM_BLOCKS) and waits for (e + 1) * SPLITS partials, so nothing is reset between launches (the launches of
+    one layer never overlap: a whole forward lies between them)."""
+    slot = tl.program_id(1)
+    first = tl.load(map_ptr + slot)
+    idle = first >= tl.load(map_ptr + slot + 1)
+    if idle & (tl.program_id(0) + slot > 0):
+        return
+    if idle:
+        pdl_wait(PDL)
+        return
+    rows, valid = _tile_rows(map_ptr, slot, first, NUM_SLOTS, BLOCK_M)
+    cnt = cnt_ptr + slot * 2
+    ticket = tl.atomic_add(cnt, 1, sem="relaxed")
+    role = ticket % (SPLITS + NUM_BLOCKS)
+    if role < SPLITS:
+        pdl_wait(PDL)
+        k_lo = role * K_PER
+        acc = _shrink_part(x_ptr, a_ptr, nw_ptr, eps, rows, valid, slot, K, R_TOT, k_lo,
+                           tl.minimum(k_lo + K_PER, K), x_stride, a_slot_stride, a_row_stride, BLOCK_M, BLOCK_RT,
+                           BLOCK_K, PRO, IEEE)
+        r = tl.arange(0, BLOCK_RT)
+        tl.store(h_ptr + role * h_split_stride + rows[:, None] * h_stride + r[None, :], acc,
+                 mask=valid[:, None] & (r[None, :] < R_TOT))
+        tl.atomic_add(cnt + 1, 1, sem="release")
+    else:
+        j, c, end = _expand_cols(role - SPLITS, n0, n1, n2, nb0, nb01, BLOCK_N)
+        bt = _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R)
+        pdl_wait(PDL)
+        target = (ticket // (SPLITS + NUM_BLOCKS) + 1) * SPLITS
+        while tl.load(cnt + 1, volatile=True) < target:
+            pass
+        tl.atomic_add(cnt + 1, 0, sem="acquire")  # the partials' stores are visible from here on
+        _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, SPLITS, h_split_stride, h_stride, y_stride,
+                     BLOCK_M, BLOCK_R, IEEE)
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     if not torch.cuda.is_available():
@@ -114,8 +218,13 @@ def _num_sms(device_index: int) -> int:
 
 
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                      sizes: list[int], rank: int) -> None:
-    """lora/ops.lora_delta_ref's contract, the map as a device int32 tensor (x, y: 2-D, rows contiguous)."""
+                      sizes: list[int], rank: int, prologue: tuple | None = None,
+                      counters: dict | None = None) -> None:
+    """lora/ops.lora_delta_ref's contract, the map as a device int32 tensor (x, y: 2-D, rows contiguous), and
+    optionally a prologue (layers/linear.py's OutputDelta): the product's input is then norm(x) or
+    silu(gate) * up of x = [gate | up], computed by the shrink as it loads x. With `counters` (a dict the caller
+    keeps for this call site, one per layer) a batch of one row tile runs shrink and expand in one launch
+    (_fused_kernel), whose counters it holds."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if y.stride(1) != 1:
@@ -123,6 +232,14 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, 
     if len(sizes) > MAX_SLICES:
         raise ValueError(f"lora_delta_triton: at most {MAX_SLICES} output slices, got {len(sizes)}.")
     T, K = x.shape
+    pro, nw, eps = 0, x, 0.0
+    if prologue is not None:
+        if prologue[0] == "rmsnorm":
+            pro, nw, eps = 1, prologue[1].weight, float(prologue[1].eps)
+        elif prologue[0] == "silu_mul":
+            pro, K = 2, K // 2
+        else:
+            raise ValueError(f"lora_delta_triton: unknown prologue {prologue[0]!r}")
     S = a.shape[0]
     r_tot = a.shape[1]
     ieee = a.dtype == torch.float32
@@ -135,17 +252,28 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, 
     splits = triton.cdiv(K, k_per)
     pdl = launch_kwargs(x.device, "lora")
     h = torch.empty(splits, T, r_tot, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(tiles, splits, S)](
-        x, a, h, lora_map, K, r_tot, k_per, x.stride(0), a.stride(0), a.stride(1), h.stride(0), h.stride(1),
-        NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(r_tot)), BLOCK_K=block_k, IEEE=ieee,
-        **pdl)
     block_n = 64 if T <= 64 else 128
     n = list(sizes) + [0] * (MAX_SLICES - len(sizes))
     nb = [triton.cdiv(v, block_n) for v in n]
+    block_rt, block_r = max(16, triton.next_power_of_2(r_tot)), max(16, triton.next_power_of_2(rank))
+    if counters is not None and tiles == 1:
+        key = (splits, sum(nb))
+        cnt = counters.get(key)
+        if cnt is None:
+            cnt = counters[key] = torch.zeros(2 * S, dtype=torch.int64, device=x.device)
+        _fused_kernel[(splits + sum(nb), S)](
+            x, a, h, b, y, lora_map, cnt, nw, eps, K, r_tot, k_per, rank, x.stride(0), a.stride(0), a.stride(1),
+            h.stride(0), h.stride(1), b.stride(0), b.stride(1), y.stride(0), n[0], n[1], n[2], nb[0], nb[0] + nb[1],
+            NUM_SLOTS=S, SPLITS=splits, NUM_BLOCKS=sum(nb), BLOCK_M=block_m, BLOCK_RT=block_rt, BLOCK_R=block_r,
+            BLOCK_K=block_k, BLOCK_N=block_n, PRO=pro, IEEE=ieee, **pdl)
+        return
+    _shrink_kernel[(tiles, splits, S)](
+        x, a, h, lora_map, nw, eps, K, r_tot, k_per, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
+        h.stride(1), NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_rt, BLOCK_K=block_k, PRO=pro, IEEE=ieee, **pdl)
     _expand_kernel[(tiles, sum(nb), S)](
         h, b, y, lora_map, rank, splits, h.stride(0), h.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        n[0], n[1], n[2], nb[0], nb[0] + nb[1], NUM_SLOTS=S, BLOCK_M=block_m,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_N=block_n, IEEE=ieee, **pdl)
+        n[0], n[1], n[2], nb[0], nb[0] + nb[1], NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n,
+        IEEE=ieee, **pdl)
 
 
 def map_to_device(lora_map: np.ndarray, device: torch.device) -> torch.Tensor:
