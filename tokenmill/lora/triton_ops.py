@@ -25,9 +25,9 @@ import triton.language as tl
 
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 
-# Shrink partials per row tile: enough programs to cover the SMs at decode batch sizes; more would make every
-# expand program sum more partials than the shrink saved.
-MAX_SPLITS = 16
+# Shrink partials: a single row tile (batch-1 decode) reads little but A and needs up to 16 programs to stream it;
+# at more tiles x dominates the reads, and every expand program re-reads all partials of its rows, so few splits.
+MAX_SPLITS, MAX_SPLITS_TILES = 16, 4
 MAX_SLICES = 3  # q, k, v of a fused qkv_proj
 
 
@@ -247,7 +247,8 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, 
     tiles = triton.cdiv(T, block_m)
     block_k = 64
     dev = x.device.index if x.device.type == "cuda" else 0
-    splits = max(1, min(MAX_SPLITS, (2 * _num_sms(dev)) // tiles, triton.cdiv(K, 4 * block_k)))
+    splits = max(1, min(MAX_SPLITS if tiles == 1 else MAX_SPLITS_TILES, (2 * _num_sms(dev)) // tiles,
+                        triton.cdiv(K, 4 * block_k)))
     k_per = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     splits = triton.cdiv(K, k_per)
     pdl = launch_kwargs(x.device, "lora")
