@@ -25,19 +25,22 @@ start_server() {  # start_server TAG: starts, waits for /health, prints seconds 
   # shellcheck disable=SC2086
   $TM serve $SERVE_ARGS >"$OUT/serve_$1.log" 2>&1 &
   PID=$!
-  python3 - "$t0" "$1" <<'PY'
-import sys, time, urllib.request
-t0, tag = float(sys.argv[1]), sys.argv[2]
-while time.time() - t0 < 300:
+  python3 - "$t0" "$1" "$PID" <<'PY'
+import os, sys, time, urllib.request
+t0, tag, pid = float(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+alive = lambda: os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+while time.time() - t0 < 300 and alive():
     try:
         urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=1)
         print(f"serve {tag}: ready in {time.time() - t0:.1f} s", flush=True); break
     except Exception:
         time.sleep(0.2)
 else:
-    print(f"serve {tag}: not ready after 300 s"); sys.exit(1)
+    print(f"serve {tag}: not ready after {time.time() - t0:.0f} s"); sys.exit(1)
 PY
+  local ok=$?
   grep -E "Engine ready|Loaded|KV cache:|Memory:|Traceback|Error" "$OUT/serve_$1.log" | cut -c1-400
+  [ $ok = 0 ] || { tail -5 "$OUT/serve_$1.log" | cut -c1-300; return 1; }
 }
 
 stop_server() { kill "$PID" 2>/dev/null; wait "$PID" 2>/dev/null; PID=; }
@@ -48,7 +51,7 @@ startup() {
 }
 
 load() {
-  start_server load
+  start_server load || return 1
   for c in $CONC; do
     for be in openai openai-chat; do
       echo "=== serve $be concurrency $c"

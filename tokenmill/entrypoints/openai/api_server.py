@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import inspect
 import os
 import signal
@@ -459,7 +460,10 @@ async def serve(engine: EngineClient, frontend: FrontendConfig, sockets: list | 
     server = _make_server(app, frontend)
     # Imported now, not on the first constrained request: loading xgrammar blocked the event loop (every stream)
     # for ~250 ms on the H200 host. Its objects are then frozen with the rest of start-up.
-    import tokenmill.structured.backend_xgrammar  # noqa: F401
+    try:
+        importlib.import_module("tokenmill.structured.backend_xgrammar")
+    except ImportError as e:  # a broken install: serve anyway; constrained requests fail with this error
+        logger.warning("Structured outputs are unavailable: %s", e)
     from tokenmill.gc_utils import freeze_gc_heap
     freeze_gc_heap("API server")
     logger.info("tokenmill %s serving %s on %s", tokenmill.__version__,
