@@ -163,10 +163,10 @@ expand = dict(common, h_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16", R="i32", SPLI
               BLOCK_N="constexpr")
 c = {"NUM_SLOTS": 8, "BLOCK_M": 16, "BLOCK_R": 64, "IEEE": False, "PDL": 1}
 fused = {**shrink, **expand, "cnt_ptr": "*i64", "SPLITS": "constexpr", "NUM_BLOCKS": "constexpr",
-         "BLOCK_RT": "constexpr"}
+         "BLOCK_RT": "constexpr", "BACKOFF": "constexpr"}
 variants = [(_shrink_kernel, shrink, dict(c, BLOCK_K=64, PRO=p)) for p in (0, 1, 2)]
-variants += [(_fused_kernel, fused, dict(c, BLOCK_K=64, PRO=p, BLOCK_N=64, SPLITS=16, NUM_BLOCKS=96, BLOCK_RT=64))
-             for p in (0, 1)]
+variants += [(_fused_kernel, fused, dict(c, BLOCK_K=64, PRO=p, BLOCK_N=64, SPLITS=16, NUM_BLOCKS=96, BLOCK_RT=64,
+                                         BACKOFF=p)) for p in (0, 1)]
 for fn, sig, c in variants + [(_expand_kernel, expand, dict(c, BLOCK_N=64))]:
     sig = {k: sig[k] for k in fn.arg_names}
     print(sorted(triton.compile(ASTSource(fn=fn, signature=sig, constexprs=c), target=GPUTarget("cuda", 90, 32)).asm))

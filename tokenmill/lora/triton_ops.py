@@ -29,6 +29,8 @@ from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 # at more tiles x dominates the reads, and every expand program re-reads all partials of its rows, so few splits.
 MAX_SPLITS, MAX_SPLITS_TILES = 16, 4
 MAX_SLICES = 3  # q, k, v of a fused qkv_proj
+ONE_LAUNCH_MAX_BLOCK_N = 512
+ONE_LAUNCH_BACKOFF = True
 
 
 @triton.jit
@@ -166,7 +168,7 @@ def _fused_kernel(x_ptr, a_ptr, h_ptr, b_ptr, y_ptr, map_ptr, cnt_ptr, nw_ptr, e
                   y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, SPLITS: tl.constexpr,
                   NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_RT: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
-                  PDL: tl.constexpr):
+                  BACKOFF: tl.constexpr, PDL: tl.constexpr):
     """Shrink and expand of one row tile in one launch.
 
     Each program of slot s takes a ticket from the slot's counter. Of a launch's SPLITS + NUM_BLOCKS tickets the
@@ -203,8 +205,12 @@ def _fused_kernel(x_ptr, a_ptr, h_ptr, b_ptr, y_ptr, map_ptr, cnt_ptr, nw_ptr, e
         bt = _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R)
         pdl_wait(PDL)
         target = (ticket // (SPLITS + NUM_BLOCKS) + 1) * SPLITS
-        while tl.load(cnt + 1, volatile=True) < target:
-            pass
+        seen = tl.load(cnt + 1, volatile=True)
+        while seen < target:
+            if BACKOFF:  # sleep ~128 ns, leaving the memory pipes to the partials' programs
+                seen = tl.inline_asm_elementwise("nanosleep.u32 128; mov.b64 $0, $1;", "=l,l", [seen],
+                                                 dtype=tl.int64, is_pure=False, pack=1)
+            seen = tl.load(cnt + 1, volatile=True)
         tl.atomic_add(cnt + 1, 0, sem="acquire")  # the partials' stores are visible from here on
         _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, SPLITS, h_split_stride, h_stride, y_stride,
                      BLOCK_M, BLOCK_R, IEEE)
@@ -258,6 +264,11 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, 
     nb = [triton.cdiv(v, block_n) for v in n]
     block_rt, block_r = max(16, triton.next_power_of_2(r_tot)), max(16, triton.next_power_of_2(rank))
     if counters is not None and tiles == 1:
+        # Column blocks wide enough that the launch fits on the SMs at one program each: a waiting expander then
+        # never shares an SM with a partial's program.
+        room = max(1, _num_sms(dev) - splits)
+        block_n = min(ONE_LAUNCH_MAX_BLOCK_N, max(64, triton.next_power_of_2(triton.cdiv(sum(sizes), room))))
+        nb = [triton.cdiv(v, block_n) for v in n]
         key = (splits, sum(nb))
         cnt = counters.get(key)
         if cnt is None:
@@ -266,7 +277,7 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, 
             x, a, h, b, y, lora_map, cnt, nw, eps, K, r_tot, k_per, rank, x.stride(0), a.stride(0), a.stride(1),
             h.stride(0), h.stride(1), b.stride(0), b.stride(1), y.stride(0), n[0], n[1], n[2], nb[0], nb[0] + nb[1],
             NUM_SLOTS=S, SPLITS=splits, NUM_BLOCKS=sum(nb), BLOCK_M=block_m, BLOCK_RT=block_rt, BLOCK_R=block_r,
-            BLOCK_K=block_k, BLOCK_N=block_n, PRO=pro, IEEE=ieee, **pdl)
+            BLOCK_K=block_k, BLOCK_N=block_n, PRO=pro, IEEE=ieee, BACKOFF=ONE_LAUNCH_BACKOFF, **pdl)
         return
     _shrink_kernel[(tiles, splits, S)](
         x, a, h, lora_map, nw, eps, K, r_tot, k_per, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
