@@ -552,3 +552,25 @@ def test_disconnect_aborts_non_streaming(smollm2_tokenizer):
         before = len(engine.aborted)
         run(stream, ["a b", "c d", "e f"])
         assert len(engine.aborted) == before + 3 and not engine.running
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop():
+    """A long text's encode runs in a worker thread (the streams keep the event loop); a short one inline."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from tokenmill.entrypoints.openai.serving_engine import OpenAIServing
+    threads = []
+
+    def tokenize(text, add_special_tokens):
+        threads.append(threading.current_thread())
+        return [len(text), int(add_special_tokens)]
+
+    fake = SimpleNamespace(tokenize=tokenize)
+
+    async def both():
+        return (await OpenAIServing.tokenize_async(fake, "x" * 10_000, True),
+                await OpenAIServing.tokenize_async(fake, "short", False))
+    assert asyncio.run(both()) == ([10_000, 1], [5, 0])
+    assert threads[0] is not threading.main_thread() and threads[1] is threading.main_thread()

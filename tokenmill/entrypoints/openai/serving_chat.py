@@ -104,7 +104,7 @@ class OpenAIServingChat(OpenAIServing):
                                       add_generation_prompt=request.add_generation_prompt,
                                       continue_final_message=request.continue_final_message, tools=tools,
                                       request_kwargs=request.template_kwargs(), documents=request.documents)
-        ids = self.tokenize(prompt, request.add_special_tokens)
+        ids = await self.tokenize_async(prompt, request.add_special_tokens)
         ids = self.truncate(ids, request.truncate_prompt_tokens, self.max_model_len)
         if not ids:
             raise ServingError("The rendered conversation is empty.", 400, "messages")

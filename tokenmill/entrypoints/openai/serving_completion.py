@@ -29,7 +29,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_logprobs("logprobs", request.logprobs)
         self.check_logprobs("prompt_logprobs", request.prompt_logprobs)
         response_id, base_id = self.request_ids(raw_request, request.request_id, "cmpl-")
-        prompts = self._prompts(request)
+        prompts = await self._prompts(request)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs  # echoed prompt tokens get their logprobs too
@@ -61,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return self._response(request, response_id, created, prompts, finals)
 
     # ----- prompts -----
-    def _prompts(self, request: CompletionRequest) -> list[Prompt]:
+    async def _prompts(self, request: CompletionRequest) -> list[Prompt]:
         p = request.prompt
         if isinstance(p, str):
             items: list[Any] = [p]
@@ -74,7 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
         out: list[Prompt] = []
         for item in items:
             if isinstance(item, str):
-                ids = self.tokenize(item, request.add_special_tokens)
+                ids = await self.tokenize_async(item, request.add_special_tokens)
                 text: str | None = item
             else:
                 ids = list(item)

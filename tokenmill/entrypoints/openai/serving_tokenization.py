@@ -30,7 +30,7 @@ class OpenAIServingTokenization(OpenAIServing):
                                         request_kwargs=request.chat_template_kwargs, documents=request.documents)
         else:
             text = request.prompt
-        ids = self.tokenize(text, request.add_special_tokens)
+        ids = await self.tokenize_async(text, request.add_special_tokens)
         token_strs = None
         if request.return_token_strs:
             token_strs = list(self.tokenizer.convert_ids_to_tokens(ids))
