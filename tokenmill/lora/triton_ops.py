@@ -25,9 +25,9 @@ import triton.language as tl
 
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 
-# Shrink partials: a single row tile (batch-1 decode) reads little but A and needs up to 16 programs to stream it;
-# at more tiles x dominates the reads, and every expand program re-reads all partials of its rows, so few splits.
-MAX_SPLITS, MAX_SPLITS_TILES = 16, 4
+# Shrink partials per row tile: enough programs to cover the SMs at decode batch sizes; more would make every
+# expand program sum more partials than the shrink saved.
+MAX_SPLITS = 16
 MAX_SLICES = 3  # q, k, v of a fused qkv_proj
 ONE_LAUNCH_MAX_BLOCK_N = 512
 ONE_LAUNCH_BACKOFF = True
@@ -44,29 +44,28 @@ def _tile_rows(map_ptr, slot, first, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _shrink_part(x_ptr, a_ptr, nw_ptr, eps, rows, valid, slot, K, R_TOT, k_lo, k_hi, x_stride, a_slot_stride,
+def _shrink_part(x_ptr, a_ptr, nw_ptr, rows, valid, slot, K, R_TOT, k_lo, k_hi, x_stride, a_slot_stride,
                  a_row_stride, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRO: tl.constexpr, IEEE: tl.constexpr):
-    """x[rows, k_lo:k_hi] A[slot, :, k_lo:k_hi]^T in fp32 ([BLOCK_M, BLOCK_R]), x through the prologue PRO."""
+    """x[rows, k_lo:k_hi] A[slot, :, k_lo:k_hi]^T in fp32 ([BLOCK_M, BLOCK_R]), x through the prologue PRO, and
+    (PRO 1) the rows' partial sum of squares over k_lo:k_hi. A RMSNorm's 1 / rms is a per-row factor, so the
+    shrink applies only its weight and the expand scales h by 1 / rms once the partial sums are all in: no
+    program needs a pass over the whole row."""
     r = tl.arange(0, BLOCK_R)
     a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
     xrow = x_ptr + rows[:, None] * x_stride
     xdt = x_ptr.dtype.element_ty
-    if PRO == 1:  # RMSNorm prologue: every program needs its rows' full sum of squares
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            v = tl.load(xrow + k[None, :], mask=valid[:, None] & (k[None, :] < K), other=0.0).to(tl.float32)
-            ss += tl.sum(v * v, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xmask = valid[:, None] & (k[None, :] < k_hi)
         xt = tl.load(xrow + k[None, :], mask=xmask, other=0.0)
-        if PRO == 1:  # as RMSNorm: normalise in fp32, round to the input dtype, then scale by the weight
-            w = tl.load(nw_ptr + k, mask=k < k_hi, other=0.0)
-            xt = (xt.to(tl.float32) * rstd[:, None]).to(xdt) * w[None, :]
+        if PRO == 1:  # RMSNorm: the weight now, the per-row 1 / rms in the expand
+            xf = xt.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+            w = tl.load(nw_ptr + k, mask=k < k_hi, other=0.0).to(tl.float32)
+            xt = (xf * w[None, :]).to(xdt)
         elif PRO == 2:  # x is [gate | up]: silu(gate) * up in fp32, rounded once
             g = xt.to(tl.float32)
             u = tl.load(xrow + K + k[None, :], mask=xmask, other=0.0).to(tl.float32)
@@ -77,7 +76,18 @@ def _shrink_part(x_ptr, a_ptr, nw_ptr, eps, rows, valid, slot, K, R_TOT, k_lo, k
             acc += tl.dot(xt.to(at.dtype), at, input_precision="ieee")
         else:
             acc += tl.dot(xt.to(at.dtype), at)
-    return acc
+    return acc, ss
+
+
+@triton.jit
+def _store_part(h_ptr, acc, ss, split, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_R: tl.constexpr,
+                PRO: tl.constexpr):
+    """A shrink partial into h[split, rows]: R_TOT columns, then (PRO 1) the partial sum of squares."""
+    r = tl.arange(0, BLOCK_R)
+    hp = h_ptr + split * h_split_stride + rows * h_stride
+    tl.store(hp[:, None] + r[None, :], acc, mask=valid[:, None] & (r[None, :] < R_TOT))
+    if PRO == 1:
+        tl.store(hp + R_TOT, ss, mask=valid)
 
 
 @triton.jit
@@ -92,15 +102,22 @@ def _expand_cols(blk, n0, n1, n2, nb0, nb01, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, SPLITS, h_split_stride, h_stride, y_stride,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    """y[rows, c] += (sum of the SPLITS partials of h[rows, slice j]) bt, bt = B[slot, c, :]^T."""
+def _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, R_TOT, SPLITS, K, eps, h_split_stride, h_stride,
+                 y_stride, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr):
+    """y[rows, c] += (sum of the SPLITS partials of h[rows, slice j]) bt, bt = B[slot, c, :]^T; with the RMSNorm
+    prologue (PRO 1) h is scaled by each row's 1 / rms first."""
     r = tl.arange(0, BLOCK_R)
     hmask = valid[:, None] & (r[None, :] < R)
     hp = h_ptr + rows[:, None] * h_stride + (j * R + r)[None, :]
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for s in range(0, SPLITS):
         h += tl.load(hp + s * h_split_stride, mask=hmask, other=0.0, cache_modifier=".cg")
+    if PRO == 1:
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for s in range(0, SPLITS):
+            ss += tl.load(h_ptr + s * h_split_stride + rows * h_stride + R_TOT, mask=valid, other=0.0,
+                          cache_modifier=".cg")
+        h = h * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if IEEE:
         d = tl.dot(h.to(bt.dtype), bt, input_precision="ieee")
     else:
@@ -119,7 +136,7 @@ def _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R: tl.con
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, nw_ptr, eps, K, R_TOT, K_PER, x_stride, a_slot_stride,
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, nw_ptr, K, R_TOT, K_PER, x_stride, a_slot_stride,
                    a_row_stride, h_split_stride, h_stride, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
                    PDL: tl.constexpr):
@@ -135,17 +152,16 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, nw_ptr, eps, K, R_TOT, K_PER, x
         return
     rows, valid = _tile_rows(map_ptr, slot, first, NUM_SLOTS, BLOCK_M)
     k_lo = split * K_PER
-    acc = _shrink_part(x_ptr, a_ptr, nw_ptr, eps, rows, valid, slot, K, R_TOT, k_lo, tl.minimum(k_lo + K_PER, K),
-                       x_stride, a_slot_stride, a_row_stride, BLOCK_M, BLOCK_R, BLOCK_K, PRO, IEEE)
-    r = tl.arange(0, BLOCK_R)
-    tl.store(h_ptr + split * h_split_stride + rows[:, None] * h_stride + r[None, :], acc,
-             mask=valid[:, None] & (r[None, :] < R_TOT))
+    acc, ss = _shrink_part(x_ptr, a_ptr, nw_ptr, rows, valid, slot, K, R_TOT, k_lo, tl.minimum(k_lo + K_PER, K),
+                           x_stride, a_slot_stride, a_row_stride, BLOCK_M, BLOCK_R, BLOCK_K, PRO, IEEE)
+    _store_part(h_ptr, acc, ss, split, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_R, PRO)
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, SPLITS, h_split_stride, h_stride, b_slot_stride, b_row_stride,
-                   y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, R_TOT, SPLITS, K, eps, h_split_stride, h_stride, b_slot_stride,
+                   b_row_stride, y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr):
     tile, blk, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     first = tl.load(map_ptr + slot) + tile * BLOCK_M
     idle = first >= tl.load(map_ptr + slot + 1)
@@ -158,8 +174,8 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, SPLITS, h_split_stride, h_st
     j, c, end = _expand_cols(blk, n0, n1, n2, nb0, nb01, BLOCK_N)
     bt = _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R)
     pdl_wait(PDL)  # h is the shrink's output, y the product's
-    _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, SPLITS, h_split_stride, h_stride, y_stride, BLOCK_M,
-                 BLOCK_R, IEEE)
+    _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, R_TOT, SPLITS, K, eps, h_split_stride, h_stride,
+                 y_stride, BLOCK_M, BLOCK_R, PRO, IEEE)
 
 
 @triton.jit
@@ -193,12 +209,10 @@ def _fused_kernel(x_ptr, a_ptr, h_ptr, b_ptr, y_ptr, map_ptr, cnt_ptr, nw_ptr, e
     if role < SPLITS:
         pdl_wait(PDL)
         k_lo = role * K_PER
-        acc = _shrink_part(x_ptr, a_ptr, nw_ptr, eps, rows, valid, slot, K, R_TOT, k_lo,
-                           tl.minimum(k_lo + K_PER, K), x_stride, a_slot_stride, a_row_stride, BLOCK_M, BLOCK_RT,
-                           BLOCK_K, PRO, IEEE)
-        r = tl.arange(0, BLOCK_RT)
-        tl.store(h_ptr + role * h_split_stride + rows[:, None] * h_stride + r[None, :], acc,
-                 mask=valid[:, None] & (r[None, :] < R_TOT))
+        acc, ss = _shrink_part(x_ptr, a_ptr, nw_ptr, rows, valid, slot, K, R_TOT, k_lo,
+                               tl.minimum(k_lo + K_PER, K), x_stride, a_slot_stride, a_row_stride, BLOCK_M, BLOCK_RT,
+                               BLOCK_K, PRO, IEEE)
+        _store_part(h_ptr, acc, ss, role, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_RT, PRO)
         tl.atomic_add(cnt + 1, 1, sem="release")
     else:
         j, c, end = _expand_cols(role - SPLITS, n0, n1, n2, nb0, nb01, BLOCK_N)
@@ -212,8 +226,8 @@ def _fused_kernel(x_ptr, a_ptr, h_ptr, b_ptr, y_ptr, map_ptr, cnt_ptr, nw_ptr, e
                                                  dtype=tl.int64, is_pure=False, pack=1)
             seen = tl.load(cnt + 1, volatile=True)
         tl.atomic_add(cnt + 1, 0, sem="acquire")  # the partials' stores are visible from here on
-        _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, SPLITS, h_split_stride, h_stride, y_stride,
-                     BLOCK_M, BLOCK_R, IEEE)
+        _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, R_TOT, SPLITS, K, eps, h_split_stride, h_stride,
+                     y_stride, BLOCK_M, BLOCK_R, PRO, IEEE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,12 +267,11 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, 
     tiles = triton.cdiv(T, block_m)
     block_k = 64
     dev = x.device.index if x.device.type == "cuda" else 0
-    splits = max(1, min(MAX_SPLITS if tiles == 1 else MAX_SPLITS_TILES, (2 * _num_sms(dev)) // tiles,
-                        triton.cdiv(K, 4 * block_k)))
+    splits = max(1, min(MAX_SPLITS, (2 * _num_sms(dev)) // tiles, triton.cdiv(K, 4 * block_k)))
     k_per = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     splits = triton.cdiv(K, k_per)
     pdl = launch_kwargs(x.device, "lora")
-    h = torch.empty(splits, T, r_tot, dtype=torch.float32, device=x.device)
+    h = torch.empty(splits, T, r_tot + 1, dtype=torch.float32, device=x.device)  # + the partial sums of squares
     block_n = 64 if T <= 64 else 128
     n = list(sizes) + [0] * (MAX_SLICES - len(sizes))
     nb = [triton.cdiv(v, block_n) for v in n]
@@ -280,12 +293,12 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, 
             BLOCK_K=block_k, BLOCK_N=block_n, PRO=pro, IEEE=ieee, BACKOFF=ONE_LAUNCH_BACKOFF, **pdl)
         return
     _shrink_kernel[(tiles, splits, S)](
-        x, a, h, lora_map, nw, eps, K, r_tot, k_per, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
+        x, a, h, lora_map, nw, K, r_tot, k_per, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
         h.stride(1), NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_rt, BLOCK_K=block_k, PRO=pro, IEEE=ieee, **pdl)
     _expand_kernel[(tiles, sum(nb), S)](
-        h, b, y, lora_map, rank, splits, h.stride(0), h.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        n[0], n[1], n[2], nb[0], nb[0] + nb[1], NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n,
-        IEEE=ieee, **pdl)
+        h, b, y, lora_map, rank, r_tot, splits, K, eps, h.stride(0), h.stride(1), b.stride(0), b.stride(1),
+        y.stride(0), n[0], n[1], n[2], nb[0], nb[0] + nb[1], NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_r,
+        BLOCK_N=block_n, PRO=pro, IEEE=ieee, **pdl)
 
 
 def map_to_device(lora_map: np.ndarray, device: torch.device) -> torch.Tensor:
