@@ -80,9 +80,6 @@ _VARIABLES: dict[str, _Var] = {
     # compare a table against), "always" = every eligible product (at most 16 rows) on the gemv, with the table's
     # config or the default one (tests use it to cover the fused paths on tiny shapes).
     "TOKENMILL_GEMV": _str("auto", ("auto", "always", "never")),
-    # LoRA on CUDA: a decode batch of one row tile runs its adapter shrink and expand in one launch (lora/triton_ops
-    # _fused_kernel) instead of two.
-    "TOKENMILL_LORA_ONE_LAUNCH": _Var(bool, True),
     # KV cache size on CPU when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given.
     "TOKENMILL_CPU_KVCACHE_SPACE_GIB": _Var(int, 1),
     # Number of torch intra-op threads on CPU (0 = what VLLM_CPU_OMP_THREADS_BIND picks).

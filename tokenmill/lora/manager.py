@@ -26,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from tokenmill import envs
 from tokenmill.config.lora import LoRAConfig
 from tokenmill.layers.linear import LinearBase, MergedColumnParallelLinear
 from tokenmill.lora.ops import build_lora_map, lora_delta_ref, map_groups
@@ -259,10 +258,8 @@ class LoRAModelManager:
         if self.use_triton:
             from tokenmill.lora.triton_ops import lora_delta_triton
 
-            counters = ls.counters if envs.TOKENMILL_LORA_ONE_LAUNCH else None
-
             def delta(x: torch.Tensor, y: torch.Tensor, prologue: tuple | None = None) -> None:
-                lora_delta_triton(x, y, self._map_dev, ls.a, ls.b, ls.sizes, ls.rank, prologue, counters)
+                lora_delta_triton(x, y, self._map_dev, ls.a, ls.b, ls.sizes, ls.rank, prologue, ls.counters)
             # Up to a decode tile of rows the shrink recomputes a fused norm / SiLU itself, so the layer keeps its
             # fused product (a launch fewer) at the cost of a pass over the rows per program.
             delta.prologue_rows = PROLOGUE_MAX_ROWS
