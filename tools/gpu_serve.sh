@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 PARTS=${*:-startup load}
 MODEL=${MODEL:-llama-3-8b}; SRC=${SRC:-tokenmill/model_configs/$MODEL}
 INPUT_LEN=${INPUT_LEN:-1024}; OUTPUT_LEN=${OUTPUT_LEN:-128}; NUM=${NUM:-500}; CONC=${CONC:-64 256}
+BACKENDS=${BACKENDS:-openai openai-chat}; OFFLINE=${OFFLINE:-1}  # OFFLINE=0: no offline reference runs
 if ls .devcarry/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devcarry/*.whl >/dev/null 2>&1
 fi
@@ -53,7 +54,7 @@ startup() {
 load() {
   start_server load || return 1
   for c in $CONC; do
-    for be in openai openai-chat; do
+    for be in $BACKENDS; do
       echo "=== serve $be concurrency $c"
       $TM bench serve --port 8011 --backend $be --dataset-name random --random-input-len "$INPUT_LEN" \
         --random-output-len "$OUTPUT_LEN" --random-range-ratio 0 --num-prompts "$NUM" --max-concurrency "$c" \
@@ -62,6 +63,7 @@ load() {
     done
   done
   stop_server
+  [ "$OFFLINE" = 1 ] || return 0
   for c in $CONC; do
     echo "=== offline, max-num-seqs $c"
     $TM bench throughput --model "$SRC" --load-format dummy --num-prompts "$NUM" --input-len "$INPUT_LEN" \

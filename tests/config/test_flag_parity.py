@@ -64,9 +64,9 @@ def test_every_not_yet_supported_option_is_refused_alike_everywhere(name, capsys
 
 def test_lora_and_speculative_decoding_same_message_on_cli_and_llm(capsys):
     for argv, kwargs in ((["--enable-tower-connector-lora"], {"enable_tower_connector_lora": True}),
-                         (shlex.split("--speculative-config.method eagle "
+                         (shlex.split("--speculative-config.method mtp "
                                       "--speculative-config.num_speculative_tokens 3"),
-                          {"speculative_config": {"method": "eagle", "num_speculative_tokens": 3}})):
+                          {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}})):
         said = cli_error(argv, capsys)
         assert api_errors(kwargs) == (said, said)
         assert "is not supported yet by tokenmill" in said

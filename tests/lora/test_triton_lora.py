@@ -179,3 +179,33 @@ for fn, sig, c in variants + [(_expand_kernel, expand, dict(c, BLOCK_N=64, PRO=1
 
 def test_the_kernels_compile_for_sm90():
     assert compile_for_sm90(_COMPILE).count("ttgir") == 6
+
+
+@pytest.mark.gpu
+def test_no_variant_compiles_for_a_new_token_count():
+    """Once a small and a large batch have run, any other token count reuses their compiled kernels: a server
+    never stalls on a Triton compile when a step of a new size arrives."""
+    from tokenmill.kernels.compile_stats import CompileStats
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 2 * 16, 1024, generator=g).to(DEV, torch.bfloat16) / 32  # K splits from 4 down to 1
+    b = torch.randn(4, 384, 16, generator=g).to(DEV, torch.bfloat16)
+
+    def run(t: int) -> None:
+        x = torch.randn(t, 1024, generator=g).to(DEV, torch.bfloat16)
+        y = torch.zeros(t, 384, device=DEV, dtype=torch.bfloat16)
+        lora_map = map_to_device(build_lora_map(np.arange(t) % 5 - 1, 4), DEV)
+        lora_delta_triton(x, y, lora_map, a, b, [256, 128], 16)
+
+    for t in (20, 100, 4096):
+        run(t)
+    torch.cuda.synchronize()
+    stats = CompileStats.track()
+    try:
+        for t in (17, 23, 32, 48, 63, 65, 99, 128, 257, 1000, 2048, 9000, 20000):
+            run(t)
+        torch.cuda.synchronize()
+    finally:
+        stats.stop()
+    if not stats.available:
+        pytest.skip("this Triton has no compilation listener")
+    assert stats.compiled + stats.cache_hits == 0

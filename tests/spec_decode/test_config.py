@@ -42,9 +42,10 @@ def test_engine_config_carries_it():
     ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "unknown key(s) 'lookup'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
      "`prompt_lookup_min` (5) is larger than `prompt_lookup_max` (2)"),
-    ({"method": "eagle3", "num_speculative_tokens": 2}, "The speculative method `eagle3` is not built yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "method eagle3 needs `model`, the EAGLE head's directory"),
     ({"model": "/path/to/draft", "num_speculative_tokens": 2}, "the draft `model` '/path/to/draft' cannot be used"),
-    ({"model": "/path/to/EAGLE3-LLaMA3.1-8B", "num_speculative_tokens": 2}, "method `eagle3` is not built yet"),
+    ({"model": "/path/to/EAGLE3-LLaMA3.1-8B", "num_speculative_tokens": 2},
+     "the eagle3 head `model` '/path/to/EAGLE3-LLaMA3.1-8B' cannot be used"),
     ({"method": "mtp", "num_speculative_tokens": 2}, "method `mtp` is not built yet"),
     ("{not json", "--speculative-config: not valid JSON"),
 ])

@@ -526,11 +526,11 @@ HELP_ZH: dict[str, str] = {
     "moe_backend": "MoE 专家计算使用的内核后端。",
     "speculative_config": ("推测解码的设置，一个 JSON 对象（简写 -sc），例如 '{\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4}' 或 '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}'。"
-                           "键：method（ngram、suffix、draft_model）、model（草稿模型）、num_speculative_tokens（1..16）、"
+                           "键：method（ngram、suffix、draft_model、eagle、eagle3）、model（草稿模型或 EAGLE 头）、num_speculative_tokens（1..16）、"
                            "prompt_lookup_min/max、disable_by_batch_size、suffix_decoding_*、"
                            "draft_tensor_parallel_size、quantization / max_model_len / revision（草稿模型的）、"
                            "benchmark_acceptance_rate（仅用于随机权重测速）、step_aside（默认 true：实测不用草稿更快时"
-                           "就不推测）。EAGLE 与 MTP 暂不支持。"),
+                           "就不推测）。MTP 暂不支持。"),
     "speculative_model": "推测解码的草稿模型（vLLM 0.7 的选项，请改用 --speculative-config）。",
     "num_speculative_tokens": "每步推测的 token 数（vLLM 0.7 的选项，请改用 --speculative-config）。",
     "ngram_prompt_lookup_max": "ngram 提示查找的最大窗口（vLLM 0.7 的选项，请改用 --speculative-config）。",

@@ -13,9 +13,11 @@ from typing import Any
 from tokenmill.config.utils import config_field, not_supported_yet
 
 FLAG = "--speculative-config"
-BUILT_METHODS = ("ngram", "suffix", "draft_model")
+BUILT_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
+# Methods whose drafter is a model of its own, writing its KV into the target's blocks.
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 # vLLM 0.20's methods that tokenmill does not build yet: refused naming the method.
-UNBUILT_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "ernie_mtp",
+UNBUILT_METHODS = ("mtp", "medusa", "mlp_speculator", "ernie_mtp",
                    "qwen3_next_mtp", "deepseek_mtp", "longcat_flash_mtp", "glm4_moe_mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -25,9 +27,11 @@ class SpeculativeConfig:
     """One parsed `speculative_config`.
 
     method: ngram (prompt lookup over the request's own tokens), suffix (suffix decoding over the request's tokens
-    and earlier outputs) or draft_model (a smaller model with the target's vocabulary drafts greedily; `model` and
+    and earlier outputs), draft_model (a smaller model with the target's vocabulary drafts greedily; `model` and
     the draft_* / quantization / max_model_len / revision keys describe it, and `finalize` builds its ModelConfig,
-    `draft_model_config`); num_speculative_tokens: k, the drafts proposed and verified per decoding request per
+    `draft_model_config`), or eagle / eagle3 (an EAGLE-1 / EAGLE-3 head at `model` drafts greedily from the
+    target's hidden states; `finalize` reads and checks it into `eagle_head`, see config/spec_eagle.py);
+    num_speculative_tokens: k, the drafts proposed and verified per decoding request per
     step (1..16). disable_by_batch_size: with more running requests than this the engine decodes without drafts
     (None: always speculate). benchmark_acceptance_rate (a tokenmill extension, for dummy weights): every step
     proposes k tokens and each draft is accepted with this probability whatever the target says, so the
@@ -80,11 +84,18 @@ class SpeculativeConfig:
         if method not in BUILT_METHODS:
             raise ValueError(f"{FLAG}: unknown `method` {method!r}; allowed: "
                              f"{', '.join(BUILT_METHODS + UNBUILT_METHODS)}.")
-        if method == "draft_model":
+        if method in MODEL_METHODS:
             if not model or model in ("ngram", "[ngram]"):
-                raise ValueError(f"{FLAG}: method draft_model needs `model`, the draft model's directory, .gguf file "
-                                 "or cached repo id.")
+                what = "the draft model's directory, .gguf file" if method == "draft_model" else \
+                    "the EAGLE head's directory"
+                raise ValueError(f"{FLAG}: method {method} needs `model`, {what} or cached repo id.")
             d["model"] = model
+            if method != "draft_model":
+                for key in ("quantization", "max_model_len"):
+                    if d.get(key) is not None:
+                        raise not_supported_yet("speculative_config", {key: d[key]},
+                                                f"`{key}` applies to a draft model; an {method} head runs "
+                                                "unquantized over the target's context.")
         else:
             if model not in (None, "ngram", "[ngram]"):
                 raise ValueError(f"{FLAG}: `model` ({model!r}) names a draft model, which method {method} does not "
@@ -136,15 +147,26 @@ class SpeculativeConfig:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"{FLAG}: `max_model_len` must be an integer >= 1, got {m!r}.")
         self.draft_model_config = None  # set by finalize (draft_model)
+        self.eagle_head = None  # set by finalize (eagle, eagle3): a config.spec_eagle.EagleHeadConfig
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        """A drafter with a model of its own that writes KV for its k drafts into the target's blocks (a draft
+        model or an EAGLE head): the scheduler reserves k slots past each step for it."""
+        return self.method in MODEL_METHODS
+
+    @property
+    def uses_eagle(self) -> bool:
+        return self.method in ("eagle", "eagle3")
 
     def finalize(self, target, tensor_parallel_size: int) -> None:
         """Build and check the draft model's ModelConfig against the target's (a config.ModelConfig): same
         vocabulary, a plain full-attention decoder, a context of at most the target's. Raises ValueError naming
         the key."""
+        if self.uses_eagle:
+            from tokenmill.config.spec_eagle import eagle_head_config
+            self.eagle_head = eagle_head_config(self, target, tensor_parallel_size)
+            return
         if not self.uses_draft_model:
             return
         from tokenmill.config.spec_draft import draft_model_config
@@ -171,11 +193,12 @@ class SpeculativeArgs:
     speculative_config: dict | None = config_field(
         None, help="Speculative decoding as a JSON object, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": "
                    "4, \"prompt_lookup_max\": 4}' or '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}'. Keys: "
-                   "method (ngram, suffix, draft_model), model (the draft model), num_speculative_tokens (1..16), "
+                   "method (ngram, suffix, draft_model, eagle, eagle3), model (the draft model or EAGLE head), "
+                   "num_speculative_tokens (1..16), "
                    "prompt_lookup_min/max, disable_by_batch_size, suffix_decoding_*, draft_tensor_parallel_size, "
                    "quantization / max_model_len / revision (of the draft), benchmark_acceptance_rate (dummy "
                    "weights only), step_aside (default true: decode without drafts while that is measured faster). "
-                   "EAGLE and MTP are not supported yet.")
+                   "MTP is not supported yet.")
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, str):  # the CLI hands over the JSON text when it does not parse

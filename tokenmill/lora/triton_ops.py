@@ -139,7 +139,10 @@ def _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R: tl.con
                    mask=(c[None, :] < end) & (r[:, None] < R), other=0.0)
 
 
-@triton.jit
+# The arguments that vary with the step's token count are not specialized (Triton would compile a variant per
+# divisibility of h's strides and for one split), so the graph capture and the profile run compile every variant
+# a server meets: none compiles mid-serving.
+@triton.jit(do_not_specialize=["K_PER", "h_split_stride"])
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, nw_ptr, K, R_TOT, K_PER, x_stride, a_slot_stride,
                    a_row_stride, h_split_stride, h_stride, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
@@ -161,7 +164,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, nw_ptr, K, R_TOT, K_PER, x_stri
     _store_part(h_ptr, acc, ss, split, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_R, PRO)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SPLITS", "h_split_stride"])
 def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, R_TOT, SPLITS, K, eps, h_split_stride, h_stride, b_slot_stride,
                    b_row_stride, y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
@@ -182,7 +185,7 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, R_TOT, SPLITS, K, eps, h_spl
                  y_stride, BLOCK_M, BLOCK_R, PRO, IEEE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["h_split_stride"])
 def _fused_kernel(x_ptr, a_ptr, h_ptr, b_ptr, y_ptr, map_ptr, cnt_ptr, nw_ptr, eps, K, R_TOT, K_PER, R,
                   x_stride, a_slot_stride, a_row_stride, h_split_stride, h_stride, b_slot_stride, b_row_stride,
                   y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, SPLITS: tl.constexpr,

@@ -144,6 +144,7 @@ class LlamaModel(nn.Module):
             else PPMissingLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else PPMissingLayer()
         self._own_layers = tuple(self.layers[self.start:self.end])  # a plain tuple: no per-step slicing
+        self.hidden_capture = None  # a spec_decode.hidden_capture.HiddenCapture when an EAGLE head drafts
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
@@ -151,11 +152,20 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
-        for layer in self._own_layers:
-            hidden, residual = layer(positions, hidden, residual)
+        cap = self.hidden_capture
+        if cap is None:
+            for layer in self._own_layers:
+                hidden, residual = layer(positions, hidden, residual)
+        else:  # an EAGLE head reads the residual stream entering some layers, or the final hidden states
+            for i, layer in enumerate(self._own_layers, start=self.start):
+                if cap.wants(i):
+                    cap.layer_input(i, hidden, residual)
+                hidden, residual = layer(positions, hidden, residual)
         if not self.is_last:
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
+        if cap is not None:
+            cap.final_hidden(hidden)
         return hidden
 
 
@@ -194,6 +204,11 @@ class LlamaForCausalLM(nn.Module):
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
         """Final hidden states on the last pipeline stage; IntermediateTensors for the next stage elsewhere."""
         return self.model(input_ids, positions, intermediate)
+
+    def capture_hidden_states(self, capture) -> None:
+        """The EAGLE seam (spec_decode/hidden_capture.py): every later forward records the hidden states
+        `capture` asks for (None: stop)."""
+        self.model.hidden_capture = capture
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a preallocated [T, vocab] tensor to write into (the CUDA graphs' shared logits buffer)."""

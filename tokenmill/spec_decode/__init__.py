@@ -22,6 +22,9 @@ def make_proposer(config, device: torch.device, kv_dtypes: dict) -> Proposer:
     if spec.method == "draft_model":
         from tokenmill.spec_decode.draft_model import DraftModelProposer
         return DraftModelProposer(config, device, kv_dtypes)
+    if spec.method in ("eagle", "eagle3"):
+        from tokenmill.spec_decode.eagle import EagleProposer
+        return EagleProposer(config, device, kv_dtypes)
     raise ValueError(f"speculative method {spec.method!r} has no proposer")
 
 

@@ -71,7 +71,7 @@ class DraftModelProposer(Proposer):
         self.graphs = None  # a DraftProposalGraphs once the cache exists (graph_sizes given)
 
     # ----- set-up -----
-    def load_model(self, backend_cls: type) -> None:
+    def load_model(self, backend_cls: type, target=None) -> None:
         from tokenmill.distributed import get_parallel_state, kv_heads_per_rank
         from tokenmill.models.loader import load_model
         self.model = load_model(_DraftEngineConfig(self.mc, self.load_config), self.device, backend_cls)
@@ -196,26 +196,37 @@ class DraftModelProposer(Proposer):
         return torch.stack(drafts, dim=1).cpu().numpy()
 
     def _slots(self, batch, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        col = pos // self.block_size
-        held = col < batch.num_blocks[rows]
-        block = np.where(held, batch.block_table[rows, np.minimum(col, batch.block_table.shape[1] - 1)],
-                         self.scratch)
-        return block.astype(np.int64) * self.block_size + pos % self.block_size
+        return kv_slots(batch, rows, pos, self.block_size, self.scratch)
 
     def _forward(self, batch, rows, ids, pos, slots, qsl, seq_lens, last, ids_t=None) -> torch.Tensor:
         dev = self.device
-        width = int(cdiv(int(seq_lens.max()), self.block_size))
-        table = batch.block_table[rows, :width] if width <= batch.block_table.shape[1] else np.pad(
-            batch.block_table[rows], ((0, 0), (0, width - batch.block_table.shape[1])))
-        q_lens = np.diff(qsl)
-        md = AttentionMetadata(
-            num_actual_tokens=len(pos), slot_mapping=to_device(slots, dev),
-            query_start_loc=to_device(qsl.astype(np.int32), dev), seq_lens=to_device(seq_lens.astype(np.int32), dev),
-            block_table=to_device(np.ascontiguousarray(table), dev), max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        md = draft_metadata(batch, rows, slots, qsl, seq_lens, self.block_size, dev)
         if ids_t is None:
             ids_t = to_device(ids, dev)
         with set_forward_context(md, self.kv_caches):
             hidden = self.model(ids_t, to_device(pos.astype(np.int64), dev), None)
         logits = self.model.compute_logits(hidden[to_device(np.asarray(last, dtype=np.int64), dev)])
         return logits[:, :self.vocab].argmax(dim=-1)
+
+
+def kv_slots(batch, rows: np.ndarray, pos: np.ndarray, block_size: int, scratch: int) -> np.ndarray:
+    """The KV slot of each (row, position) in the target's block tables; positions past a row's blocks go to the
+    drafter's scratch block."""
+    col = pos // block_size
+    held = col < batch.num_blocks[rows]
+    block = np.where(held, batch.block_table[rows, np.minimum(col, batch.block_table.shape[1] - 1)], scratch)
+    return block.astype(np.int64) * block_size + pos % block_size
+
+
+def draft_metadata(batch, rows: np.ndarray, slots: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
+                   block_size: int, dev: torch.device) -> AttentionMetadata:
+    """Attention metadata of a drafter's varlen forward over the rows' block tables."""
+    width = int(cdiv(int(seq_lens.max()), block_size))
+    table = batch.block_table[rows, :width] if width <= batch.block_table.shape[1] else np.pad(
+        batch.block_table[rows], ((0, 0), (0, width - batch.block_table.shape[1])))
+    q_lens = np.diff(qsl)
+    return AttentionMetadata(
+        num_actual_tokens=len(slots), slot_mapping=to_device(slots, dev),
+        query_start_loc=to_device(qsl.astype(np.int32), dev), seq_lens=to_device(seq_lens.astype(np.int32), dev),
+        block_table=to_device(np.ascontiguousarray(table), dev), max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)

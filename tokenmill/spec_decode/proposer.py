@@ -13,6 +13,9 @@ class DraftStep:
     ends[i]: tokens of row i the target has now run or sampled (a prefill chunk's end; for a sampling request all its
     known tokens, the last one just sampled). propose[i]: row i wants up to k drafts (it sampled, and its sampling
     can be verified run-wise). accepted[i]: drafts of row i the target kept this step (0 where none were verified).
+    first[i], count[i], flat[i]: the target ran positions first .. first + count - 1 of row i this step, as tokens
+    flat .. flat + count - 1 of the step's input (where an EAGLE head finds their hidden states); None when the
+    caller does not know them.
     """
     req_ids: list[str]
     rows: np.ndarray
@@ -20,6 +23,9 @@ class DraftStep:
     propose: np.ndarray
     accepted: np.ndarray
     k: int
+    first: np.ndarray | None = None
+    count: np.ndarray | None = None
+    flat: np.ndarray | None = None
 
 
 class Proposer:
@@ -56,7 +62,8 @@ class Proposer:
         pass
 
     # ----- a drafter with a model of its own -----
-    def load_model(self, backend_cls: type) -> None:
+    def load_model(self, backend_cls: type, target=None) -> None:
+        """target: the target model (an EAGLE head shares its embedding / LM head and reads its hidden states)."""
         pass
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:

@@ -117,7 +117,7 @@ class ModelRunner:
             getattr(text, "num_key_value_heads", None) or text.num_attention_heads, ps.tp_size)
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         if self.proposer is not None and self.proposer.has_model:
-            self.proposer.load_model(self.backend_cls)
+            self.proposer.load_model(self.backend_cls, self.model)
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
@@ -299,7 +299,7 @@ class ModelRunner:
             step = self._forward_graph(sched, inp)
             self._step = step if step is not None else self._forward_eager(inp, sched.state_saves)
             if self._step is not None:
-                self._step.seq_lens = inp.seq_lens
+                self._step.seq_lens, self._step.qsl = inp.seq_lens, inp.qsl
         finally:
             if self.lora is not None:
                 self.lora.deactivate()
@@ -501,7 +501,7 @@ class ModelRunner:
                 sampled[i] = flat[ends[j] - int(keep[j]):ends[j]]
         # (a draft model catches up on prefill chunks too, so this runs on steps that sample nothing)
         with TIMER.phase("spec_propose"):
-            next_drafts = spec.propose(b, st.req_ids, st.rows, st.sample_idx, keep, st.seq_lens)
+            next_drafts = spec.propose(b, st.req_ids, st.rows, st.sample_idx, keep, st.seq_lens, st.qsl)
         return ModelRunnerOutput(req_ids=st.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                  prompt_logprobs=st.prompt_lp, spec_token_ids=next_drafts)
 

@@ -22,17 +22,18 @@ class StepState:
     n_sample: how many tokens each of them samples (1; k + 1 when k drafts are verified); logits: one row per token
     sampled, request after request; pooled: [len(sample_idx), H] pooled states instead (a pooling model);
     graph_sampled: the graph drew the tokens itself, into its prev_sampled and the host ring's out[io_slot];
-    seq_lens: each request's context length after the step's tokens (set by execute_model).
+    seq_lens: each request's context length after the step's tokens, qsl: the step's query_start_loc (both set by
+    execute_model).
     """
     __slots__ = ("req_ids", "rows", "sample_idx", "n_sample", "logits", "prompt_lp", "pooled", "graph_sampled",
-                 "io_slot", "seq_lens")
+                 "io_slot", "seq_lens", "qsl")
 
     def __init__(self, req_ids, rows, sample_idx, n_sample, logits=None, prompt_lp=None, pooled=None,
                  graph_sampled=False, io_slot=None) -> None:
         self.req_ids, self.rows, self.sample_idx, self.n_sample = req_ids, rows, sample_idx, n_sample
         self.logits, self.prompt_lp, self.pooled = logits, prompt_lp or {}, pooled
         self.graph_sampled, self.io_slot = graph_sampled, io_slot
-        self.seq_lens = None
+        self.seq_lens = self.qsl = None
 
 
 class AsyncRunnerOutput:

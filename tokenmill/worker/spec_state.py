@@ -68,10 +68,11 @@ class SpecDecodeState:
         return keep, np.where(forced, drafts, targets)
 
     def propose(self, batch, req_ids: list[str], rows: np.ndarray, sample_idx: np.ndarray, keep: np.ndarray,
-                seq_lens: np.ndarray) -> list[list[int]]:
+                seq_lens: np.ndarray, qsl: np.ndarray | None = None) -> list[list[int]]:
         """The next step's drafts of each request of the step (after its kept tokens are in the batch). Called on
         speculative steps only (above disable_by_batch_size running requests the engine's gate schedules none). A
-        drafter with a model also catches up on prefill chunks here."""
+        drafter with a model also catches up on prefill chunks here. qsl: the step's query_start_loc (where each
+        request's tokens sit in the step's input, for a drafter that reads the target's hidden states)."""
         k = self.k
         n = len(req_ids)
         sampling = np.zeros(n, dtype=bool)
@@ -81,7 +82,12 @@ class SpecDecodeState:
         tracked = np.fromiter((rid not in self.no_drafts for rid in req_ids), dtype=bool, count=n)
         ends = np.where(sampling, batch.num_tokens[rows], seq_lens)
         sel = np.flatnonzero(tracked)
-        step = DraftStep([req_ids[i] for i in sel], rows[sel], ends[sel], sampling[sel], accepted[sel], k)
+        first = count = flat = None
+        if qsl is not None:
+            count = np.diff(qsl)[sel]
+            first, flat = seq_lens[sel] - count, qsl[:-1][sel]
+        step = DraftStep([req_ids[i] for i in sel], rows[sel], ends[sel], sampling[sel], accepted[sel], k,
+                         first, count, flat)
         drafts = self.proposer.propose_batch(batch, step)
         out: list[list[int]] = [[] for _ in range(n)]
         rate = self.spec.benchmark_acceptance_rate
