@@ -53,3 +53,17 @@ def test_small_gpu_and_no_gpu_keep_the_common_default(fake_gpu, monkeypatch):
     assert llm_mod.offline_defaults({}) == {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert llm_mod.offline_defaults({}) == {}
+
+
+def test_the_api_server_defaults_to_a_2048_token_budget():
+    """The server's own default (config/scheduler.py: SERVER_MAX_NUM_BATCHED_TOKENS), filled by run_server where
+    the command line gives none; `auto` means the default."""
+    from tokenmill.config.args import parse_serve_args
+    from tokenmill.config.scheduler import server_defaults
+    for argv in (["m"], ["m", "--max-num-batched-tokens", "auto"]):
+        engine, _ = parse_serve_args(argv)
+        assert server_defaults(engine)["max_num_batched_tokens"] == 2048
+    engine, _ = parse_serve_args(["m", "--max-num-batched-tokens", "8K"])
+    assert server_defaults(engine)["max_num_batched_tokens"] == 8192
+    engine, _ = parse_serve_args(["m", "--no-enable-chunked-prefill"])
+    assert "max_num_batched_tokens" not in server_defaults(engine)

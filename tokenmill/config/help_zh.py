@@ -285,8 +285,9 @@ HELP_ZH: dict[str, str] = {
     "kv_cache_memory_bytes": "直接指定 KV 缓存的字节数，指定后不再按 --gpu-memory-utilization 计算缓存大小。支持 "
                              "4G、512M 这类写法（大写按 1024 进位）。",
     # SchedulerConfig
-    "max_num_batched_tokens": "单步最多处理的 token 数（预填充分块与解码共用这份预算），默认 8192（离线 LLM 类在 70 GiB "
-                              "及以上、非 A100 的 GPU 上默认 16384，与 vLLM 一致）；关闭分块预填充时"
+    "max_num_batched_tokens": "单步最多处理的 token 数（预填充分块与解码共用这份预算）。API 服务默认 2048（解码要等同一步里的"
+                              "预填充分块，预算越大，出字间隔的尾部越长）；离线 LLM 类在 70 GiB 及以上、非 A100 的 GPU 上"
+                              "默认 16384（与 vLLM 一致），其余情况默认 8192；关闭分块预填充时"
                               "至少等于 --max-model-len。支持 8k、16K 这类写法，auto 或 -1 表示用默认值。调大能提升"
                               "吞吐，但单步耗时和激活显存也会增加。",
     "max_num_seqs": "单步最多同时处理的请求数，默认 256。显存紧张或上下文很长时可以调小。",

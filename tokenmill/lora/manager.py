@@ -56,7 +56,6 @@ class _LayerSlots:
         fin = layer.shape.input_size_per_rank
         self.a = torch.zeros(max_loras, len(self.sizes) * rank, fin, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, sum(self.sizes), rank, dtype=dtype, device=device)
-        self.counters: dict = {}  # the one-launch decode kernel's ticket counters (lora/triton_ops.py)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -259,9 +258,9 @@ class LoRAModelManager:
             from tokenmill.lora.triton_ops import lora_delta_triton
 
             def delta(x: torch.Tensor, y: torch.Tensor, prologue: tuple | None = None) -> None:
-                lora_delta_triton(x, y, self._map_dev, ls.a, ls.b, ls.sizes, ls.rank, prologue, ls.counters)
-            # Up to a decode tile of rows the shrink recomputes a fused norm / SiLU itself, so the layer keeps its
-            # fused product (a launch fewer) at the cost of a pass over the rows per program.
+                lora_delta_triton(x, y, self._map_dev, ls.a, ls.b, ls.sizes, ls.rank, prologue)
+            # Up to a decode tile of rows the shrink computes a fused norm / SiLU itself (from its own K split), so
+            # the layer keeps its fused product (a launch fewer).
             delta.prologue_rows = PROLOGUE_MAX_ROWS
             return delta
 

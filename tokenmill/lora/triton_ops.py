@@ -7,12 +7,10 @@ sit inside the CUDA graphs: program (m, ., s) takes tokens m * BLOCK_M ... of sl
 when the list is shorter (a slot the step does not use, a token without an adapter).
 
 The shrink computes h[t] = x[t] A[s]^T for every output slice at once (A stacks the slices' ranks: [S * R, in]),
-split over K into fp32 partials [splits, T, S * R + 1] (the last column: a RMSNorm prologue's partial sum of
+split over K into fp32 partials [splits, T, S * R + 1] (column S * R: a RMSNorm prologue's partial sum of
 squares) so a decode batch of one token still spreads over the SMs; the
 expand sums the partials in a fixed order (deterministic) and adds h[t, slice j] B[s, slice j]^T into y, one
-column block of one slice per program. A decode batch of at most one row tile runs both in one launch
-(_fused_kernel: its expanders wait for the partials through a counter), which halves the launches a step adds per
-projection. The shrink can also compute the product's fused prologue (a RMSNorm or SiLU-and-mul of its input),
+column block of one slice per program. The shrink can also compute the product's fused prologue (a RMSNorm or SiLU-and-mul of its input),
 so the layer keeps its fused kernel.
 """
 from __future__ import annotations
@@ -30,11 +28,6 @@ from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 # expand program sum more partials than the shrink saved.
 MAX_SPLITS = 16
 MAX_SLICES = 3  # q, k, v of a fused qkv_proj
-# The one-launch kernel's widest column block (its blocks are sized to fit the launch on the SMs), and whether its
-# waiting programs sleep between polls. Together they took bs1 with an adapter from 5.89 to 5.94 ms on the H200,
-# within host noise (the first version had 64-column blocks and no back-off); neither was measured alone.
-ONE_LAUNCH_MAX_BLOCK_N = 512
-ONE_LAUNCH_BACKOFF = True
 
 
 @triton.jit
@@ -115,12 +108,11 @@ def _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, R_TOT, SPLITS, K, 
     hp = h_ptr + rows[:, None] * h_stride + (j * R + r)[None, :]
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for s in range(0, SPLITS):
-        h += tl.load(hp + s * h_split_stride, mask=hmask, other=0.0, cache_modifier=".cg")
+        h += tl.load(hp + s * h_split_stride, mask=hmask, other=0.0)
     if PRO == 1:
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for s in range(0, SPLITS):
-            ss += tl.load(h_ptr + s * h_split_stride + rows * h_stride + R_TOT, mask=valid, other=0.0,
-                          cache_modifier=".cg")
+            ss += tl.load(h_ptr + s * h_split_stride + rows * h_stride + R_TOT, mask=valid, other=0.0)
         h = h * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if IEEE:
         d = tl.dot(h.to(bt.dtype), bt, input_precision="ieee")
@@ -139,10 +131,10 @@ def _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R: tl.con
                    mask=(c[None, :] < end) & (r[:, None] < R), other=0.0)
 
 
-# The arguments that vary with the step's token count are not specialized (Triton would compile a variant per
-# divisibility of h's strides and for one split), so the graph capture and the profile run compile every variant
-# a server meets: none compiles mid-serving.
-@triton.jit(do_not_specialize=["K_PER", "h_split_stride"])
+# No argument that varies with the step's token count takes a specialization that depends on it (h's rows are
+# padded to 16 floats, so its strides always divide by 16; a count of one split is not specialized), so the graph
+# capture and the profile run compile every variant a server meets: none compiles mid-serving.
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, nw_ptr, K, R_TOT, K_PER, x_stride, a_slot_stride,
                    a_row_stride, h_split_stride, h_stride, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
@@ -164,7 +156,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, nw_ptr, K, R_TOT, K_PER, x_stri
     _store_part(h_ptr, acc, ss, split, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_R, PRO)
 
 
-@triton.jit(do_not_specialize=["SPLITS", "h_split_stride"])
+@triton.jit(do_not_specialize=["SPLITS"])
 def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, R_TOT, SPLITS, K, eps, h_split_stride, h_stride, b_slot_stride,
                    b_row_stride, y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
@@ -185,58 +177,6 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, R_TOT, SPLITS, K, eps, h_spl
                  y_stride, BLOCK_M, BLOCK_R, PRO, IEEE)
 
 
-@triton.jit(do_not_specialize=["h_split_stride"])
-def _fused_kernel(x_ptr, a_ptr, h_ptr, b_ptr, y_ptr, map_ptr, cnt_ptr, nw_ptr, eps, K, R_TOT, K_PER, R,
-                  x_stride, a_slot_stride, a_row_stride, h_split_stride, h_stride, b_slot_stride, b_row_stride,
-                  y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, SPLITS: tl.constexpr,
-                  NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_RT: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
-                  BACKOFF: tl.constexpr, PDL: tl.constexpr):
-    """Shrink and expand of one row tile in one launch.
-
-    Each program of slot s takes a ticket from the slot's counter. Of a launch's SPLITS + NUM_BLOCKS tickets the
-    first SPLITS compute a shrink partial each and count it in (release); the others, one column block each, wait
-    until the launch's partials are all in (acquire), then expand. Tickets go out in the order programs start, so
-    the partials' programs are already running when an expander waits: no deadlock whatever the scheduling. The
-    counters only grow (int64): launch e of a layer owns tickets e * P ... (e + 1) * P - 1 (P = SPLITS +
-    NUM_BLOCKS) and waits for (e + 1) * SPLITS partials, so nothing is reset between launches (the launches of
-    one layer never overlap: a whole forward lies between them)."""
-    slot = tl.program_id(1)
-    first = tl.load(map_ptr + slot)
-    idle = first >= tl.load(map_ptr + slot + 1)
-    if idle & (tl.program_id(0) + slot > 0):
-        return
-    if idle:
-        pdl_wait(PDL)
-        return
-    rows, valid = _tile_rows(map_ptr, slot, first, NUM_SLOTS, BLOCK_M)
-    cnt = cnt_ptr + slot * 2
-    ticket = tl.atomic_add(cnt, 1, sem="relaxed")
-    role = ticket % (SPLITS + NUM_BLOCKS)
-    if role < SPLITS:
-        pdl_wait(PDL)
-        k_lo = role * K_PER
-        acc, ss = _shrink_part(x_ptr, a_ptr, nw_ptr, rows, valid, slot, K, R_TOT, k_lo,
-                               tl.minimum(k_lo + K_PER, K), x_stride, a_slot_stride, a_row_stride, BLOCK_M, BLOCK_RT,
-                               BLOCK_K, PRO, IEEE)
-        _store_part(h_ptr, acc, ss, role, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_RT, PRO)
-        tl.atomic_add(cnt + 1, 1, sem="release")
-    else:
-        j, c, end = _expand_cols(role - SPLITS, n0, n1, n2, nb0, nb01, BLOCK_N)
-        bt = _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R)
-        pdl_wait(PDL)
-        target = (ticket // (SPLITS + NUM_BLOCKS) + 1) * SPLITS
-        seen = tl.load(cnt + 1, volatile=True)
-        while seen < target:
-            if BACKOFF:  # sleep ~128 ns, leaving the memory pipes to the partials' programs
-                seen = tl.inline_asm_elementwise("nanosleep.u32 128; mov.b64 $0, $1;", "=l,l", [seen],
-                                                 dtype=tl.int64, is_pure=False, pack=1)
-            seen = tl.load(cnt + 1, volatile=True)
-        tl.atomic_add(cnt + 1, 0, sem="acquire")  # the partials' stores are visible from here on
-        _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, R_TOT, SPLITS, K, eps, h_split_stride, h_stride,
-                     y_stride, BLOCK_M, BLOCK_R, PRO, IEEE)
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     if not torch.cuda.is_available():
@@ -245,13 +185,10 @@ def _num_sms(device_index: int) -> int:
 
 
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                      sizes: list[int], rank: int, prologue: tuple | None = None,
-                      counters: dict | None = None) -> None:
+                      sizes: list[int], rank: int, prologue: tuple | None = None) -> None:
     """lora/ops.lora_delta_ref's contract, the map as a device int32 tensor (x, y: 2-D, rows contiguous), and
     optionally a prologue (layers/linear.py's OutputDelta): the product's input is then norm(x) or
-    silu(gate) * up of x = [gate | up], computed by the shrink as it loads x. With `counters` (a dict the caller
-    keeps for this call site, one per layer) a batch of one row tile runs shrink and expand in one launch
-    (_fused_kernel), whose counters it holds."""
+    silu(gate) * up of x = [gate | up], computed by the shrink as it loads x."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if y.stride(1) != 1:
@@ -278,27 +215,13 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, 
     k_per = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     splits = triton.cdiv(K, k_per)
     pdl = launch_kwargs(x.device, "lora")
-    h = torch.empty(splits, T, r_tot + 1, dtype=torch.float32, device=x.device)  # + the partial sums of squares
+    # + the partial sums of squares; rows padded to 16 floats, so every row and split starts 64-byte aligned (an odd
+    # row stride leaves the partials' loads and stores unvectorized)
+    h = torch.empty(splits, T, triton.cdiv(r_tot + 1, 16) * 16, dtype=torch.float32, device=x.device)
     block_n = 64 if T <= 64 else 128
     n = list(sizes) + [0] * (MAX_SLICES - len(sizes))
     nb = [triton.cdiv(v, block_n) for v in n]
     block_rt, block_r = max(16, triton.next_power_of_2(r_tot)), max(16, triton.next_power_of_2(rank))
-    if counters is not None and tiles == 1:
-        # Column blocks wide enough that the launch fits on the SMs at one program each: a waiting expander then
-        # never shares an SM with a partial's program.
-        room = max(1, _num_sms(dev) - splits)
-        block_n = min(ONE_LAUNCH_MAX_BLOCK_N, max(64, triton.next_power_of_2(triton.cdiv(sum(sizes), room))))
-        nb = [triton.cdiv(v, block_n) for v in n]
-        key = (splits, sum(nb))
-        cnt = counters.get(key)
-        if cnt is None:
-            cnt = counters[key] = torch.zeros(2 * S, dtype=torch.int64, device=x.device)
-        _fused_kernel[(splits + sum(nb), S)](
-            x, a, h, b, y, lora_map, cnt, nw, eps, K, r_tot, k_per, rank, x.stride(0), a.stride(0), a.stride(1),
-            h.stride(0), h.stride(1), b.stride(0), b.stride(1), y.stride(0), n[0], n[1], n[2], nb[0], nb[0] + nb[1],
-            NUM_SLOTS=S, SPLITS=splits, NUM_BLOCKS=sum(nb), BLOCK_M=block_m, BLOCK_RT=block_rt, BLOCK_R=block_r,
-            BLOCK_K=block_k, BLOCK_N=block_n, PRO=pro, IEEE=ieee, BACKOFF=ONE_LAUNCH_BACKOFF, **pdl)
-        return
     _shrink_kernel[(tiles, splits, S)](
         x, a, h, lora_map, nw, K, r_tot, k_per, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
         h.stride(1), NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_rt, BLOCK_K=block_k, PRO=pro, IEEE=ieee, **pdl)

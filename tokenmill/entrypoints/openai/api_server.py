@@ -483,6 +483,8 @@ def run_server(engine_kwargs: dict[str, Any], frontend: FrontendConfig) -> None:
     """Starts the engine, serves until stopped, then exits: 0 after SIGTERM/SIGINT, 1 if the engine died.
     `--headless` runs only this node's data-parallel engine cores; `--api-server-count N` runs N API servers."""
     _check_frontend(frontend)
+    from tokenmill.config.scheduler import server_defaults
+    engine_kwargs = server_defaults(engine_kwargs)
     if frontend.headless or frontend.api_server_count > 1:
         from tokenmill.engine.headless import run_headless
         from tokenmill.entrypoints.openai.multi_server import run_api_servers
