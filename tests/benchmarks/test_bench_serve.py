@@ -144,3 +144,15 @@ def test_rejects_bad_arguments(fake):
         run_bench(fake, "--random-range-ratio", "1.5")
     with pytest.raises(ValueError, match="KEY=VALUE"):
         run_bench(fake, "--metadata", "novalue")
+
+
+def test_token_chunks_count_as_vllm_counts_them():
+    """A completions chunk is a generated token even when its text is empty (a token that completes no character
+    yet): streams of such tokens are measured, not failed. A chat chunk counts once it carries content."""
+    from tokenmill.benchmarks.serve import _is_token_chunk
+    assert _is_token_chunk([{"index": 0, "text": "", "finish_reason": None}])
+    assert _is_token_chunk([{"index": 0, "text": "hi", "finish_reason": "length"}])
+    assert not _is_token_chunk([{"index": 0, "text": "", "finish_reason": "length"}])
+    assert not _is_token_chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}}])
+    assert _is_token_chunk([{"index": 0, "delta": {"content": "x"}}])
+    assert not _is_token_chunk([])

@@ -229,6 +229,16 @@ def _chunk_text(choice: dict) -> str:
     return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
 
 
+def _is_token_chunk(choices: list) -> bool:
+    """Whether a stream chunk reports generated tokens. A completions chunk is sent per step that produced
+    tokens, and its text may be empty (a token that completes no character yet), as vLLM's benchmark counts it;
+    a chat chunk counts once it carries content (the first one carries only the role)."""
+    for c in choices:
+        if _chunk_text(c) or ("text" in c and c.get("finish_reason") is None):
+            return True
+    return False
+
+
 async def send_request(client: httpx.AsyncClient, url: str, payload: dict, prompt_len: int) -> RequestOutput:
     """Stream one request; never raises - failures come back with success=False and `error` set."""
     out = RequestOutput(prompt_len=prompt_len)
@@ -251,8 +261,9 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, promp
                 if chunk.get("error"):
                     raise RuntimeError(f"stream error: {chunk['error']}")
                 now = time.perf_counter()
-                text = "".join(_chunk_text(c) for c in chunk.get("choices") or [])
-                if text:
+                choices = chunk.get("choices") or []
+                if _is_token_chunk(choices):
+                    text = "".join(_chunk_text(c) for c in choices)
                     if not pieces:
                         out.ttft = now - start
                     else:
@@ -264,8 +275,8 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, promp
                     usage_tokens = chunk["usage"].get("completion_tokens")
         out.latency = time.perf_counter() - start
         if not pieces:
-            raise RuntimeError("no content chunk received (cannot measure TTFT)")
-        out.generated_text = "".join(pieces)
+            raise RuntimeError("no token chunk received (cannot measure TTFT)")
+        out.generated_text = "".join(pieces)  # one piece per token chunk, possibly empty
         out.output_tokens = usage_tokens if usage_tokens is not None else len(pieces)
         out.success = True
     except Exception as e:  # noqa: BLE001 - every failure is a failed request, not a crashed benchmark
