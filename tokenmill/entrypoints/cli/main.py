@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "all-reduce": ("all_reduce:main", "CUDA, 2+ GPUs: all-reduce latency, NCCL vs the symmetric-memory kernel."),
     "spec": ("spec_decode:main", "Speculative decoding on real weights at batch 1: ngram and suffix against no "
                                  "drafts, on prompts that quote their context and on ordinary chats."),
+    "kv-footprint": ("kv_footprint:main", "The KV memory one long request holds at its peak, per layer group, against "
+                                          "every layer global (device-free)."),
     "kernels": ("kernels:main", "CUDA: measure where the Triton gemv beats cuBLAS; write the device's table."),
 }
 
