@@ -100,17 +100,98 @@ def test_bf16_logits_and_no_temperature():
     assert int(thr.isfinite().sum()) == 3   # the row with neither top-k nor top-p keeps everything (-inf)
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("max_top_k", [0, 11])
+def test_seeded_rows_do_not_depend_on_the_batch(max_top_k):
+    """max_top_k 11: the rows with top-k through torch.topk's candidates (the batch's largest k is 11 or less)."""
     logits, temp, k, p, mp, seeds, pos = _rows(6, 120, seed=5)
     args = lambda idx: [t[idx].to(DEV) for t in (logits, seeds, pos, temp, k, p, mp)]  # noqa: E731
-    full, _ = topk_topp_sample(*args(torch.arange(6)), block=32, chunk=32)
+    kw = dict(block=32, chunk=32, max_top_k=max_top_k)
+    full, _ = topk_topp_sample(*args(torch.arange(6)), **kw)
     perm = torch.tensor([4, 2, 0])
-    part, _ = topk_topp_sample(*args(perm), block=32, chunk=32)
+    part, _ = topk_topp_sample(*args(perm), **kw)
     assert torch.equal(part.cpu(), full.cpu()[perm])
     other = torch.tensor([1, 1, 3])   # another position of the same seed draws independently
     moved = [t.clone() for t in args(other)]
     moved[2] += 1
-    assert topk_topp_sample(*moved, block=32, chunk=32)[0].tolist() != full.cpu()[other].tolist()
+    assert topk_topp_sample(*moved, **kw)[0].tolist() != full.cpu()[other].tolist()
+
+
+def _select_rows(v, seed):
+    """Rows for the torch.topk path (max_top_k 12 -> 64 candidates when v > 64), each aimed at one of its cases."""
+    g = torch.Generator().manual_seed(seed)
+    b = 12
+    logits = torch.randn(b, v, generator=g) * 2
+    logits[1] = torch.randint(0, 2, (v,), generator=g).float()   # ~v/2 ties of the k-th value: past the candidates
+    logits[2] = torch.randint(0, 2, (v,), generator=g).float() - 4
+    logits[2, :8] = torch.arange(8.0)   # 8 distinct values above a long tie run: top-p cuts above it or keeps it
+    logits[3, 3:] = float("-inf")       # 3 finite values, k 8: the k-th value is -inf (massless ties past the list)
+    logits[4] = float("-inf")           # everything masked: token 0, keeps everything
+    # Neighbouring fp32 values in [1.9, 2) that the division by 0.95 (into [2, 2.1), twice the spacing) often
+    # rounds together: ties of y that are not ties of the logits.
+    logits[5] = 1.9 + torch.randint(0, v, (v,), generator=g).float() * 2.0 ** -23
+    # Mass 100 above v - 1 ties of mass 1, k 2: top_p 0.5 keeps the ties only when the ones past the candidates
+    # count in the normaliser (100 < 0.5 * (100 + 159) at v 160, not with 63 of them); top_p 0.3 cuts above them.
+    logits[9] = 0.0
+    logits[9, 0] = math.log(100.0)
+    temp = torch.rand(b, generator=g) + 0.4
+    temp[5], temp[9] = 0.95, 1.0
+    k = torch.tensor([1, 5, 12, 8, 3, 10, 0, 7, 12, 2, 0, 4])
+    p = torch.tensor([0.9, 0.6, 0.5, 0.95, 0.8, 0.7, 0.9, 1e-6, 0.9999, 1.0, 0.3, 0.5])
+    p[2] = 0.5 if seed % 2 else 0.99999
+    p[9] = 0.5 if seed % 2 else 0.3
+    mp = torch.tensor([0.0, 0.1, 0.0, 0.0, 0.2, 0.0, 0.05, 0.0, 0.3, 0.0, 0.0, 0.0])
+    seeds = torch.randint(-2 ** 62, 2 ** 62, (b,), generator=g)
+    pos = torch.randint(0, 1 << 34, (b,), generator=g)
+    return logits, temp, k, p, mp, seeds, pos
+
+
+def _full_row_pass(y, k, mp, max_top_k):
+    """Rows of the select kernel that stream themselves: the tie group of the k-th value may run past the
+    candidates (the last one is still kept by min-p and top-k)."""
+    from tokenmill.kernels.triton_topk_select import TIE_SLACK
+    v = y.shape[1]
+    w = min(v, 1 << (max_top_k + TIE_SLACK - 1).bit_length())
+    s = y.sort(dim=1, descending=True).values
+    floor = torch.maximum(s.gather(1, (k.clamp(min=1) - 1)[:, None]).squeeze(1),
+                          s[:, 0] + torch.log(mp.clamp(min=0)))
+    return (k > 0) & (w < v) & (s[:, w - 1] >= floor) & (s[:, 0] > float("-inf"))
+
+
+@pytest.mark.parametrize("v", [160, 40])
+@pytest.mark.parametrize("use", ["", "p", "m", "pm"])
+@pytest.mark.parametrize("want_thr", [False, True])
+def test_select_path_is_the_torch_paths_token_and_exact_set(v, use, want_thr):
+    """Top-k from torch.topk's candidates (kernels/triton_topk_select): ties of the k-th value past the candidates,
+    at the top-p boundary and made by the temperature division, k 1 and k = V, top_p near 0 and 1, min-p, rows
+    without top-k (the full-row kernels), masked rows. v 40: all candidates fetched (no full-row pass)."""
+    logits, temp, k, p, mp, seeds, pos = _select_rows(v, seed=v + len(use) + want_thr)
+    if v == 40:
+        k[8] = v
+    pp, mm = (p if "p" in use else None), (mp if "m" in use else None)
+    mk = int(k.max())
+    y = logits / temp[:, None]
+    streamed = _full_row_pass(y, k, mm if mm is not None else torch.zeros_like(mp), mk)
+    assert bool(streamed.any()) == (v == 160) and not bool(streamed.all())
+    tok, thr = topk_topp_sample(logits.to(DEV), seeds.to(DEV), pos.to(DEV), temp.to(DEV), k.to(DEV),
+                                *(t.to(DEV) if t is not None else None for t in (pp, mm)), want_threshold=want_thr,
+                                block=32, chunk=32, max_top_k=mk)
+    tok = tok.cpu()
+    assert torch.equal(tok, torch_path(logits, temp, seeds, pos, k, pp, mm))
+    # The search passes (no max_top_k) implement the same rules independently.
+    assert torch.equal(tok, topk_topp_sample(logits.to(DEV), seeds.to(DEV), pos.to(DEV), temp.to(DEV), k.to(DEV),
+                                             *(t.to(DEV) if t is not None else None for t in (pp, mm)),
+                                             block=32, chunk=32)[0].cpu())
+    assert int(tok[4]) == 0
+    for i in range(len(tok)):
+        if i == 4:
+            continue
+        keep = ref_keep(y[i], int(k[i]), float(pp[i]) if pp is not None else 1.0,
+                        float(mm[i]) if mm is not None else 0.0)
+        assert keep[tok[i]], (i, tok[i])
+        if want_thr:
+            assert torch.equal(y[i] >= thr[i].cpu(), keep), i
+    if want_thr:
+        assert float(thr[4]) == float("-inf")
 
 
 def test_kernel_frequencies_match_exact_probabilities():
@@ -163,11 +244,48 @@ def test_full_vocabulary_on_cuda_equals_the_torch_path_and_replays_in_a_graph(si
     assert torch.equal(captured, plain)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("step", [0.0, 1.0])
+def test_select_path_on_cuda_with_long_ties(step):
+    """Top-k from torch.topk's candidates at the real vocabulary, against the torch path, the search passes and a
+    CUDA graph; step 1: integer logits, so the k-th value ties with tens to hundreds of others, often past the
+    candidates (the full-row pass)."""
+    b, v = 64, 151936
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(b, v, device="cuda", generator=g) * 2
+    if step:
+        logits = (logits / step).round() * step
+    logits = logits.bfloat16()
+    seeds, pos = torch.arange(b, device="cuda") * 17 + 3, torch.arange(b, device="cuda") * 5
+    temp = torch.linspace(0.5, 1.2, b, device="cuda")
+    k = torch.tensor([1, 20, 20, 64, 256, 0, 20, 7] * 8, device="cuda")
+    p = torch.tensor([0.95, 0.8, 0.95, 1.0, 0.5, 0.9, 0.999, 0.01] * 8, device="cuda")
+    mp = torch.tensor([0.0, 0.0, 0.1, 0.0] * 16, device="cuda")
+    mk = int(k.max())
+    tok, thr = topk_topp_sample(logits, seeds, pos, temp, k, p, mp, want_threshold=True, max_top_k=mk)
+    ref = torch_path(logits, temp, seeds, pos, k, p, mp)
+    assert int((tok != ref).sum()) <= 1   # a top-p mass sum may round differently at a boundary, rarely
+    search, _ = topk_topp_sample(logits, seeds, pos, temp, k, p, mp)
+    assert int((tok != search).sum()) <= 1
+    y = logits.float() / temp[:, None]
+    assert bool((y.gather(1, tok[:, None]) >= thr[:, None]).all())
+    only_k = (k > 0) & (mp == 0) & (p >= 1)   # top-k alone keeps k values and every tie of the k-th
+    assert bool(((y >= thr[:, None]).sum(1)[only_k] >= k[only_k]).all())
+    plain, _ = topk_topp_sample(logits, seeds, pos, temp, k, p, mp, max_top_k=mk)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = topk_topp_sample(logits, seeds, pos, temp, k, p, mp, max_top_k=mk)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, plain) and torch.equal(plain, tok)
+
+
 _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tokenmill.kernels import triton_topk_topp as m
+from tokenmill.kernels import triton_topk_select as sel, triton_topk_topp as m
 salts = dict(SALT_SEED=m.rng._SALT_SEED, SALT_POS=m.rng._SALT_POS, SALT_COL=m.rng._SALT_COL)
 def build(fn, sig, cx, warps):
     sig = {**sig, **{name: "constexpr" for name in cx}}
@@ -175,19 +293,24 @@ def build(fn, sig, cx, warps):
                                 options={"num_warps": warps}).asm))
 head = {"logits_ptr": "*bf16", "stride_b": "i32", "seeds_ptr": "*i64", "pos_ptr": "*i64", "temp_ptr": "*fp32"}
 chunks = {"cmax_ptr": "*fp32", "cbest_ptr": "*fp32", "cidx_ptr": "*i32"}
-build(m._chunks_kernel, {**head, **chunks, "V": "i32", "n_chunks": "i32"},
-      dict(**salts, BLOCK=m._CHUNK, HAS_TEMP=True, PDL=1), 8)
+build(m._chunks_kernel, {**head, "k_ptr": "*i64", **chunks, "V": "i32", "n_chunks": "i32"},
+      dict(**salts, BLOCK=m._CHUNK, HAS_TEMP=True, SELECTED=True, PDL=1), 8)
 split = {"smass_ptr": "*fp32", "sabove_ptr": "*fp32", "swin_ptr": "*fp32", "swidx_ptr": "*i32"}
-build(m._split_kernel, {**head, "minp_ptr": "*fp32", "kth_ptr": "*fp32", **chunks, **split, "V": "i32",
+build(m._split_kernel, {**head, "minp_ptr": "*fp32", "k_ptr": "*i64", **chunks, **split, "V": "i32",
                         "n_chunks": "i32"},
       dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._CHUNK, CHUNKS_P2=128, HAS_TEMP=True, HAS_MINP=True,
-           HAS_KTH=True, PDL=1), 8)
+           SELECTED=True, PDL=1), 8)
 for want, has_split in ((False, False), (True, False), (False, True), (True, True)):
-    build(m._topk_topp_kernel, {**head, "k_ptr": "*i64", "p_ptr": "*fp32", "minp_ptr": "*fp32", "kth_ptr": "*fp32",
-                                **chunks, **split, "out_ptr": "*i64", "thr_ptr": "*fp32", "V": "i32", "n_chunks": "i32"},
+    build(m._topk_topp_kernel, {**head, "k_ptr": "*i64", "p_ptr": "*fp32", "minp_ptr": "*fp32", **chunks, **split,
+                                "out_ptr": "*i64", "thr_ptr": "*fp32", "V": "i32", "n_chunks": "i32"},
           dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._BLOCK, NP=m._NP, CHUNKS_P2=128, HAS_TEMP=True,
                HAS_K=not has_split, HAS_P=True, HAS_MINP=True, WANT_THR=want, HAS_SPLIT=has_split,
-               HAS_KTH=has_split, PDL=1), m._ROW_WARPS)
+               SELECTED=has_split, PDL=1), m._ROW_WARPS)
+for want in (False, True):
+    build(sel._select_kernel, {**head, "vals_ptr": "*bf16", "cols_ptr": "*i64", "W": "i32", "k_ptr": "*i64",
+                               "p_ptr": "*fp32", "minp_ptr": "*fp32", "out_ptr": "*i64", "thr_ptr": "*fp32",
+                               "V": "i32"},
+          dict(**salts, W_P2=64, BLOCK=m._BLOCK, HAS_TEMP=True, HAS_P=True, HAS_MINP=True, WANT_THR=want, PDL=1), 4)
 """
 
 
@@ -199,4 +322,4 @@ def test_the_kernel_compiles_for_sm90():
     if r.returncode != 0 and ("ImportError" in r.stderr or "ptxas" in r.stderr):
         pytest.skip(f"no sm_90 compile here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("ttgir") == 6  # chunks, split, and four row-program variants
+    assert r.stdout.count("ttgir") == 8  # chunks, split, four row-program variants and two select kernels

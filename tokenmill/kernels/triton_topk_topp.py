@@ -35,14 +35,16 @@ How, without a sort (a pass streams the row in BLOCK-sized chunks through regist
              superset that lies in A is A's winner), so this is the exact draw and it equals the torch path's token;
              no round index is needed. A candidate drawn from P is accepted with probability >= top_p (A holds at
              least that share of P's mass), and each rejection removes the mass at and below the pivot, so
-             top_p 0.95 takes one test pass in ~19 of 20 rows. When the caller needs the exact threshold (processed logprobs /
-             logits must see the truncated distribution), the top-p stage runs the bracket search on the mass
+             top_p 0.95 takes one test pass in ~19 of 20 rows. When the caller needs the exact threshold (processed
+             logprobs / logits must see the truncated distribution), the top-p stage runs the bracket search on the mass
              instead and returns tau.
   draw       when x0 is not in A after a threshold stage, one more pass draws the race winner over A.
 A row with temperature sampling alone never reaches this kernel (race_argmax is one pass); top_p 0.95 alone costs
 pass 0 + one or two passes; min-p alone pass 0 + at most one; top-k costs the search passes on top, unless the
-batch's largest k is at most TOPK_SELECT_MAX: then torch.topk gives each row's k-th largest value, which bounds
-the kept set from below like min-p's floor (ties included), and top-p runs as it does without top-k.
+batch's largest k is at most TOPK_SELECT_MAX: then kernels/triton_topk_select draws every row with top-k from
+torch.topk's sorted candidates, the same kept set and token without streaming the row (bar rare tie cases), and
+the kernels here draw only the rows without top-k. Which rows those are is known on the device only, so they still
+launch in full, and the programs of the other rows return at once.
 
 After pass 0, one program per row: the loops are data-dependent per row, and a row is small enough (152k values) to
 stream a few times per step. CUDA-graph safe: no host control flow depends on the data, and the only scratch is the
@@ -68,7 +70,8 @@ _CHUNK = 2048
 _BLOCK = 2048
 _ROW_WARPS = 16
 _NP = 8          # keys evaluated per search pass (the bracket ends included)
-# Largest top_k whose threshold comes from torch.topk (above it, the bracket search passes).
+# Largest batch top_k that kernels/triton_topk_select draws from torch.topk's candidates (above it, the bracket
+# search passes).
 TOPK_SELECT_MAX = 256
 
 
@@ -148,10 +151,12 @@ def _better(g, cols, best, best_i, V):
 
 
 @triton.jit
-def _draw(row_ptr, V, temp, row_key, lo, SALT_COL: tl.constexpr, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr):
-    """Race winner over the columns whose key is >= lo."""
+def _draw(row_ptr, V, temp, row_key, lo, SALT_COL: tl.constexpr, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr,
+          COUNT: tl.constexpr = False):
+    """(race winner over the columns whose key is >= lo, their count if COUNT else 0)."""
     best = tl.full([], float("-inf"), tl.float32)
     best_i = tl.full([], 0, tl.int32)
+    cnt = tl.full([], 0, tl.int32)
     nxt = _prefetch(row_ptr, 0, V, BLOCK)
     for start in range(0, V, BLOCK):
         cur = nxt
@@ -159,9 +164,12 @@ def _draw(row_ptr, V, temp, row_key, lo, SALT_COL: tl.constexpr, BLOCK: tl.const
         cols = start + tl.arange(0, BLOCK)
         mask = cols < V
         y = _scale(cur, temp, HAS_TEMP)
-        g = tl.where(mask & (_key(y) >= lo), _race(y, cols, row_key, SALT_COL), float("-inf"))
+        kept = mask & (_key(y) >= lo)
+        if COUNT:
+            cnt += tl.sum(kept.to(tl.int32), axis=0)
+        g = tl.where(kept, _race(y, cols, row_key, SALT_COL), float("-inf"))
         best, best_i = _better(g, cols, best, best_i, V)
-    return best_i
+    return best_i, cnt
 
 
 @triton.jit
@@ -237,13 +245,25 @@ def _row_key(seeds_ptr, pos_ptr, b, SALT_SEED: tl.constexpr, SALT_POS: tl.conste
 
 
 @triton.jit
-def _chunks_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, cmax_ptr, cbest_ptr, cidx_ptr, V, n_chunks,
-                   SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
-                   HAS_TEMP: tl.constexpr, PDL: tl.constexpr = False):
+def _selected(k_ptr, b, SELECTED: tl.constexpr):
+    """True when kernels/triton_topk_select drew row b already (SELECTED: it ran, and it draws the top-k rows); the
+    full-row kernels then return at once (after the PDL wait, so every grid still waits on its predecessor)."""
+    if SELECTED:
+        return tl.load(k_ptr + b) > 0
+    return False
+
+
+@triton.jit
+def _chunks_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr, cmax_ptr, cbest_ptr, cidx_ptr, V,
+                   n_chunks, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr,
+                   BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, SELECTED: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
     """Pass 0, spread over (row, chunk) programs: each chunk's max and its race winner (value, first index)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
+    if _selected(k_ptr, b, SELECTED):
+        return
     temp = _row_temp(temp_ptr, b, HAS_TEMP)
     cols, mask, y = _chunk(logits_ptr + b.to(tl.int64) * stride_b, c * BLOCK, V, temp, BLOCK, HAS_TEMP)
     g = tl.where(mask, _race(y, cols, _row_key(seeds_ptr, pos_ptr, b, SALT_SEED, SALT_POS), SALT_COL),
@@ -275,34 +295,25 @@ def _value_key(row_ptr, x, temp, HAS_TEMP: tl.constexpr):
 
 
 @triton.jit
-def _kth_floor(lo, kth_ptr, b, temp, HAS_TEMP: tl.constexpr, HAS_KTH: tl.constexpr):
-    """Top-k from the k-th largest raw logit (torch.topk's, -inf where off): nothing below its scaled key is
-    kept, ties included (min-p's floor and this one are both upper sets, so the higher of the two is top-k of the
-    min-p survivors)."""
-    if HAS_KTH:
-        lo = tl.maximum(lo, _key(_scale(tl.load(kth_ptr + b), temp, HAS_TEMP)))
-    return lo
-
-
-@triton.jit
-def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, kth_ptr, cmax_ptr, cbest_ptr,
+def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, k_ptr, cmax_ptr, cbest_ptr,
                   cidx_ptr, smass_ptr, sabove_ptr, swin_ptr, swidx_ptr, V, n_chunks, KEY_NEG_INF: tl.constexpr,
                   SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
                   CHUNKS_P2: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_MINP: tl.constexpr,
-                  HAS_KTH: tl.constexpr = False, PDL: tl.constexpr = False):
+                  SELECTED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Without a top-k search, the row program's first pass spread over (row, chunk) programs: per chunk, the mass
-    of the min-p (and top-k from `kth`) survivors P, the mass strictly above x0, and the race winner over the keys
-    above x0 (x0 in P) or over P (x0 not in P) - the next candidate."""
+    of the min-p survivors P, the mass strictly above x0, and the race winner over the keys above x0 (x0 in P) or
+    over P (x0 not in P) - the next candidate."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
+    if _selected(k_ptr, b, SELECTED):
+        return
     temp = _row_temp(temp_ptr, b, HAS_TEMP)
     row_ptr = logits_ptr + b.to(tl.int64) * stride_b
     _, _, _, m, x0 = _pass0(cmax_ptr, cbest_ptr, cidx_ptr, b, n_chunks, V, CHUNKS_P2)
     lo = tl.full([], KEY_NEG_INF, tl.int32)
     if HAS_MINP:
         lo = tl.maximum(lo, _key(m + _log(tl.load(minp_ptr + b).to(tl.float32))))
-    lo = _kth_floor(lo, kth_ptr, b, temp, HAS_TEMP, HAS_KTH)
     kx = _value_key(row_ptr, x0, temp, HAS_TEMP)
     draw_lo = tl.where(kx >= lo, kx + 1, lo)
     cols, mask, y = _chunk(row_ptr, c * BLOCK, V, temp, BLOCK, HAS_TEMP)
@@ -319,15 +330,17 @@ def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, 
 
 
 @triton.jit
-def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr, p_ptr, minp_ptr, kth_ptr, cmax_ptr,
+def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr, p_ptr, minp_ptr, cmax_ptr,
                       cbest_ptr, cidx_ptr, smass_ptr, sabove_ptr, swin_ptr, swidx_ptr, out_ptr, thr_ptr, V, n_chunks,
                       KEY_NEG_INF: tl.constexpr, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr,
                       SALT_COL: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, CHUNKS_P2: tl.constexpr,
                       HAS_TEMP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MINP: tl.constexpr,
-                      WANT_THR: tl.constexpr, HAS_SPLIT: tl.constexpr, HAS_KTH: tl.constexpr = False,
+                      WANT_THR: tl.constexpr, HAS_SPLIT: tl.constexpr, SELECTED: tl.constexpr = False,
                       PDL: tl.constexpr = False):
     pdl_wait(PDL)
     b = tl.program_id(0)
+    if _selected(k_ptr, b, SELECTED):
+        return
     row_ptr = logits_ptr + b.to(tl.int64) * stride_b
     row_key = _row_key(seeds_ptr, pos_ptr, b, SALT_SEED, SALT_POS)
     temp = _row_temp(temp_ptr, b, HAS_TEMP)
@@ -341,7 +354,6 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
 
     if HAS_MINP:
         lo = tl.maximum(lo, _key(m + _log(tl.load(minp_ptr + b).to(tl.float32))))
-    lo = _kth_floor(lo, kth_ptr, b, temp, HAS_TEMP, HAS_KTH)
 
     if HAS_SPLIT:   # the split first pass (no top-k in the batch)
         z_split = tl.sum(tl.load(smass_ptr + b * n_chunks + ci, mask=cm, other=0.0), axis=0)
@@ -418,7 +430,7 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
 
     if do_draw:
         if _value_key(row_ptr, x, temp, HAS_TEMP) < lo:   # x is not kept: the race winner over A instead
-            x = _draw(row_ptr, V, temp, row_key, lo, SALT_COL, BLOCK, HAS_TEMP)
+            x, _ = _draw(row_ptr, V, temp, row_key, lo, SALT_COL, BLOCK, HAS_TEMP)
     tl.store(out_ptr + b, x.to(tl.int64))
     if WANT_THR:
         tl.store(thr_ptr + b, _unkey(lo))
@@ -437,8 +449,8 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
     temperature-scaled value: the kept set is exactly `logits.float() / temperature >= threshold` (-inf = all).
     block / num_warps: the columns per iteration of the row program and its warps; chunk: the columns of one pass-0
     program (powers of 2; small ones are for the interpreter's tests). max_top_k: the largest top_k of the batch
-    (0: unknown); up to TOPK_SELECT_MAX, top-k takes its threshold from torch.topk instead of the search passes,
-    and top-p then runs its split first pass as without top-k.
+    (0: unknown); up to TOPK_SELECT_MAX, kernels/triton_topk_select draws the rows with top-k from torch.topk's
+    candidates instead (no search passes, no full-row passes), and the kernels here draw only the rows without.
     """
     b, v = logits.shape
     if logits.stride(-1) != 1:
@@ -447,7 +459,16 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
     thr = torch.empty(b if want_threshold else 1, dtype=torch.float32, device=logits.device)
     if b == 0:
         return out, (thr if want_threshold else None)
+    selected = top_k is not None and 0 < max_top_k <= TOPK_SELECT_MAX
+    if selected:
+        from tokenmill.kernels.triton_topk_select import select_sample   # it imports this module's helpers
+        select_sample(logits, seeds, positions, temperature, top_k, top_p, min_p, max_top_k, out,
+                      thr if want_threshold else None, block)
+    # The rows without top-k (top_k 0) still run below: which rows those are is on the device only, so the
+    # kernels below launch in full and the programs of selected rows return at once.
+    search = top_k is not None and not selected
     dummy = seeds
+    k_arg = top_k if top_k is not None else dummy
     pdl = launch_kwargs(logits.device, "sampling")
     n_chunks = triton.cdiv(v, chunk)
     cmax = torch.empty((b, n_chunks), dtype=torch.float32, device=logits.device)
@@ -455,38 +476,27 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
     cidx = torch.empty((b, n_chunks), dtype=torch.int32, device=logits.device)
     temp = temperature if temperature is not None else dummy
     salts = dict(SALT_SEED=rng._SALT_SEED, SALT_POS=rng._SALT_POS, SALT_COL=rng._SALT_COL)
-    _chunks_kernel[(b, n_chunks)](logits, logits.stride(0), seeds, positions, temp, cmax, cbest, cidx, v, n_chunks,
-                                  BLOCK=chunk, HAS_TEMP=temperature is not None, num_warps=8, **salts, **pdl)
+    _chunks_kernel[(b, n_chunks)](logits, logits.stride(0), seeds, positions, temp, k_arg, cmax, cbest, cidx, v,
+                                  n_chunks, BLOCK=chunk, HAS_TEMP=temperature is not None, SELECTED=selected,
+                                  num_warps=8, **salts, **pdl)
     # The split first pass pays for top-p alone (its first rejection test spread over the chunks: -37% at batch 1,
     # -37% at 256 on the H200); with top-k the row program searches first, and min-p alone needs no test pass.
-    kth = None
-    if top_k is not None and 0 < max_top_k <= TOPK_SELECT_MAX:
-        # The k-th largest raw logit of each row (-inf where top-k is off): a partial selection, much cheaper
-        # than the search's passes for the small k that generation configs use (Qwen3: 20).
-        vals = torch.topk(logits, min(max_top_k, v), dim=-1).values
-        kk = top_k.to(torch.int64)
-        kth = vals.gather(1, (kk.clamp(1, vals.shape[1]) - 1)[:, None]).squeeze(1).float()
-        kth = torch.where(kk > 0, kth, float("-inf"))
-        top_k = None
-    split = top_k is None and top_p is not None
+    split = not search and top_p is not None
     if split:
         smass, sabove, swin = (torch.empty_like(cmax) for _ in range(3))
         swidx = torch.empty_like(cidx)
         _split_kernel[(b, n_chunks)](
-            logits, logits.stride(0), seeds, positions, temp, min_p if min_p is not None else dummy,
-            kth if kth is not None else temp, cmax, cbest, cidx, smass, sabove, swin, swidx, v, n_chunks,
-            KEY_NEG_INF=_KEY_NEG_INF, BLOCK=chunk, CHUNKS_P2=triton.next_power_of_2(n_chunks),
-            HAS_TEMP=temperature is not None, HAS_MINP=min_p is not None, HAS_KTH=kth is not None, num_warps=8,
-            **salts, **pdl)
+            logits, logits.stride(0), seeds, positions, temp, min_p if min_p is not None else dummy, k_arg, cmax,
+            cbest, cidx, smass, sabove, swin, swidx, v, n_chunks, KEY_NEG_INF=_KEY_NEG_INF, BLOCK=chunk,
+            CHUNKS_P2=triton.next_power_of_2(n_chunks), HAS_TEMP=temperature is not None, HAS_MINP=min_p is not None,
+            SELECTED=selected, num_warps=8, **salts, **pdl)
     else:
         smass = sabove = swin = cmax
         swidx = cidx
     _topk_topp_kernel[(b,)](
-        logits, logits.stride(0), seeds, positions, temp, top_k if top_k is not None else dummy,
-        top_p if top_p is not None else dummy, min_p if min_p is not None else dummy,
-        kth if kth is not None else temp, cmax, cbest, cidx, smass,
-        sabove, swin, swidx, out, thr, v, n_chunks, KEY_NEG_INF=_KEY_NEG_INF, BLOCK=block, NP=_NP,
-        CHUNKS_P2=triton.next_power_of_2(n_chunks), HAS_TEMP=temperature is not None, HAS_K=top_k is not None,
-        HAS_P=top_p is not None, HAS_MINP=min_p is not None, WANT_THR=want_threshold, HAS_SPLIT=split,
-        HAS_KTH=kth is not None, num_warps=num_warps, **salts, **pdl)
+        logits, logits.stride(0), seeds, positions, temp, k_arg, top_p if top_p is not None else dummy,
+        min_p if min_p is not None else dummy, cmax, cbest, cidx, smass, sabove, swin, swidx, out, thr, v, n_chunks,
+        KEY_NEG_INF=_KEY_NEG_INF, BLOCK=block, NP=_NP, CHUNKS_P2=triton.next_power_of_2(n_chunks),
+        HAS_TEMP=temperature is not None, HAS_K=search, HAS_P=top_p is not None, HAS_MINP=min_p is not None,
+        WANT_THR=want_threshold, HAS_SPLIT=split, SELECTED=selected, num_warps=num_warps, **salts, **pdl)
     return out, (thr if want_threshold else None)

@@ -229,8 +229,9 @@ class Sampler(torch.nn.Module):
 
     def _truncated_fused(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """min-p / top-k / top-p rows on the GPU: tokenmill.kernels.triton_topk_topp draws the race winner over the
-        kept set without sorting (the same token as the torch path below) and, when processed logprobs need it,
-        returns each row's threshold so the kept set is `scaled logits >= threshold`."""
+        kept set without sorting (the same token as the torch path below; when md.max_top_k <= TOPK_SELECT_MAX the
+        rows with top-k come from torch.topk's candidates, without a pass over the row) and, when processed logprobs
+        need it, returns each row's threshold so the kept set is `scaled logits >= threshold`."""
         from tokenmill.kernels.triton_topk_topp import topk_topp_sample
         want_lp = md.max_num_logprobs is not None
         mode = md.logprobs_mode
