@@ -34,7 +34,7 @@ import triton.language as tl
 
 from tokenmill.kernels import sampling_rng as rng
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
-from tokenmill.kernels.triton_topk_topp import _draw, _key, _log, _pick, _race, _row_key, _row_temp, _scale, _unkey
+from tokenmill.kernels.triton_sampling_rows import _draw, _key, _log, _pick, _race, _row_key, _row_temp, _scale, _unkey
 
 # Candidates fetched beyond the largest k, so that the tie group of the k-th value rarely runs past the list.
 TIE_SLACK = 32

@@ -52,16 +52,15 @@ stream a few times per step. CUDA-graph safe: no host control flow depends on th
 """
 from __future__ import annotations
 
-import struct
-
 import torch
 import triton
 import triton.language as tl
 
-from tokenmill import envs
 from tokenmill.kernels import sampling_rng as rng
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
-from tokenmill.kernels.triton_sampling import _mix32
+from tokenmill.kernels.triton_sampling_rows import (_KEY_NEG_INF, _better, _chunk, _draw, _key, _log, _pick,
+                                                    _prefetch, _race, _row_key, _row_temp, _scale, _spread, _unkey)
+from tokenmill.kernels.triton_topk_select import select_sample
 
 # Pass 0 chunks as race_argmax's (2048 columns, 8 warps: 75 programs per 152k row). The row program streams 2048
 # columns per iteration with 16 warps: its passes are bound by the latency of one load round trip per iteration,
@@ -73,103 +72,6 @@ _NP = 8          # keys evaluated per search pass (the bracket ends included)
 # Largest batch top_k that kernels/triton_topk_select draws from torch.topk's candidates (above it, the bracket
 # search passes).
 TOPK_SELECT_MAX = 256
-
-
-def _host_key(x: float) -> int:
-    bits = struct.unpack("<i", struct.pack("<f", x))[0]
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-_KEY_NEG_INF = _host_key(float("-inf"))
-
-if envs.TRITON_INTERPRET:  # the CPU interpreter has no libdevice; numpy's log is exact enough
-    @triton.jit
-    def _log(x):
-        return tl.log(x)
-else:
-    from triton.language.extra import libdevice
-
-    @triton.jit
-    def _log(x):
-        # libdevice's logf, the function torch's CUDA log calls (tl.log may use the approximate lg2 instruction):
-        # the race values must be the torch path's, bit for bit.
-        return libdevice.log(x)
-
-
-@triton.jit
-def _key(y):
-    """Order-preserving int32 image of an fp32 value; -0.0 and +0.0 share key 0 (they compare equal)."""
-    bits = y.to(tl.int32, bitcast=True)
-    k = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return tl.where(k == -1, 0, k)
-
-
-@triton.jit
-def _unkey(k):
-    bits = k ^ ((k >> 31) & 0x7FFFFFFF)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _scale(raw, temp, HAS_TEMP: tl.constexpr):
-    y = raw.to(tl.float32)
-    if HAS_TEMP:  # IEEE division, as torch's logits.div_(temperature) in fp32
-        y = tl.math.div_rn(y, temp)
-    return y
-
-
-@triton.jit
-def _chunk(row_ptr, start, V, temp, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr):
-    cols = start + tl.arange(0, BLOCK)
-    mask = cols < V
-    return cols, mask, _scale(tl.load(row_ptr + cols, mask=mask, other=float("-inf")), temp, HAS_TEMP)
-
-
-@triton.jit
-def _prefetch(row_ptr, start, V, BLOCK: tl.constexpr):
-    """The raw values of the chunk at `start`: the row loops issue the next chunk's load before working on the
-    current one, so one load round trip overlaps each iteration's arithmetic (the loops are latency-bound)."""
-    cols = start + tl.arange(0, BLOCK)
-    return tl.load(row_ptr + cols, mask=cols < V, other=float("-inf"))
-
-
-@triton.jit
-def _race(y, cols, row_key, SALT_COL: tl.constexpr):
-    """y - log(-log u): the race value of each column (sampling_rng's hash and float steps)."""
-    x = _mix32(row_key ^ _mix32(cols.to(tl.int64) ^ SALT_COL))
-    u = (x >> 9).to(tl.float32) * (2.0 ** -23) + (2.0 ** -24)
-    return y - _log(-_log(u))
-
-
-@triton.jit
-def _better(g, cols, best, best_i, V):
-    """Fold a chunk's race values into the running (best value, first index holding it)."""
-    cb = tl.max(g, axis=0)
-    ci = tl.min(tl.where(g == cb, cols, V + 1), axis=0)
-    take = cb > best
-    return tl.where(take, cb, best), tl.where(take, ci, best_i)
-
-
-@triton.jit
-def _draw(row_ptr, V, temp, row_key, lo, SALT_COL: tl.constexpr, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr,
-          COUNT: tl.constexpr = False):
-    """(race winner over the columns whose key is >= lo, their count if COUNT else 0)."""
-    best = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.full([], 0, tl.int32)
-    cnt = tl.full([], 0, tl.int32)
-    nxt = _prefetch(row_ptr, 0, V, BLOCK)
-    for start in range(0, V, BLOCK):
-        cur = nxt
-        nxt = _prefetch(row_ptr, start + BLOCK, V, BLOCK)
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < V
-        y = _scale(cur, temp, HAS_TEMP)
-        kept = mask & (_key(y) >= lo)
-        if COUNT:
-            cnt += tl.sum(kept.to(tl.int32), axis=0)
-        g = tl.where(kept, _race(y, cols, row_key, SALT_COL), float("-inf"))
-        best, best_i = _better(g, cols, best, best_i, V)
-    return best_i, cnt
 
 
 @triton.jit
@@ -213,35 +115,6 @@ def _stats(row_ptr, V, temp, m, cand, row_key, draw_lo, SALT_COL: tl.constexpr, 
             g = tl.where(mask & (key >= draw_lo), _race(y, cols, row_key, SALT_COL), float("-inf"))
             best, best_i = _better(g, cols, best, best_i, V)
     return cnt, mass, a_min, b_max, best_i, win_i
-
-
-@triton.jit
-def _pick(vec, idx, j):
-    return tl.sum(tl.where(idx == j, vec, 0), axis=0)
-
-
-@triton.jit
-def _spread(lo, hi, idx, NP: tl.constexpr):
-    """NP keys from lo to hi inclusive, evenly spaced (int64 arithmetic: the span can exceed 2**31)."""
-    span = hi.to(tl.int64) - lo.to(tl.int64)
-    return (lo.to(tl.int64) + span * idx.to(tl.int64) // (NP - 1)).to(tl.int32)
-
-
-@triton.jit
-def _row_temp(temp_ptr, b, HAS_TEMP: tl.constexpr):
-    """Row b's temperature (1.0 without temperatures)."""
-    if HAS_TEMP:
-        return tl.load(temp_ptr + b).to(tl.float32)
-    return 1.0
-
-
-@triton.jit
-def _row_key(seeds_ptr, pos_ptr, b, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr):
-    s = tl.load(seeds_ptr + b).to(tl.int64)
-    p = tl.load(pos_ptr + b).to(tl.int64)
-    k = _mix32((s & 0xFFFFFFFF) ^ SALT_SEED)
-    k = _mix32(k ^ ((s >> 32) & 0xFFFFFFFF))
-    return _mix32(k ^ ((p & 0xFFFFFFFF) ^ SALT_POS))
 
 
 @triton.jit
@@ -461,7 +334,6 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
         return out, (thr if want_threshold else None)
     selected = top_k is not None and 0 < max_top_k <= TOPK_SELECT_MAX
     if selected:
-        from tokenmill.kernels.triton_topk_select import select_sample   # it imports this module's helpers
         select_sample(logits, seeds, positions, temperature, top_k, top_p, min_p, max_top_k, out,
                       thr if want_threshold else None, block)
     # The rows without top-k (top_k 0) still run below: which rows those are is on the device only, so the
