@@ -46,10 +46,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--sigma", type=float, nargs="+", default=[1.0, 4.0], help="Logit scales (randn * sigma).")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    for sigma in (1.0, 4.0):
-        for name, s in SETTINGS.items():
+    for sigma in args.sigma:
+        for name in args.settings:
+            s = SETTINGS[name]
             for b in args.batch:
                 g = torch.Generator(device=dev).manual_seed(0)
                 logits = (torch.randn(b, args.vocab, device=dev, generator=g) * sigma).bfloat16()

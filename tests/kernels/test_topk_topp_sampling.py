@@ -100,6 +100,31 @@ def test_bf16_logits_and_no_temperature():
     assert int(thr.isfinite().sum()) == 3   # the row with neither top-k nor top-p keeps everything (-inf)
 
 
+@pytest.mark.parametrize("with_min_p", [False, True])
+def test_top_p_alone_through_every_rejection_stage(with_min_p):
+    """Top-p without top-k: a row is decided by the split pass's test, by a round kernel's or by the row program's
+    serial loop, depending on how many candidates are rejected (top_p from 0.02 to 0.999 spreads the rows over all
+    three); rows with top_p 1 and a fully masked row pass through the rounds. Same token as the torch path."""
+    g = torch.Generator().manual_seed(21 + with_min_p)
+    b, v = 40, 160
+    logits = torch.randn(b, v, generator=g) * 1.5
+    logits[5] = float("-inf")
+    logits[6] = torch.randint(0, 3, (v,), generator=g).float()
+    temp = torch.rand(b, generator=g) + 0.5
+    p = torch.linspace(0.02, 0.999, b)
+    p[7] = p[8] = 1.0
+    mp = (torch.rand(b, generator=g) * 0.2) if with_min_p else None
+    seeds = torch.randint(0, 2 ** 40, (b,), generator=g)
+    pos = torch.arange(b) * 7
+    tok, _ = topk_topp_sample(logits.to(DEV), seeds.to(DEV), pos.to(DEV), temp.to(DEV), None, p.to(DEV),
+                              mp.to(DEV) if mp is not None else None, block=64, chunk=32)
+    assert torch.equal(tok.cpu(), torch_path(logits, temp, seeds, pos, None, p, mp))
+    y = logits / temp[:, None]
+    for i in range(b):
+        if i != 5:
+            assert ref_keep(y[i], 0, float(p[i]), float(mp[i]) if mp is not None else 0.0)[tok[i]], i
+
+
 @pytest.mark.parametrize("max_top_k", [0, 11])
 def test_seeded_rows_do_not_depend_on_the_batch(max_top_k):
     """max_top_k 11: the rows with top-k through torch.topk's candidates (the batch's largest k is 11 or less)."""
@@ -299,13 +324,21 @@ split = {"smass_ptr": "*fp32", "sabove_ptr": "*fp32", "swin_ptr": "*fp32", "swid
 build(m._split_kernel, {**head, "minp_ptr": "*fp32", "k_ptr": "*i64", **chunks, **split, "V": "i32",
                         "n_chunks": "i32"},
       dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._CHUNK, CHUNKS_P2=128, HAS_TEMP=True, HAS_MINP=True,
-           SELECTED=True, PDL=1), 8)
+           DRAW=False, SELECTED=True, PDL=1), 8)
+rnd = {"pabove_ptr": "*fp32", "pwin_ptr": "*fp32", "pwidx_ptr": "*i32", "pstate_ptr": "*i32", "above_ptr": "*fp32",
+       "win_ptr": "*fp32", "widx_ptr": "*i32", "state_ptr": "*i32"}
+for first in (True, False):
+    build(m._round_kernel, {**head, "p_ptr": "*fp32", "minp_ptr": "*fp32", "k_ptr": "*i64", **chunks,
+                            "smass_ptr": "*fp32", **rnd, "out_ptr": "*i64", "V": "i32", "n_chunks": "i32"},
+          dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._CHUNK, CHUNKS_P2=128, HAS_TEMP=True, HAS_MINP=True,
+               FIRST=first, SELECTED=True, PDL=1), 8)
 for want, has_split in ((False, False), (True, False), (False, True), (True, True)):
     build(m._topk_topp_kernel, {**head, "k_ptr": "*i64", "p_ptr": "*fp32", "minp_ptr": "*fp32", **chunks, **split,
-                                "out_ptr": "*i64", "thr_ptr": "*fp32", "V": "i32", "n_chunks": "i32"},
+                                "state_ptr": "*i32", "out_ptr": "*i64", "thr_ptr": "*fp32", "V": "i32",
+                                "n_chunks": "i32"},
           dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._BLOCK, NP=m._NP, CHUNKS_P2=128, HAS_TEMP=True,
                HAS_K=not has_split, HAS_P=True, HAS_MINP=True, WANT_THR=want, HAS_SPLIT=has_split,
-               SELECTED=has_split, PDL=1), m._ROW_WARPS)
+               ROUNDS=has_split and not want, SELECTED=has_split, PDL=1), m._ROW_WARPS)
 for want in (False, True):
     build(sel._select_kernel, {**head, "vals_ptr": "*bf16", "cols_ptr": "*i64", "W": "i32", "k_ptr": "*i64",
                                "p_ptr": "*fp32", "minp_ptr": "*fp32", "out_ptr": "*i64", "thr_ptr": "*fp32",
@@ -322,4 +355,4 @@ def test_the_kernel_compiles_for_sm90():
     if r.returncode != 0 and ("ImportError" in r.stderr or "ptxas" in r.stderr):
         pytest.skip(f"no sm_90 compile here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("ttgir") == 8  # chunks, split, four row-program variants and two select kernels
+    assert r.stdout.count("ttgir") == 10  # chunks, split, two rounds, four row programs and two select kernels

@@ -43,6 +43,24 @@ def _mix32(x):
 
 
 @triton.jit
+def _mix32_u32(x):
+    """_mix32 on uint32 values: the same bits (the products wrap mod 2**32 by themselves), in native 32-bit
+    arithmetic instead of emulated 64-bit multiplies - the per-column hash is most of a race pass's work."""
+    x = x ^ (x >> 15)
+    x = x * 0x2C1B3C6D
+    x = x ^ (x >> 12)
+    x = x * 0x297A2D39
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _uniform(row_key, cols, SALT_COL: tl.constexpr):
+    """Each column's uniform in (0, 1) for a row key in [0, 2**32): sampling_rng's hash and float steps."""
+    x = _mix32_u32(row_key.to(tl.uint32) ^ _mix32_u32(cols.to(tl.uint32) ^ SALT_COL))
+    return (x >> 9).to(tl.float32) * (2.0 ** -23) + (2.0 ** -24)
+
+
+@triton.jit
 def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, best_val_ptr, best_idx_ptr, flag_ptr, V,
                  n_chunks, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr,
                  BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_FLAG: tl.constexpr = False,
@@ -62,9 +80,7 @@ def _race_stage1(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, best_val_pt
     row_key = _mix32(k ^ ((p & 0xFFFFFFFF) ^ SALT_POS))
     cols = c * BLOCK + tl.arange(0, BLOCK)
     mask = cols < V
-    col_key = _mix32(cols.to(tl.int64) ^ SALT_COL)
-    x = _mix32(row_key ^ col_key)
-    u = (x >> 9).to(tl.float32) * (2.0 ** -23) + (2.0 ** -24)
+    u = _uniform(row_key, cols, SALT_COL)
     lg = tl.load(logits_ptr + b.to(tl.int64) * stride_b + cols, mask=mask, other=float("-inf")).to(tl.float32)
     if HAS_TEMP:  # IEEE division, as torch's logits.div_(temperature) in fp32
         lg = tl.math.div_rn(lg, tl.load(temp_ptr + b).to(tl.float32))

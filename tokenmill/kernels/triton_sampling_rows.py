@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from tokenmill import envs
-from tokenmill.kernels.triton_sampling import _mix32
+from tokenmill.kernels.triton_sampling import _mix32, _uniform
 
 
 def _host_key(x: float) -> int:
@@ -76,9 +76,7 @@ def _prefetch(row_ptr, start, V, BLOCK: tl.constexpr):
 @triton.jit
 def _race(y, cols, row_key, SALT_COL: tl.constexpr):
     """y - log(-log u): the race value of each column (sampling_rng's hash and float steps)."""
-    x = _mix32(row_key ^ _mix32(cols.to(tl.int64) ^ SALT_COL))
-    u = (x >> 9).to(tl.float32) * (2.0 ** -23) + (2.0 ** -24)
-    return y - _log(-_log(u))
+    return y - _log(-_log(_uniform(row_key, cols, SALT_COL)))
 
 
 @triton.jit

@@ -47,7 +47,10 @@ the kernels here draw only the rows without top-k. Which rows those are is known
 launch in full, and the programs of the other rows return at once.
 
 After pass 0, one program per row: the loops are data-dependent per row, and a row is small enough (152k values) to
-stream a few times per step. CUDA-graph safe: no host control flow depends on the data, and the only scratch is the
+stream a few times per step. Top-p alone (no top-k search) spreads its first tests over (row, chunk) programs
+instead: the split pass sums the masses x0's test needs, and _ROUNDS round kernels each decide the last candidate
+and test the next one for the rows that rejected theirs, so the row program streams a row only after _ROUNDS
+rejections (a batch of 256 rows at top_p 0.95 would otherwise almost always wait on some row's serial pass). CUDA-graph safe: no host control flow depends on the data, and the only scratch is the
 [B, chunks] pass-0 results, allocated per call.
 """
 from __future__ import annotations
@@ -69,6 +72,7 @@ _CHUNK = 2048
 _BLOCK = 2048
 _ROW_WARPS = 16
 _NP = 8          # keys evaluated per search pass (the bracket ends included)
+_ROUNDS = 3      # top-p rejection rounds after the split pass, spread over the chunks (three tests: x0, x1, x2)
 # Largest batch top_k that kernels/triton_topk_select draws from torch.topk's candidates (above it, the bracket
 # search passes).
 TOPK_SELECT_MAX = 256
@@ -171,11 +175,12 @@ def _value_key(row_ptr, x, temp, HAS_TEMP: tl.constexpr):
 def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, k_ptr, cmax_ptr, cbest_ptr,
                   cidx_ptr, smass_ptr, sabove_ptr, swin_ptr, swidx_ptr, V, n_chunks, KEY_NEG_INF: tl.constexpr,
                   SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
-                  CHUNKS_P2: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_MINP: tl.constexpr,
+                  CHUNKS_P2: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_MINP: tl.constexpr, DRAW: tl.constexpr,
                   SELECTED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Without a top-k search, the row program's first pass spread over (row, chunk) programs: per chunk, the mass
-    of the min-p survivors P, the mass strictly above x0, and the race winner over the keys above x0 (x0 in P) or
-    over P (x0 not in P) - the next candidate."""
+    of the min-p survivors P, the mass strictly above x0, and (DRAW) the race winner over the keys above x0 (x0 in
+    P) or over P (x0 not in P) - the next candidate. Without DRAW the first round kernel draws it, for the rows
+    that need it only (most rows accept x0, and the race is most of a pass's arithmetic)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1)
@@ -192,24 +197,99 @@ def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, 
     cols, mask, y = _chunk(row_ptr, c * BLOCK, V, temp, BLOCK, HAS_TEMP)
     key = _key(y)
     e = tl.exp(y - m)
-    g = tl.where(mask & (key >= draw_lo), _race(y, cols, _row_key(seeds_ptr, pos_ptr, b, SALT_SEED, SALT_POS),
-                                                SALT_COL), float("-inf"))
-    best = tl.max(g, axis=0)
     at = b * n_chunks + c
     tl.store(smass_ptr + at, tl.sum(tl.where(mask & (key >= lo), e, 0.0), axis=0))
     tl.store(sabove_ptr + at, tl.sum(tl.where(mask & (key > kx), e, 0.0), axis=0))
-    tl.store(swin_ptr + at, best)
-    tl.store(swidx_ptr + at, tl.min(tl.where(g == best, cols, V + 1), axis=0))
+    if DRAW:
+        g = tl.where(mask & (key >= draw_lo), _race(y, cols, _row_key(seeds_ptr, pos_ptr, b, SALT_SEED, SALT_POS),
+                                                    SALT_COL), float("-inf"))
+        best = tl.max(g, axis=0)
+        tl.store(swin_ptr + at, best)
+        tl.store(swidx_ptr + at, tl.min(tl.where(g == best, cols, V + 1), axis=0))
+
+
+@triton.jit
+def _round_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, p_ptr, minp_ptr, k_ptr, cmax_ptr, cbest_ptr,
+                  cidx_ptr, smass_ptr, pabove_ptr, pwin_ptr, pwidx_ptr, pstate_ptr, above_ptr, win_ptr, widx_ptr,
+                  state_ptr, out_ptr, V, n_chunks, KEY_NEG_INF: tl.constexpr, SALT_SEED: tl.constexpr,
+                  SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                  HAS_TEMP: tl.constexpr, HAS_MINP: tl.constexpr, FIRST: tl.constexpr, SELECTED: tl.constexpr = False,
+                  PDL: tl.constexpr = False):
+    """One rejection test of top-p, spread over (row, chunk) programs like the split pass. The previous round (the
+    split pass when FIRST) tested candidate x; every program of row b decides from the per-chunk sums whether x is
+    in A. If so the row is done: out[b] = x, state[b] = -1. If not, the next candidate (the race winner over the
+    keys above x, from the previous round's per-chunk winners) is tested here: per chunk, the mass strictly above
+    it and the race winner above it (the one after it); state[b] = the candidate.
+    FIRST: the split pass drew no winners, so a rejected x0 is not followed by a test: this round draws the winner
+    above x0 (state[b] = -2 - x0, "x rejected, the next candidate is in the winners"); rows without top-p get
+    their winner over P here too. Later rounds pass rows without top-p and finished rows through unchanged, so the
+    row program reads one uniform state after the last round."""
+    pdl_wait(PDL)
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    if _selected(k_ptr, b, SELECTED):
+        return
+    at = b * n_chunks + c
+    ci, cm, _, m, x0 = _pass0(cmax_ptr, cbest_ptr, cidx_ptr, b, n_chunks, V, CHUNKS_P2)
+    if FIRST:
+        x = x0
+    else:
+        x = tl.load(pstate_ptr + b)
+    pp = tl.load(p_ptr + b).to(tl.float32)
+    use_p = pp < 1.0
+    skip = (m == float("-inf")) | (x == -1)
+    if not FIRST:
+        skip = skip | (use_p == 0)
+    if skip:
+        tl.store(above_ptr + at, tl.load(pabove_ptr + at))
+        tl.store(win_ptr + at, tl.load(pwin_ptr + at))
+        tl.store(widx_ptr + at, tl.load(pwidx_ptr + at))
+        if c == 0:
+            tl.store(state_ptr + b, x)
+        return
+    temp = _row_temp(temp_ptr, b, HAS_TEMP)
+    row_ptr = logits_ptr + b.to(tl.int64) * stride_b
+    lo = tl.full([], KEY_NEG_INF, tl.int32)
+    if HAS_MINP:
+        lo = tl.maximum(lo, _key(m + _log(tl.load(minp_ptr + b).to(tl.float32))))
+    rejected = x <= -2   # (not FIRST) the previous round rejected -2 - x and drew past it
+    x = tl.where(rejected, -2 - x, x)
+    z = tl.sum(tl.load(smass_ptr + b * n_chunks + ci, mask=cm, other=0.0), axis=0)
+    above_x = tl.sum(tl.load(pabove_ptr + b * n_chunks + ci, mask=cm, other=0.0), axis=0)
+    if use_p & (rejected == 0) & (_value_key(row_ptr, x, temp, HAS_TEMP) >= lo) & (above_x < pp * z):
+        if c == 0:
+            tl.store(out_ptr + b, x.to(tl.int64))
+            tl.store(state_ptr + b, -1)
+        return
+    if not FIRST:
+        pwin = tl.load(pwin_ptr + b * n_chunks + ci, mask=cm, other=float("-inf"))
+        x = tl.min(tl.where(cm & (pwin == tl.max(pwin, axis=0)),
+                            tl.load(pwidx_ptr + b * n_chunks + ci, mask=cm, other=0), V + 1), axis=0)
+    kx = _value_key(row_ptr, x, temp, HAS_TEMP)
+    draw_lo = tl.where(kx >= lo, kx + 1, lo)
+    cols, mask, y = _chunk(row_ptr, c * BLOCK, V, temp, BLOCK, HAS_TEMP)
+    key = _key(y)
+    g = tl.where(mask & (key >= draw_lo), _race(y, cols, _row_key(seeds_ptr, pos_ptr, b, SALT_SEED, SALT_POS),
+                                                SALT_COL), float("-inf"))
+    best = tl.max(g, axis=0)
+    tl.store(above_ptr + at, tl.sum(tl.where(mask & (key > kx), tl.exp(y - m), 0.0), axis=0))
+    tl.store(win_ptr + at, best)
+    tl.store(widx_ptr + at, tl.min(tl.where(g == best, cols, V + 1), axis=0))
+    if c == 0:
+        if FIRST:
+            tl.store(state_ptr + b, tl.where(use_p, -2 - x, x))
+        else:
+            tl.store(state_ptr + b, x)
 
 
 @triton.jit
 def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr, p_ptr, minp_ptr, cmax_ptr,
-                      cbest_ptr, cidx_ptr, smass_ptr, sabove_ptr, swin_ptr, swidx_ptr, out_ptr, thr_ptr, V, n_chunks,
-                      KEY_NEG_INF: tl.constexpr, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr,
+                      cbest_ptr, cidx_ptr, smass_ptr, sabove_ptr, swin_ptr, swidx_ptr, state_ptr, out_ptr, thr_ptr, V,
+                      n_chunks, KEY_NEG_INF: tl.constexpr, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr,
                       SALT_COL: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, CHUNKS_P2: tl.constexpr,
                       HAS_TEMP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MINP: tl.constexpr,
-                      WANT_THR: tl.constexpr, HAS_SPLIT: tl.constexpr, SELECTED: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      WANT_THR: tl.constexpr, HAS_SPLIT: tl.constexpr, ROUNDS: tl.constexpr = False,
+                      SELECTED: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     b = tl.program_id(0)
     if _selected(k_ptr, b, SELECTED):
@@ -228,14 +308,22 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
     if HAS_MINP:
         lo = tl.maximum(lo, _key(m + _log(tl.load(minp_ptr + b).to(tl.float32))))
 
-    if HAS_SPLIT:   # the split first pass (no top-k in the batch)
+    if HAS_SPLIT:   # the split first pass (no top-k in the batch), then ROUNDS: the round kernels' last state
+        rejected = False
+        if ROUNDS:
+            x = tl.load(state_ptr + b)   # the candidate the last round tested (x0 for rows without top-p)
+            if x == -1:   # a round found the token and stored it
+                return
+            rejected = x <= -2       # after one round only: -2 - x was rejected, the winners are past it
+            x = tl.where(rejected, -2 - x, x)
         z_split = tl.sum(tl.load(smass_ptr + b * n_chunks + ci, mask=cm, other=0.0), axis=0)
         above_x0 = tl.sum(tl.load(sabove_ptr + b * n_chunks + ci, mask=cm, other=0.0), axis=0)
         swin = tl.load(swin_ptr + b * n_chunks + ci, mask=cm, other=float("-inf"))
         x1 = tl.min(tl.where(cm & (swin == tl.max(swin, axis=0)),
                              tl.load(swidx_ptr + b * n_chunks + ci, mask=cm, other=0), V + 1), axis=0)
         have0 = _value_key(row_ptr, x, temp, HAS_TEMP) >= lo
-        # The race winner over a superset of A either way (x0 over the row, x1 over P when x0 is not in P).
+        # The race winner over a superset of A either way (x over the row or the keys above the last rejected
+        # candidate, x1 over P or the keys above x when x is not kept).
         x_split = tl.where(have0, x, x1)
         if WANT_THR or not HAS_P:
             x = x_split
@@ -284,8 +372,8 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
             # strictly above it; column 0: the mass of all that min-p / top-k kept) and draws the next candidate,
             # the race winner over the keys above x.
             searching = use_p
-            if HAS_SPLIT:   # x0's test is done: accepted, or x1 is the next candidate (superset of A, untested)
-                accept0 = have0 & (above_x0 < pp * z_split)
+            if HAS_SPLIT:   # x's test is done: accepted, or x1 is the next candidate (superset of A, untested)
+                accept0 = have0 & (above_x0 < pp * z_split) & (rejected == 0)
                 x = tl.where(use_p, tl.where(accept0, x, x1), x_split)
                 searching = use_p & (accept0 == 0)
             x_key = _value_key(row_ptr, x, temp, HAS_TEMP)
@@ -354,6 +442,11 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
     # The split first pass pays for top-p alone (its first rejection test spread over the chunks: -37% at batch 1,
     # -37% at 256 on the H200); with top-k the row program searches first, and min-p alone needs no test pass.
     split = not search and top_p is not None
+    # Then each round decides the rows' last candidate and tests the next one of the rows that rejected theirs,
+    # spread over the chunks like the split pass; a row whose first _ROUNDS candidates are all rejected (probability
+    # <= (1 - top_p) ** _ROUNDS) goes on serially in the row program. Programs of finished rows return at once, so a
+    # round costs little once most rows are done. The threshold search needs the split's own draw instead.
+    rounds = _ROUNDS if split and not want_threshold else 0
     if split:
         smass, sabove, swin = (torch.empty_like(cmax) for _ in range(3))
         swidx = torch.empty_like(cidx)
@@ -361,14 +454,28 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
             logits, logits.stride(0), seeds, positions, temp, min_p if min_p is not None else dummy, k_arg, cmax,
             cbest, cidx, smass, sabove, swin, swidx, v, n_chunks, KEY_NEG_INF=_KEY_NEG_INF, BLOCK=chunk,
             CHUNKS_P2=triton.next_power_of_2(n_chunks), HAS_TEMP=temperature is not None, HAS_MINP=min_p is not None,
-            SELECTED=selected, num_warps=8, **salts, **pdl)
+            DRAW=rounds == 0, SELECTED=selected, num_warps=8, **salts, **pdl)
     else:
         smass = sabove = swin = cmax
         swidx = cidx
+    state = cidx
+    for r in range(rounds):
+        # Fresh allocations, not views into one buffer: a view's offset changes the pointers' 16-byte alignment
+        # with the batch size, and Triton compiles a variant per alignment (seconds each, mid-run).
+        nxt = (torch.empty_like(cmax), torch.empty_like(cmax), torch.empty_like(cidx),
+               torch.empty(b, dtype=torch.int32, device=logits.device))
+        _round_kernel[(b, n_chunks)](
+            logits, logits.stride(0), seeds, positions, temp, top_p, min_p if min_p is not None else dummy, k_arg,
+            cmax, cbest, cidx, smass, sabove, swin, swidx, state, *nxt, out, v, n_chunks, KEY_NEG_INF=_KEY_NEG_INF,
+            BLOCK=chunk, CHUNKS_P2=triton.next_power_of_2(n_chunks), HAS_TEMP=temperature is not None,
+            HAS_MINP=min_p is not None, FIRST=r == 0, SELECTED=selected, num_warps=8, **salts, **pdl)
+        sabove, swin, swidx, state = nxt
     _topk_topp_kernel[(b,)](
         logits, logits.stride(0), seeds, positions, temp, k_arg, top_p if top_p is not None else dummy,
-        min_p if min_p is not None else dummy, cmax, cbest, cidx, smass, sabove, swin, swidx, out, thr, v, n_chunks,
+        min_p if min_p is not None else dummy, cmax, cbest, cidx, smass, sabove, swin, swidx, state, out, thr, v,
+        n_chunks,
         KEY_NEG_INF=_KEY_NEG_INF, BLOCK=block, NP=_NP, CHUNKS_P2=triton.next_power_of_2(n_chunks),
         HAS_TEMP=temperature is not None, HAS_K=search, HAS_P=top_p is not None, HAS_MINP=min_p is not None,
-        WANT_THR=want_threshold, HAS_SPLIT=split, SELECTED=selected, num_warps=num_warps, **salts, **pdl)
+        WANT_THR=want_threshold, HAS_SPLIT=split, ROUNDS=rounds > 0, SELECTED=selected, num_warps=num_warps,
+        **salts, **pdl)
     return out, (thr if want_threshold else None)
