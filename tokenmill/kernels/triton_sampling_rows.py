@@ -11,8 +11,7 @@ import struct
 import triton
 import triton.language as tl
 
-from tokenmill import envs
-from tokenmill.kernels.triton_sampling import _mix32, _uniform
+from tokenmill.kernels.triton_sampling import _log, _mix32, _uniform
 
 
 def _host_key(x: float) -> int:
@@ -21,19 +20,6 @@ def _host_key(x: float) -> int:
 
 
 _KEY_NEG_INF = _host_key(float("-inf"))
-
-if envs.TRITON_INTERPRET:  # the CPU interpreter has no libdevice; numpy's log is exact enough
-    @triton.jit
-    def _log(x):
-        return tl.log(x)
-else:
-    from triton.language.extra import libdevice
-
-    @triton.jit
-    def _log(x):
-        # libdevice's logf, the function torch's CUDA log calls (tl.log may use the approximate lg2 instruction):
-        # the race values must be the torch path's, bit for bit.
-        return libdevice.log(x)
 
 
 @triton.jit
