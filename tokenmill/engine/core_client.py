@@ -79,6 +79,8 @@ class AsyncMPClient:
         self._start_timeout_s = start_timeout_s
         self.num_blocks: int | None = None
         self.kv_capacity: list | None = None  # the first engine's per layer group (core/kv_cache_groups.kv_capacity)
+        # The first engine's start-up phases (seconds by name) and kernel compile seconds (None: not tracked).
+        self.engine_startup: tuple[dict[str, float] | None, float | None] = (None, None)
         if wait:
             self.wait_ready()
 
@@ -112,6 +114,7 @@ class AsyncMPClient:
                         ready[msg["engine_index"]] = msg["num_blocks"]
                         if msg["engine_index"] == 0 or self.kv_capacity is None:
                             self.kv_capacity = msg.get("kv_capacity")
+                            self.engine_startup = (msg.get("startup"), msg.get("startup_compile_seconds"))
                     elif kind == FAILED:
                         raise RuntimeError(payload.decode(errors="replace"))
                 if time.monotonic() > deadline:

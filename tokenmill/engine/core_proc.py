@@ -87,9 +87,11 @@ class EngineCoreProc:
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
 
-    def announce_ready(self) -> None:
+    def announce_ready(self, startup: dict[str, float] | None = None) -> None:
         msg = self.encoder.encode({"engine_index": self.engine_index, "num_blocks": self.core.num_blocks,
-                                   "kv_capacity": self.core.kv_capacity})
+                                   "kv_capacity": self.core.kv_capacity,
+                                   "startup": {**(startup or {}), **self.core.startup_seconds},
+                                   "startup_compile_seconds": self.core.startup_compile_seconds})
         for sock in self.outputs:
             sock.send_multipart([READY, msg])
 
@@ -228,8 +230,14 @@ def _hello(hs: zmq.Socket, engine_index: int, parent_pid: int) -> dict | None:
     return msg
 
 
-def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: int) -> None:
-    """Process entry point for data-parallel rank `engine_index`: handshake, build, announce, serve."""
+def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: int,
+                    standby_times: tuple[float, float] | None = None) -> None:
+    """Process entry point for data-parallel rank `engine_index`: handshake, build, announce, serve.
+    standby_times: (seconds of imports, seconds then waited for the config) of a process started ahead of its
+    config (engine/standby.py); else the imports are this process's age at entry (unpickling the config)."""
+    from tokenmill.metrics.startup import process_age
+    startup = ({"imports": process_age()} if standby_times is None
+               else {"imports": standby_times[0], "waited for its config": standby_times[1]})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process that started us decides when we stop
     signal.signal(signal.SIGUSR1, lambda *_: os._exit(0))  # ...and says so with launcher.ENGINE_STOP_SIGNAL
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # while starting: nothing to drain yet
@@ -254,7 +262,7 @@ def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: 
         os._exit(1)
     from tokenmill.gc_utils import freeze_gc_heap
     freeze_gc_heap(f"engine core {engine_index}")
-    proc.announce_ready()
+    proc.announce_ready(startup)
     hs.send_multipart([READY, msgspec.msgpack.encode({"rank": engine_index, "num_blocks": proc.core.num_blocks})])
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:

@@ -62,6 +62,8 @@ class EngineCore:
                                 "KV cache and CUDA graphs": t3 - t2, "total": time.perf_counter() - t0}
         logger.info("Engine ready in %s%s", format_startup(self.startup_seconds),
                     f"; within them, kernel compile {compiles.describe()}" if compiles.available else "")
+        # Reported to the API server for its own breakdown line (compile time is within the phases above).
+        self.startup_compile_seconds = compiles.seconds if compiles.available else None
         self.async_scheduling = bool(config.scheduler_config.async_scheduling)
         # Speculative decoding steps aside while decoding without drafts is measured faster.
         spec = config.speculative_config

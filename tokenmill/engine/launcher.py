@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from tokenmill import envs
+from tokenmill.engine import standby
 from tokenmill.engine.core_proc import FAILED, HELLO, NODE_HELLO, READY, REJECT, SHUTDOWN, WELCOME, run_engine_core
 from tokenmill.logger import init_logger
 
@@ -122,10 +123,13 @@ def spawn_engine_cores(config, ranks: range, handshake: str, parent_pid: int) ->
             env = {"CUDA_VISIBLE_DEVICES": devices_for_rank(i, config.parallel_config.world_size, visible)}
         else:
             env = {} if cpu_threads is None else {"TOKENMILL_CPU_NUM_THREADS": cpu_threads}
-        proc = mp.Process(target=run_engine_core, name=f"TokenmillEngineCore_DP{rank}",
-                          args=(config, rank, handshake, parent_pid), daemon=True)
-        with _environ(**env):
-            proc.start()
+        args = (config, rank, handshake, parent_pid)
+        # The first rank takes the process `tokenmill serve` started ahead (its imports are done by now).
+        proc = standby.take(env, args) if i == 0 else None
+        if proc is None:
+            proc = mp.Process(target=run_engine_core, name=f"TokenmillEngineCore_DP{rank}", args=args, daemon=True)
+            with _environ(**env):
+                proc.start()
         procs[rank] = proc
     return procs
 

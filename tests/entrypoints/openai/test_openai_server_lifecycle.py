@@ -47,6 +47,13 @@ def test_tokenmill_serve_embedded_model_tls_and_sigterm(tmp_path, tls_files):
                     pass
                 assert time.monotonic() - t0 < 60, f"not healthy within 60 s:\n{srv.log()}"
                 time.sleep(0.2)
+        # One start-up line from the server's own start; the engine core was the process `serve` started ahead
+        # of its config (engine/standby.py).
+        ready = [line for line in srv.log().splitlines() if "Server ready in " in line]
+        assert len(ready) == 1, srv.log()
+        for phase in ("interpreter and imports", "engine config", "tokenizer and engine core", "API start",
+                      "waited for its config", "workers and weights", "KV cache and CUDA graphs"):
+            assert phase in ready[0], ready[0]
         oai = openai.OpenAI(base_url=url + "/v1", api_key="x", http_client=httpx.Client(verify=False),
                             max_retries=0)
         model = oai.models.list().data[0].id

@@ -38,6 +38,10 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def serve(argv: list[str]) -> None:
+    # The engine core's process starts now, so that its imports (seconds of them) overlap this process's.
+    if not any(a in ("-h", "--help", "--headless") or a.startswith("--api-server-count") for a in argv):
+        from tokenmill.engine import standby
+        standby.prestart()
     from tokenmill.config.args import parse_serve_args
     from tokenmill.entrypoints.openai.api_server import run_server
     engine_kwargs, frontend = parse_serve_args(argv, prog="tokenmill serve")

@@ -35,6 +35,7 @@ from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenmill.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from tokenmill.logger import init_logger
+from tokenmill.metrics.startup import SERVER, format_phases
 from tokenmill.metrics.step_timing import watch_event_loop
 
 logger = init_logger(__name__)
@@ -468,6 +469,7 @@ async def serve(engine: EngineClient, frontend: FrontendConfig, sockets: list | 
     freeze_gc_heap("API server")
     logger.info("tokenmill %s serving %s on %s", tokenmill.__version__,
                 ", ".join(app.state.engine.config.model_config.served_model_name or []), frontend.url)
+    _log_ready(engine)
     ssl_task = None
     if frontend.enable_ssl_refresh and frontend.ssl_certfile:
         ssl_task = asyncio.ensure_future(_watch_ssl_files(server, frontend))
@@ -479,6 +481,22 @@ async def serve(engine: EngineClient, frontend: FrontendConfig, sockets: list | 
     return app.state.exit_code
 
 
+def _log_ready(engine: EngineClient) -> None:
+    """The start-up breakdown of this process (from its own start) and of the first engine core's."""
+    if not SERVER.phases:  # serve() of a caller that started the engine itself (several API servers, tests)
+        return
+    SERVER.mark("API start")
+    phases = dict(SERVER.phases)
+    core, compiled = getattr(getattr(engine, "client", None), "engine_startup", (None, None))
+    detail = ""
+    if core:
+        inner = [(k, v) for k, v in core.items() if k != "total"]
+        if compiled is not None:
+            inner.append(("of which kernel compile", compiled))
+        detail = f" (the engine core's process: {format_phases(inner)})"
+    logger.info("Server ready in %.1f s: %s%s", SERVER.total(), format_phases(list(phases.items())), detail)
+
+
 def run_server(engine_kwargs: dict[str, Any], frontend: FrontendConfig) -> None:
     """Starts the engine, serves until stopped, then exits: 0 after SIGTERM/SIGINT, 1 if the engine died.
     `--headless` runs only this node's data-parallel engine cores; `--api-server-count N` runs N API servers."""
@@ -486,6 +504,8 @@ def run_server(engine_kwargs: dict[str, Any], frontend: FrontendConfig) -> None:
     from tokenmill.config.scheduler import server_defaults
     engine_kwargs = server_defaults(engine_kwargs)
     if frontend.headless or frontend.api_server_count > 1:
+        from tokenmill.engine import standby
+        standby.discard()  # the engine cores belong to other processes here
         from tokenmill.engine.headless import run_headless
         from tokenmill.entrypoints.openai.multi_server import run_api_servers
         code = run_headless(engine_kwargs) if frontend.headless else run_api_servers(engine_kwargs, frontend, serve)
@@ -496,10 +516,16 @@ def run_server(engine_kwargs: dict[str, Any], frontend: FrontendConfig) -> None:
         logger.warning("--disable-frontend-multiprocessing has no effect: tokenmill's API server always talks to "
                        "an engine core running in its own process.")
 
+    SERVER.mark("interpreter and imports")
+
     async def main() -> int:
+        from tokenmill.config.engine_args import create_engine_config, engine_kwargs as merge_kwargs
         from tokenmill.engine.async_llm import AsyncLLM
         try:
-            engine = AsyncLLM.from_engine_args(log_stats=not frontend.disable_log_stats, **engine_kwargs)
+            config = create_engine_config(**merge_kwargs(None, engine_kwargs))
+            SERVER.mark("engine config")
+            engine = AsyncLLM(config, log_stats=not frontend.disable_log_stats)
+            SERVER.mark("tokenizer and engine core")
         except (ValueError, TypeError, FileNotFoundError) as e:  # a bad model or option: say so, no traceback
             logger.error("Cannot start the engine: %s", e)
             return 1
