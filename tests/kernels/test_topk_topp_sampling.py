@@ -101,10 +101,14 @@ def test_bf16_logits_and_no_temperature():
 
 
 @pytest.mark.parametrize("with_min_p", [False, True])
-def test_top_p_alone_through_every_rejection_stage(with_min_p):
+@pytest.mark.parametrize("rounds_min_rows", [16, 1000])
+def test_top_p_alone_through_every_rejection_stage(with_min_p, rounds_min_rows, monkeypatch):
     """Top-p without top-k: a row is decided by the split pass's test, by a round kernel's or by the row program's
     serial loop, depending on how many candidates are rejected (top_p from 0.02 to 0.999 spreads the rows over all
-    three); rows with top_p 1 and a fully masked row pass through the rounds. Same token as the torch path."""
+    three); rows with top_p 1 and a fully masked row pass through the rounds. Same token as the torch path, with the
+    rounds (40 rows) and without them (as small batches run)."""
+    import tokenmill.kernels.triton_topk_topp as kernel
+    monkeypatch.setattr(kernel, "_ROUNDS_MIN_ROWS", rounds_min_rows)
     g = torch.Generator().manual_seed(21 + with_min_p)
     b, v = 40, 160
     logits = torch.randn(b, v, generator=g) * 1.5
@@ -322,9 +326,9 @@ build(m._chunks_kernel, {**head, "k_ptr": "*i64", **chunks, "V": "i32", "n_chunk
       dict(**salts, BLOCK=m._CHUNK, HAS_TEMP=True, SELECTED=True, PDL=1), 8)
 split = {"smass_ptr": "*fp32", "sabove_ptr": "*fp32", "swin_ptr": "*fp32", "swidx_ptr": "*i32"}
 build(m._split_kernel, {**head, "minp_ptr": "*fp32", "k_ptr": "*i64", **chunks, **split, "V": "i32",
-                        "n_chunks": "i32"},
+                        "n_chunks": "i32", "draw": "i32"},
       dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._CHUNK, CHUNKS_P2=128, HAS_TEMP=True, HAS_MINP=True,
-           DRAW=False, SELECTED=True, PDL=1), 8)
+           SELECTED=True, PDL=1), 8)
 rnd = {"pabove_ptr": "*fp32", "pwin_ptr": "*fp32", "pwidx_ptr": "*i32", "pstate_ptr": "*i32", "above_ptr": "*fp32",
        "win_ptr": "*fp32", "widx_ptr": "*i32", "state_ptr": "*i32"}
 for first in (True, False):
@@ -335,10 +339,10 @@ for first in (True, False):
 for want, has_split in ((False, False), (True, False), (False, True), (True, True)):
     build(m._topk_topp_kernel, {**head, "k_ptr": "*i64", "p_ptr": "*fp32", "minp_ptr": "*fp32", **chunks, **split,
                                 "state_ptr": "*i32", "out_ptr": "*i64", "thr_ptr": "*fp32", "V": "i32",
-                                "n_chunks": "i32"},
+                                "n_chunks": "i32", "rounds": "i32"},
           dict(KEY_NEG_INF=m._KEY_NEG_INF, **salts, BLOCK=m._BLOCK, NP=m._NP, CHUNKS_P2=128, HAS_TEMP=True,
                HAS_K=not has_split, HAS_P=True, HAS_MINP=True, WANT_THR=want, HAS_SPLIT=has_split,
-               ROUNDS=has_split and not want, SELECTED=has_split, PDL=1), m._ROW_WARPS)
+               SELECTED=has_split, PDL=1), m._ROW_WARPS)
 for want in (False, True):
     build(sel._select_kernel, {**head, "vals_ptr": "*bf16", "cols_ptr": "*i64", "W": "i32", "k_ptr": "*i64",
                                "p_ptr": "*fp32", "minp_ptr": "*fp32", "out_ptr": "*i64", "thr_ptr": "*fp32",

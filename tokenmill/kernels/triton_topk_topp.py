@@ -73,6 +73,7 @@ _BLOCK = 2048
 _ROW_WARPS = 16
 _NP = 8          # keys evaluated per search pass (the bracket ends included)
 _ROUNDS = 3      # top-p rejection rounds after the split pass, spread over the chunks (three tests: x0, x1, x2)
+_ROUNDS_MIN_ROWS = 16   # batches with fewer rows run no rounds
 # Largest batch top_k that kernels/triton_topk_select draws from torch.topk's candidates (above it, the bracket
 # search passes).
 TOPK_SELECT_MAX = 256
@@ -171,15 +172,15 @@ def _value_key(row_ptr, x, temp, HAS_TEMP: tl.constexpr):
     return _key(_scale(tl.load(row_ptr + x), temp, HAS_TEMP))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["draw"])
 def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, k_ptr, cmax_ptr, cbest_ptr,
-                  cidx_ptr, smass_ptr, sabove_ptr, swin_ptr, swidx_ptr, V, n_chunks, KEY_NEG_INF: tl.constexpr,
+                  cidx_ptr, smass_ptr, sabove_ptr, swin_ptr, swidx_ptr, V, n_chunks, draw, KEY_NEG_INF: tl.constexpr,
                   SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr, SALT_COL: tl.constexpr, BLOCK: tl.constexpr,
-                  CHUNKS_P2: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_MINP: tl.constexpr, DRAW: tl.constexpr,
+                  CHUNKS_P2: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_MINP: tl.constexpr,
                   SELECTED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Without a top-k search, the row program's first pass spread over (row, chunk) programs: per chunk, the mass
-    of the min-p survivors P, the mass strictly above x0, and (DRAW) the race winner over the keys above x0 (x0 in
-    P) or over P (x0 not in P) - the next candidate. Without DRAW the first round kernel draws it, for the rows
+    of the min-p survivors P, the mass strictly above x0, and (draw != 0) the race winner over the keys above x0 (x0 in
+    P) or over P (x0 not in P) - the next candidate. Without draw the first round kernel draws it, for the rows
     that need it only (most rows accept x0, and the race is most of a pass's arithmetic)."""
     pdl_wait(PDL)
     b = tl.program_id(0)
@@ -200,7 +201,7 @@ def _split_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, minp_ptr, 
     at = b * n_chunks + c
     tl.store(smass_ptr + at, tl.sum(tl.where(mask & (key >= lo), e, 0.0), axis=0))
     tl.store(sabove_ptr + at, tl.sum(tl.where(mask & (key > kx), e, 0.0), axis=0))
-    if DRAW:
+    if draw != 0:   # a runtime flag: one compiled kernel whether round kernels follow or not
         g = tl.where(mask & (key >= draw_lo), _race(y, cols, _row_key(seeds_ptr, pos_ptr, b, SALT_SEED, SALT_POS),
                                                     SALT_COL), float("-inf"))
         best = tl.max(g, axis=0)
@@ -282,13 +283,13 @@ def _round_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, p_ptr, min
             tl.store(state_ptr + b, x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rounds"])
 def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr, p_ptr, minp_ptr, cmax_ptr,
                       cbest_ptr, cidx_ptr, smass_ptr, sabove_ptr, swin_ptr, swidx_ptr, state_ptr, out_ptr, thr_ptr, V,
-                      n_chunks, KEY_NEG_INF: tl.constexpr, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr,
+                      n_chunks, rounds, KEY_NEG_INF: tl.constexpr, SALT_SEED: tl.constexpr, SALT_POS: tl.constexpr,
                       SALT_COL: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr, CHUNKS_P2: tl.constexpr,
                       HAS_TEMP: tl.constexpr, HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MINP: tl.constexpr,
-                      WANT_THR: tl.constexpr, HAS_SPLIT: tl.constexpr, ROUNDS: tl.constexpr = False,
+                      WANT_THR: tl.constexpr, HAS_SPLIT: tl.constexpr,
                       SELECTED: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     b = tl.program_id(0)
@@ -308,14 +309,13 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
     if HAS_MINP:
         lo = tl.maximum(lo, _key(m + _log(tl.load(minp_ptr + b).to(tl.float32))))
 
-    if HAS_SPLIT:   # the split first pass (no top-k in the batch), then ROUNDS: the round kernels' last state
-        rejected = False
-        if ROUNDS:
-            x = tl.load(state_ptr + b)   # the candidate the last round tested (x0 for rows without top-p)
-            if x == -1:   # a round found the token and stored it
-                return
-            rejected = x <= -2       # after one round only: -2 - x was rejected, the winners are past it
-            x = tl.where(rejected, -2 - x, x)
+    if HAS_SPLIT:   # the split first pass (no top-k in the batch), then any rounds: the last round's state
+        # With rounds, the candidate the last round tested (x0 for rows without top-p); else x0 itself.
+        x = tl.load(state_ptr + b, mask=rounds != 0, other=x)
+        if x == -1:   # a round found the token and stored it
+            return
+        rejected = x <= -2       # after one round only: -2 - x was rejected, the winners are past it
+        x = tl.where(rejected, -2 - x, x)
         z_split = tl.sum(tl.load(smass_ptr + b * n_chunks + ci, mask=cm, other=0.0), axis=0)
         above_x0 = tl.sum(tl.load(sabove_ptr + b * n_chunks + ci, mask=cm, other=0.0), axis=0)
         swin = tl.load(swin_ptr + b * n_chunks + ci, mask=cm, other=float("-inf"))
@@ -446,15 +446,18 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
     # spread over the chunks like the split pass; a row whose first _ROUNDS candidates are all rejected (probability
     # <= (1 - top_p) ** _ROUNDS) goes on serially in the row program. Programs of finished rows return at once, so a
     # round costs little once most rows are done. The threshold search needs the split's own draw instead.
-    rounds = _ROUNDS if split and not want_threshold else 0
+    # Small batches skip the rounds: there a row rarely rejects x0 (top_p 0.95: about one row in 20), so the
+    # rounds' three launches cost more than the serial passes they save.
+    rounds = _ROUNDS if split and not want_threshold and b >= _ROUNDS_MIN_ROWS else 0
     if split:
         smass, sabove, swin = (torch.empty_like(cmax) for _ in range(3))
         swidx = torch.empty_like(cidx)
         _split_kernel[(b, n_chunks)](
             logits, logits.stride(0), seeds, positions, temp, min_p if min_p is not None else dummy, k_arg, cmax,
-            cbest, cidx, smass, sabove, swin, swidx, v, n_chunks, KEY_NEG_INF=_KEY_NEG_INF, BLOCK=chunk,
+            cbest, cidx, smass, sabove, swin, swidx, v, n_chunks, int(rounds == 0), KEY_NEG_INF=_KEY_NEG_INF,
+            BLOCK=chunk,
             CHUNKS_P2=triton.next_power_of_2(n_chunks), HAS_TEMP=temperature is not None, HAS_MINP=min_p is not None,
-            DRAW=rounds == 0, SELECTED=selected, num_warps=8, **salts, **pdl)
+            SELECTED=selected, num_warps=8, **salts, **pdl)
     else:
         smass = sabove = swin = cmax
         swidx = cidx
@@ -473,9 +476,9 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
     _topk_topp_kernel[(b,)](
         logits, logits.stride(0), seeds, positions, temp, k_arg, top_p if top_p is not None else dummy,
         min_p if min_p is not None else dummy, cmax, cbest, cidx, smass, sabove, swin, swidx, state, out, thr, v,
-        n_chunks,
+        n_chunks, rounds,
         KEY_NEG_INF=_KEY_NEG_INF, BLOCK=block, NP=_NP, CHUNKS_P2=triton.next_power_of_2(n_chunks),
         HAS_TEMP=temperature is not None, HAS_K=search, HAS_P=top_p is not None, HAS_MINP=min_p is not None,
-        WANT_THR=want_threshold, HAS_SPLIT=split, ROUNDS=rounds > 0, SELECTED=selected, num_warps=num_warps,
+        WANT_THR=want_threshold, HAS_SPLIT=split, SELECTED=selected, num_warps=num_warps,
         **salts, **pdl)
     return out, (thr if want_threshold else None)
