@@ -317,10 +317,10 @@ from tokenmill.kernels.triton_gemv import _gemv_kernel
 sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", b_ptr="*bf16", y_ptr="*bf16", nw_ptr="*bf16", res_ptr="*bf16",
            res_out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", k_per_split="i32",
            split_k="i32", eps="fp32", stride_xm="i32", stride_wn="i32", stride_ym="i32", stride_rm="i32",
-           stride_rom="i32", wsc_ptr="*fp32", xsc_ptr="*fp32")
+           stride_rom="i32", wsc_ptr="*fp32")
 const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SILU_MUL=False, NORM=True, HAS_RES=True,
              HAS_BIAS=False, USE_DOT=True, EVEN_K=True, DOT_F32=False, PREFETCH=True, ACC2D=False, OUT_SILU=False,
-             XPRE=True, PDL=False, W_SCALE=True, X_SCALE=False)
+             XPRE=True, PDL=False, W_SCALE=True)
 for use_dot, out_silu in ((True, False), (False, True)):
     c = {**const, "USE_DOT": use_dot, "OUT_SILU": out_silu, "NORM": not out_silu, "HAS_RES": not out_silu,
          "BLOCK_M": 16 if use_dot else 1}

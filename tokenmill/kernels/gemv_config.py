@@ -280,14 +280,3 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132, table: GemvTable 
     if n_tiles < target:
         split = max(1, min(triton.cdiv(target, n_tiles), triton.cdiv(k, block_k), 32))
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=3, use_dot=True)
-
-
-def fp8_dot_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    """The launch of an fp8 x fp8 decode product (gemv with x_scale): 64-wide N tiles, 256-deep K steps of 1-byte
-    values (16 KiB of weight per step), two steps in flight per program, K split until there are about two programs
-    per SM."""
-    block_n, block_k = 64, min(256, max(32, triton.next_power_of_2(k)))
-    n_tiles = triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(2 * num_sms, n_tiles), triton.cdiv(k, block_k), 32))
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=1, use_dot=True,
-                      prefetch=True)

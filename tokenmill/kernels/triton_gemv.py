@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from tokenmill import envs
-from tokenmill.kernels.gemv_config import GemvConfig, default_config, fp8_dot_config, sm_count, table_for
+from tokenmill.kernels.gemv_config import GemvConfig, default_config, sm_count, table_for
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 
 MAX_M = 16                    # rows above this go to cuBLAS: the weight is no longer the only cost
@@ -66,7 +66,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr = False,
     ACC2D: tl.constexpr = False, OUT_SILU: tl.constexpr = False, XPRE: tl.constexpr = False,
-    PDL: tl.constexpr = False, wsc_ptr=0, W_SCALE: tl.constexpr = False, xsc_ptr=0, X_SCALE: tl.constexpr = False,
+    PDL: tl.constexpr = False, wsc_ptr=0, W_SCALE: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -145,7 +145,7 @@ def _gemv_kernel(
                                 BLOCK_M, BLOCK_N, NORM, HAS_BIAS, wsc_ptr, W_SCALE)
         else:
             _gemv_epilogue(part, ssum, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM,
-                           HAS_BIAS, wsc_ptr, W_SCALE, xsc_ptr, m_mask, X_SCALE)
+                           HAS_BIAS, wsc_ptr, W_SCALE)
     else:
         tile = pid_n * split_k
         tile_elems = BLOCK_M * BLOCK_N
@@ -172,7 +172,7 @@ def _gemv_kernel(
                                     stride_ym, BLOCK_M, BLOCK_N, NORM, HAS_BIAS, wsc_ptr, W_SCALE)
             else:
                 _gemv_epilogue(total, ss_total, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym, NORM,
-                               HAS_BIAS, wsc_ptr, W_SCALE, xsc_ptr, m_mask, X_SCALE)
+                               HAS_BIAS, wsc_ptr, W_SCALE)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
@@ -246,10 +246,7 @@ def _gemv_step(acc, ss, w, kk, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K, xdt
 
 @triton.jit
 def _gemv_epilogue(acc, ssum, b_ptr, y_ptr, offs_m, offs_n, y_mask, N, K, eps, stride_ym,
-                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr, wsc_ptr, W_SCALE: tl.constexpr, xsc_ptr=0,
-                   m_mask=0, X_SCALE: tl.constexpr = False):
-    if X_SCALE:
-        acc = acc * tl.load(xsc_ptr + offs_m, mask=m_mask, other=0.0)[:, None]
+                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr, wsc_ptr, W_SCALE: tl.constexpr):
     if W_SCALE:
         acc = acc * tl.load(wsc_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
     if NORM:
@@ -316,8 +313,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
          residual_out: torch.Tensor | None = None, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, epilogue: str | None = None,
-         weight_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None):
+         weight_scale: torch.Tensor | None = None):
     """F.linear(prologue(x), weight, bias) for a few rows of x.
 
     x [..., K] (or [..., 2K] with act="silu_mul"), weight [N, K], bias [N] or None; fp16/bf16, x and weight of one
@@ -331,12 +327,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     Returns y [..., N] in x.dtype (written into `out` when given). config overrides the device table's config for
     the shape, or the heuristic (gemv_config.default_config).
     weight_scale [N] float32: the weight is float8 e4m3 with one scale per row (W = weight * weight_scale[:, None]),
-    widened to x's dtype in registers: the stream is 1 byte per weight.
-    x_scale [M] float32 (with weight_scale, no prologue or epilogue): x is float8 e4m3 too, one scale per row
-    (kernels/triton_fp8_act.py), and the product runs as fp8 x fp8 tensor-core dots (fp32 accumulation), scaled
-    by x_scale and weight_scale in the epilogue; y in out_dtype (bf16 unless given)."""
-    if x_scale is not None:
-        return _gemv_fp8(x, weight, weight_scale, x_scale, bias, out, config, out_dtype or torch.bfloat16)
+    widened to x's dtype in registers: the stream is 1 byte per weight."""
     if act not in _ACTS:
         raise ValueError(f"gemv: unsupported act={act!r}; supported: None, 'silu_mul'")
     if epilogue not in (None, "silu_mul"):
@@ -418,30 +409,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out, residual_out
 
 
-def _gemv_fp8(x, weight, weight_scale, x_scale, bias, out, config, out_dtype):
-    """gemv() of fp8 rows x [.., K] (scales x_scale [M]) and an fp8 weight (scales weight_scale [N])."""
-    if x.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn or weight_scale is None:
-        raise TypeError(f"gemv: x_scale goes with float8_e4m3fn x and weight and a weight_scale, got {x.dtype} "
-                        f"and {weight.dtype}")
-    n, k = weight.shape
-    x2 = _rows(x, "x")
-    m = x2.shape[0]
-    if x.shape[-1] != k or weight.stride(-1) != 1:
-        raise ValueError(f"gemv: x has last dim {x.shape[-1]}, expected {k} for weight {tuple(weight.shape)}")
-    for t, size, name in ((x_scale, m, "x_scale"), (weight_scale, n, "weight_scale")):
-        if t.shape != (size,) or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"gemv: {name} must be contiguous float32 ({size},), got {tuple(t.shape)} {t.dtype}")
-    if out is None:
-        out = torch.empty((*x.shape[:-1], n), dtype=out_dtype, device=x.device)
-    y2 = _rows(out, "out")
-    if m and n:
-        cfg = config or fp8_dot_config(m, n, k, sm_count(x.device))
-        if not cfg.use_dot or cfg.block_k < 32:
-            raise ValueError(f"gemv: fp8 x needs a tl.dot config with block_k >= 32, got {cfg}")
-        _launch(x2, weight, bias, y2, None, x2, x2, m, n, k, 0.0, cfg, False, False, False, weight_scale, x_scale)
-    return out
-
-
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     a1 = a0 + (a.shape[0] - 1) * a.stride(0) * a.element_size() + a.shape[1] * a.element_size()
@@ -461,8 +428,7 @@ def launch_plan(m: int, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int,
 
 
 def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvConfig, silu_mul: bool,
-            has_res: bool, out_silu: bool = False, weight_scale: torch.Tensor | None = None,
-            x_scale: torch.Tensor | None = None) -> None:
+            has_res: bool, out_silu: bool = False, weight_scale: torch.Tensor | None = None) -> None:
     block_m, n_tiles, split, k_per_split = launch_plan(m, n, k, cfg)
     if split > 1:
         ws = torch.empty(n_tiles * split * block_m * (cfg.block_n + 1), dtype=torch.float32, device=x2.device)
@@ -479,6 +445,5 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED, PREFETCH=cfg.prefetch,
         ACC2D=cfg.acc2d, OUT_SILU=out_silu, XPRE=cfg.xprefetch,
         wsc_ptr=weight_scale if weight_scale is not None else y2, W_SCALE=weight_scale is not None,
-        xsc_ptr=x_scale if x_scale is not None else y2, X_SCALE=x_scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x2.device, "gemv"),
     )

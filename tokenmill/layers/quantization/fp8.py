@@ -14,9 +14,8 @@ Storage after loading (what `apply` reads):
 Online quantization keeps one scale per output row (amax / 448), finer than vLLM's one scale per tensor.
 
 The products: on CUDA, more than `SCALED_MM_MIN_ROWS` rows with row scales quantize the activations (the checkpoint's
-static scale, else one dynamic scale per token) and run torch._scaled_mm; up to 16 rows with row scales quantize
-them the same way (kernels/triton_fp8_act.py) and run the decode GEMV of kernels/triton_gemv.py as fp8 x fp8 dots
-(weights-only schemes: bf16 rows, the fp8 weight widened in registers; both scaled in its epilogue); the rows between, and
+static scale, else one dynamic scale per token) and run torch._scaled_mm; up to 16 rows with row scales run the
+decode GEMV of kernels/triton_gemv.py on the fp8 weight (scaled per row in its epilogue); the rows between, and
 every block-wise product, run the Triton kernel of kernels/triton_quant_matmul.py, which dequantizes the weight in registers and keeps the
 activations in the model dtype (more precise than the scheme asks: the decode path is weight-bound). Elsewhere (CPU)
 the product is the scheme's definition: activations rounded through fp8 as the scheme quantizes them (the static
@@ -160,15 +159,7 @@ class Fp8LinearMethod(LinearMethod):
             return scaled_mm(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None))
         from tokenmill.kernels.triton_gemv import MAX_M, gemv
         if rows <= MAX_M and x.dtype in (torch.bfloat16, torch.float16):
-            if self.scheme.activation is not None and k % 32 == 0:
-                # Decode, W8A8 as the scheme defines it: the rows quantized (one small kernel), then fp8 x fp8
-                # tensor-core dots over the 1-byte weight stream; widening each weight capped the W8A16 form below
-                # at ~2.4 TB/s on the H200.
-                from tokenmill.kernels.triton_fp8_act import quantize_rows_fp8
-                xq, xs = quantize_rows_fp8(x, getattr(layer, "input_scale", None))
-                return gemv(xq, layer.weight, weight_scale=layer.weight_scale, x_scale=xs,
-                            out_dtype=x.dtype).reshape(*x.shape[:-1], n)
-            # Weights only: the tuned weight-streaming GEMV, reading 1 byte per weight (split-K, deep K tiles).
+            # Decode: the tuned weight-streaming GEMV, reading 1 byte per weight (split-K, deep K tiles).
             return gemv(x, layer.weight, weight_scale=layer.weight_scale)
         return fp8_matmul(x, layer.weight, layer.weight_scale)
 
