@@ -58,9 +58,9 @@ class EngineCoreProc:
     """
 
     def __init__(self, config, engine_index: int, input_paths: list[str], output_paths: list[str],
-                 parent_pid: int, control: zmq.Socket | None = None) -> None:
+                 parent_pid: int, control: zmq.Socket | None = None, core=None) -> None:
         from tokenmill.engine.engine_core import EngineCore
-        self.core = EngineCore(config)
+        self.core = core if core is not None else EngineCore(config)
         self.engine_index = engine_index
         self.parent_pid = parent_pid
         self.ctx = zmq.Context()
@@ -210,10 +210,14 @@ def _request_id(payload: bytes) -> str | None:
     return None
 
 
-def _hello(hs: zmq.Socket, engine_index: int, parent_pid: int) -> dict | None:
-    """Introduces this engine core to the head; returns its WELCOME (the client addresses) or None to exit."""
+def _say_hello(hs: zmq.Socket, engine_index: int) -> None:
+    """Introduces this engine core to the head; its answer is read by _welcome."""
     hs.send_multipart([HELLO, msgspec.msgpack.encode({"rank": engine_index, "pid": os.getpid(),
                                                       "host": socket.gethostname()})])
+
+
+def _welcome(hs: zmq.Socket, engine_index: int, parent_pid: int) -> dict | None:
+    """The head's answer to HELLO: its WELCOME (the client addresses), or None to exit."""
     waited = 0.0
     while not hs.poll(1000):
         waited += 1.0
@@ -245,15 +249,21 @@ def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: 
     hs = ctx.socket(zmq.DEALER)
     hs.setsockopt(zmq.LINGER, 5000)  # READY / FAILED must reach the head even if we exit right after
     hs.connect(handshake_path)
-    welcome = _hello(hs, engine_index, parent_pid)
-    if welcome is None:
-        hs.close(linger=0)
-        ctx.term()
-        os._exit(1)
+    # HELLO first, then the engine is built while the head gets on with its own start-up (tokenizer, sockets);
+    # the WELCOME (where the clients listen) is only needed once the engine exists.
+    _say_hello(hs, engine_index)
     from tokenmill.worker import cpu_threads
     cpu_threads.FRONTEND_SHARES_CPUS = True  # the process that started us (the API server) runs on these CPUs too
     try:
-        proc = EngineCoreProc(config, engine_index, welcome["inputs"], welcome["outputs"], parent_pid, control=hs)
+        from tokenmill.engine.engine_core import EngineCore
+        core = EngineCore(config)
+        welcome = _welcome(hs, engine_index, parent_pid)
+        if welcome is None:
+            hs.close(linger=0)
+            ctx.term()
+            os._exit(1)
+        proc = EngineCoreProc(config, engine_index, welcome["inputs"], welcome["outputs"], parent_pid, control=hs,
+                              core=core)
     except BaseException as e:
         hs.send_multipart([FAILED, msgspec.msgpack.encode({"rank": engine_index, "error": f"{type(e).__name__}: {e}",
                                                            "traceback": traceback.format_exc()})])

@@ -73,7 +73,11 @@ def _standby_main(recv) -> None:
 
     from tokenmill.metrics.startup import process_age
     import torch  # noqa: F401
-    import transformers.configuration_utils  # noqa: F401  (the config's HF part unpickles into it)
+    # The config's HF part unpickles into transformers' config classes, whose docstring decorator imports the
+    # auto-model machinery (seconds on an H200 host): import it now, while the API server builds the config.
+    import transformers.configuration_utils  # noqa: F401
+    import transformers.models.auto.configuration_auto  # noqa: F401
+    import transformers.models.auto.modeling_auto  # noqa: F401
     from tokenmill.engine import core_proc, engine_core  # noqa: F401
     from tokenmill.worker import worker  # noqa: F401
     imported = process_age()
