@@ -221,6 +221,42 @@ def test_gguf_unsupported_architecture(tmp_path):
         list(iter_gguf_weights(path, None, use_tqdm=False))
 
 
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_gguf_tensor_table_reads_the_bytes_gguf_reader_reads(tmp_path, alignment):
+    """The header walk (no tokenizer fields decoded) finds every tensor's bytes where gguf.GGUFReader does: F32,
+    F16 and block-quantized tensors, 1-D and 3-D, with the default and a custom data alignment."""
+    import gguf
+    from gguf.quants import quantize
+
+    from tokenmill.transformers_utils.gguf import read_gguf_tensors
+
+    path = str(tmp_path / "t.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    if alignment:
+        writer.add_custom_alignment(alignment)
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(500)])
+    rng = np.random.default_rng(0)
+    q8 = rng.standard_normal((6, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.ffn_down.weight", quantize(q8, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", rng.standard_normal(7).astype(np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", rng.standard_normal((5, 3)).astype(np.float16))
+    writer.add_tensor("blk.0.extra", rng.standard_normal((2, 3, 4)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    meta, tensors = read_gguf_tensors(path, {"general.architecture"})
+    assert meta["general.architecture"] == "llama"
+    ref = gguf.GGUFReader(path).tensors
+    assert [t[0] for t in tensors] == [t.name for t in ref]
+    for (name, ttype, shape, data), t in zip(tensors, ref):
+        assert ttype == int(t.tensor_type) and shape == tuple(int(d) for d in reversed(t.shape.tolist()))
+        assert np.asarray(data).tobytes() == np.asarray(t.data).tobytes(), name
+        assert np.array_equal(gguf.quants.dequantize(np.asarray(data), t.tensor_type).reshape(shape),
+                              gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape))
+
+
 # ------------------------------------------------------------------------------------------------------ safetensors
 @pytest.fixture(scope="module")
 def tiny_llama():

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from tokenmill.logger import init_logger
-from tokenmill.transformers_utils.gguf import gguf_field
+from tokenmill.transformers_utils.gguf import gguf_field, read_gguf_tensors
 
 logger = init_logger(__name__)
 
@@ -153,11 +153,11 @@ def unpermute_qk_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     return weight.reshape(n_head, half, 2, *rest).transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _head_counts(config, reader, arch: str) -> tuple[int, int]:
+def _head_counts(config, meta: dict, arch: str) -> tuple[int, int]:
     n_head = getattr(config, "num_attention_heads", None) if config is not None else None
     n_kv = getattr(config, "num_key_value_heads", None) if config is not None else None
-    n_head = n_head or gguf_field(reader, f"{arch}.attention.head_count")
-    n_kv = n_kv or gguf_field(reader, f"{arch}.attention.head_count_kv") or n_head
+    n_head = n_head or meta.get(f"{arch}.attention.head_count")
+    n_kv = n_kv or meta.get(f"{arch}.attention.head_count_kv") or n_head
     if not n_head:
         raise ValueError("cannot un-permute q/k: the number of attention heads is in neither the config nor the GGUF")
     return int(n_head), int(n_kv)
@@ -178,26 +178,32 @@ def iter_gguf_weights(gguf_path: str, config, use_tqdm: bool = True,
     import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(gguf_path)
-    arch = gguf_field(reader, "general.architecture")
+    keys = {"general.architecture"} | {f"{a}.attention.head_count{s}" for a in GGUF_SUPPORTED_ARCHITECTURES
+                                         for s in ("", "_kv")}
+    table = read_gguf_tensors(gguf_path, keys)
+    if table is None:  # a file only gguf.GGUFReader reads (GGUF v1, big-endian)
+        reader = gguf.GGUFReader(gguf_path)
+        table = ({k: gguf_field(reader, k) for k in keys},
+                 [(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())), t.data)
+                  for t in reader.tensors])
+    meta, tensors = table
+    arch = meta.get("general.architecture")
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} ({gguf_path}) is not supported; supported: "
             f"{', '.join(GGUF_SUPPORTED_ARCHITECTURES)}."
         )
-    n_head, n_kv = _head_counts(config, reader, arch) if arch in _GGUF_PERMUTED_QK else (0, 0)
+    n_head, n_kv = _head_counts(config, meta, arch) if arch in _GGUF_PERMUTED_QK else (0, 0)
 
-    tensors = list(reader.tensors)
-    for t in _tqdm(tensors, "Loading GGUF tensors", len(tensors), use_tqdm):
-        name = gguf_to_hf_name(t.name)
+    for gguf_name, ttype, shape, data in _tqdm(tensors, "Loading GGUF tensors", len(tensors), use_tqdm):
+        name = gguf_to_hf_name(gguf_name)
         if name is None:
             continue
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         raw = name in raw_names
         if raw:
-            array = np.array(t.data, dtype=np.uint8).reshape(shape[0], -1)
+            array = np.array(data, dtype=np.uint8).reshape(shape[0], -1)
         else:
-            array = gguf.quants.dequantize(t.data, t.tensor_type)
+            array = gguf.quants.dequantize(np.asarray(data).view(np.uint8), gguf.GGMLQuantizationType(ttype))
             array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
         if not array.flags.writeable:  # unquantized tensors come back as read-only views of the memory map
             array = array.copy()
