@@ -360,3 +360,22 @@ def test_the_kernel_compiles_for_sm90():
         pytest.skip(f"no sm_90 compile here: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("ttgir") == 10  # chunks, split, two rounds, four row programs and two select kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_small_top_p_batch_also_compiles_the_round_kernels():
+    """A batch under _ROUNDS_MIN_ROWS runs no round kernels; its first call samples a throwaway larger batch once,
+    so the round kernels are compiled before a large batch needs them. The small batch's tokens are unchanged."""
+    import tokenmill.kernels.triton_topk_topp as kernel
+    b, v = 3, 151936
+    g = torch.Generator(device="cuda").manual_seed(4)
+    logits = (torch.randn(b, v, device="cuda", generator=g) * 2).bfloat16()
+    seeds, pos = torch.arange(b, device="cuda") + 11, torch.arange(b, device="cuda")
+    temp, p = torch.full((b,), 0.6, device="cuda"), torch.full((b,), 0.95, device="cuda")
+    kernel._ROUNDS_COMPILED.clear()
+    tok, _ = topk_topp_sample(logits, seeds, pos, temp, None, p)
+    assert len(kernel._ROUNDS_COMPILED) == 1
+    assert torch.equal(tok, torch_path(logits, temp, seeds, pos, None, p, None))
+    again, _ = topk_topp_sample(logits, seeds, pos, temp, None, p)
+    assert torch.equal(again, tok) and len(kernel._ROUNDS_COMPILED) == 1

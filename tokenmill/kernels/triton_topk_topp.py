@@ -73,7 +73,7 @@ _BLOCK = 2048
 _ROW_WARPS = 16
 _NP = 8          # keys evaluated per search pass (the bracket ends included)
 _ROUNDS = 3      # top-p rejection rounds after the split pass, spread over the chunks (three tests: x0, x1, x2)
-_ROUNDS_MIN_ROWS = 16   # batches with fewer rows run no rounds
+_ROUNDS_MIN_ROWS = 4    # batches with fewer rows run no rounds
 # Largest batch top_k that kernels/triton_topk_select draws from torch.topk's candidates (above it, the bracket
 # search passes).
 TOPK_SELECT_MAX = 256
@@ -397,6 +397,25 @@ def _topk_topp_kernel(logits_ptr, stride_b, seeds_ptr, pos_ptr, temp_ptr, k_ptr,
         tl.store(thr_ptr + b, _unkey(lo))
 
 
+_ROUNDS_COMPILED: set = set()
+
+
+def _compile_rounds(logits, seeds, positions, temperature, top_k, top_p, min_p, block, chunk, num_warps,
+                    max_top_k) -> None:
+    """A small batch runs no round kernels, so the first large batch would compile them mid-run (seconds on a
+    cold Triton cache, every request waiting): the first small batch of each kind also samples a throwaway batch
+    of _ROUNDS_MIN_ROWS copies of its first row, which compiles (or loads) them now, with the kernels it compiles
+    anyway."""
+    args = (logits, seeds, positions, temperature, top_k, top_p, min_p)
+    key = (logits.device, logits.dtype, logits.shape[1], block, chunk, num_warps, max_top_k,
+           *(None if t is None else t.dtype for t in args[3:]))
+    if not logits.is_cuda or key in _ROUNDS_COMPILED or torch.cuda.is_current_stream_capturing():
+        return
+    _ROUNDS_COMPILED.add(key)
+    rep = [None if t is None else t[:1].repeat(_ROUNDS_MIN_ROWS, *([1] * (t.dim() - 1))) for t in args]
+    topk_topp_sample(*rep, block=block, chunk=chunk, num_warps=num_warps, max_top_k=max_top_k)
+
+
 def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                      temperature: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
                      top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None,
@@ -446,9 +465,13 @@ def topk_topp_sample(logits: torch.Tensor, seeds: torch.Tensor, positions: torch
     # spread over the chunks like the split pass; a row whose first _ROUNDS candidates are all rejected (probability
     # <= (1 - top_p) ** _ROUNDS) goes on serially in the row program. Programs of finished rows return at once, so a
     # round costs little once most rows are done. The threshold search needs the split's own draw instead.
-    # Small batches skip the rounds: there a row rarely rejects x0 (top_p 0.95: about one row in 20), so the
-    # rounds' three launches cost more than the serial passes they save.
+    # The smallest batches skip the rounds: a row rejects x0 rarely (top_p 0.95: about one row in 20), so at one to
+    # three rows the rounds' three launches cost more than the serial passes they save; from a few rows on, the
+    # chance that some row of the batch streams serially (and the whole batch waits for it) makes them pay.
     rounds = _ROUNDS if split and not want_threshold and b >= _ROUNDS_MIN_ROWS else 0
+    if split and not want_threshold and not rounds:
+        _compile_rounds(logits, seeds, positions, temperature, top_k, top_p, min_p, block, chunk, num_warps,
+                        max_top_k)
     if split:
         smass, sabove, swin = (torch.empty_like(cmax) for _ in range(3))
         swidx = torch.empty_like(cidx)
