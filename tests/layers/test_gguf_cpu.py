@@ -79,9 +79,13 @@ def test_int4pack_product_matches_dequantize_then_matmul(type_name, m):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K"])
-def test_many_rows_run_the_bf16_copy_of_the_int4_kernels_own_weights(type_name):
+@pytest.mark.parametrize("bf16_hardware", [True, False])
+def test_many_rows_run_a_dense_copy_of_the_int4_kernels_own_weights(type_name, bf16_hardware, monkeypatch):
+    """bf16 where the CPU has bf16 instructions, else fp32 (a bf16 GEMM without them is several times slower)."""
     from tokenmill.kernels import cpu_int4pack
+    from tokenmill.layers.quantization import gguf_cpu
     from tokenmill.layers.quantization.gguf_cpu import DENSE_MIN_ROWS
+    monkeypatch.setattr(gguf_cpu, "fast_bf16_matmul", lambda: bf16_hardware)
     n, k = 80, 256
     raw = _blocks(type_name, n, k, seed=3)
     method, layer = _layer(type_name, raw, n, k)
@@ -90,7 +94,8 @@ def test_many_rows_run_the_bf16_copy_of_the_int4_kernels_own_weights(type_name):
     kernel = cpu_int4pack.mm(x, layer.packed, layer.scales_zeros)[:, :n]
     # same weights, each rounded to bf16 once: within bf16 output rounding of the kernel's product
     assert (y.float() - kernel.float()).abs().max().item() <= 1e-2 * kernel.float().abs().max().item()
-    assert layer.dense_bf16.dtype == torch.bfloat16 and layer.dense_bf16.shape == (n, k)
+    dense_dtype = torch.bfloat16 if bf16_hardware else torch.float32
+    assert layer.dense.dtype == dense_dtype and layer.dense.shape == (n, k)
 
 
 def test_fp32_activations_come_back_fp32_and_3d_inputs_keep_their_shape():

@@ -69,13 +69,24 @@ def test_greedy_tokens_match_the_dense_path_up_to_near_ties(quantized_and_dense)
 
 
 def test_the_lm_head_takes_its_fp16_copy_at_a_few_rows_only(quantized_and_dense):
+    """Where the CPU has fp16 instructions the loaded head has its fp16 copy; elsewhere it stays fp32 (the copy
+    would be slower) and the copy's behaviour is checked on a duplicate of the head."""
+    import copy
+
     import torch
+
+    from tokenmill.kernels.cpu_features import fast_fp16_gemv
     quantized, dense = quantized_and_dense
     head = quantized.llm_engine.engine_core.executor.worker.runner.model.lm_head
-    assert head._half is not None and head._half.dtype == torch.float16
     assert dense.llm_engine.engine_core.executor.worker.runner.model.lm_head._half is None  # the oracle stays fp32
     h = torch.randn(8, head.embedding_dim, generator=torch.Generator().manual_seed(0))
     exact = torch.nn.functional.linear(h, head.weight)
+    if not fast_fp16_gemv():
+        assert head._half is None
+        torch.testing.assert_close(head.compute_logits(h), exact, rtol=1e-6, atol=1e-5)
+        head = copy.deepcopy(head)
+        head.enable_half_gemv(max_rows=1)
+    assert head._half is not None and head._half.dtype == torch.float16
     few, many = head.compute_logits(h[:head._half_rows]), head.compute_logits(h)
     assert few.dtype == torch.float32 and not torch.equal(few, exact[:head._half_rows])
     assert (few - exact[:head._half_rows]).abs().max().item() <= 2e-3 * exact.abs().max().item()

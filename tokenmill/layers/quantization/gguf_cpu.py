@@ -6,8 +6,8 @@ blocks of 256 = 8 groups) s = d * sc_j, m = -dmin * mn_j with 6-bit sc_j, mn_j. 
 torch's CPU int4 weight-only matmul (kernels/cpu_int4pack.py: W = (q - 8) * scale + zero, group 32;
 layers/quantization/gguf_blocks.py decodes the blocks) with scale = s and zero = m + 8 s, so these layers run on the
 file's own codes; the only change is the rounding of s and zero to bf16 (a relative 2^-9 of each scale, well inside
-the 4-bit codes' own error). The matmul takes bf16 activations. Products of many rows run on a bf16 copy of the
-same weights instead (DENSE_MIN_ROWS).
+the 4-bit codes' own error). The matmul takes bf16 activations. Products of many rows run on a dense copy of the
+same weights instead (DENSE_MIN_ROWS): bf16 where the CPU has bf16 instructions, else fp32 (kernels/cpu_features.py).
 
 Other types (Q5_*, Q6_K, Q8_0, F16, F32) load dequantized into the model dtype: torch has no CPU kernel for their
 block layouts (its int8 matmul wants one scale per output row, which would re-quantize Q8_0's per-block scales).
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import cpu_int4pack
+from tokenmill.kernels.cpu_features import fast_bf16_matmul, fast_fp16_gemv
 from tokenmill.layers.quantization.base import LinearMethod, LinearShape
 from tokenmill.layers.quantization.common import replace_param
 from tokenmill.layers.quantization.gguf_blocks import BLOCK_TYPES, decode_blocks
@@ -29,11 +30,12 @@ from tokenmill.layers.quantization.gguf_gpu import GGUFBlockConfig
 
 # The ggml types kept quantized here (the others load dequantized)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-# From this many rows on a product runs on a bf16 copy of the same weights instead: torch's int4 kernel costs
-# about the same per row at any row count (it is compute-bound past one row), a bf16 GEMM does not (2 cores,
-# default model, one layer's four products: 1 row 127 us int4 / 276 bf16; 8 rows 421 / 468; 16 rows 815 / 573;
-# 32 rows 1612 / 827). The copy holds exactly the int4 kernel's weights (its bf16 scales and zeros applied),
-# rounded to bf16 once.
+# From this many rows on a product runs on a dense copy of the same weights instead: torch's int4 kernel costs
+# about the same per row at any row count (it is compute-bound past one row), a dense GEMM does not (2 cores,
+# default model, one layer's four products on an AVX-512 BF16 host: 1 row 127 us int4 / 276 bf16; 8 rows 421 /
+# 468; 16 rows 815 / 573; 32 rows 1612 / 827; one 3072 x 576 product on an AVX2 host: 8 rows 0.88 ms int4 / 0.66
+# fp32, 16 rows 0.94 / 0.90, 32 rows 1.87 / 1.43). The copy holds exactly the int4 kernel's weights (its bf16
+# scales and zeros applied), rounded once to bf16 where the CPU has bf16 instructions, else kept in fp32.
 DENSE_MIN_ROWS = 12
 
 
@@ -41,9 +43,9 @@ class GGUFInt4LinearMethod(LinearMethod):
     """A layer whose checkpoint tensors are all of one 4-bit ggml type: raw blocks in, torch's int4 matmul out.
 
     Contract: `qweight` [out, in / block * bytes] uint8 holds the file's blocks (stacked slots one after another);
-    after loading it is replaced by `packed` and `scales_zeros` (kernels/cpu_int4pack.py) and by `dense_bf16`, the
-    same weights in bf16 for products of DENSE_MIN_ROWS rows or more. `apply` casts x to bf16 for the product and
-    returns the model dtype."""
+    after loading it is replaced by `packed` and `scales_zeros` (kernels/cpu_int4pack.py) and by `dense`, the same
+    weights in bf16 or fp32 (cpu_features.fast_bf16_matmul) for products of DENSE_MIN_ROWS rows or more. `apply`
+    casts x to the product's dtype and returns the model dtype."""
 
     def __init__(self, type_name: str) -> None:
         self.type_name = type_name
@@ -67,20 +69,20 @@ class GGUFInt4LinearMethod(LinearMethod):
         delattr(layer, "qweight")
         replace_param(layer, "packed", packed)
         replace_param(layer, "scales_zeros", sz)
-        # The int4 kernel's own weights ((q - 8) * scale + zero, with its bf16 scales and zeros), in bf16.
+        # The int4 kernel's own weights ((q - 8) * scale + zero, with its bf16 scales and zeros).
         scale = sz[:, :n, 0].t().float().repeat_interleave(cpu_int4pack.GROUP_SIZE, 1)
         zero = sz[:, :n, 1].t().float().repeat_interleave(cpu_int4pack.GROUP_SIZE, 1)
-        replace_param(layer, "dense_bf16", ((codes.float() - 8.0) * scale + zero).to(torch.bfloat16).contiguous())
+        dense_dtype = torch.bfloat16 if fast_bf16_matmul() else torch.float32
+        replace_param(layer, "dense", ((codes.float() - 8.0) * scale + zero).to(dense_dtype).contiguous())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
         if x2.shape[0] >= DENSE_MIN_ROWS:
-            y = torch.nn.functional.linear(x2, layer.dense_bf16)
+            # x is rounded to bf16 first as the int4 kernel takes it, so both forms compute from the same input.
+            y = torch.nn.functional.linear(x2.to(torch.bfloat16).to(layer.dense.dtype), layer.dense)
         else:
-            y = cpu_int4pack.mm(x2.contiguous(), layer.packed, layer.scales_zeros)
+            y = cpu_int4pack.mm(x2.to(torch.bfloat16).contiguous(), layer.packed, layer.scales_zeros)
             if y.shape[-1] != layer.gguf_out_features:
                 y = y[:, :layer.gguf_out_features].contiguous()
         if y.dtype != layer.gguf_out_dtype:
@@ -100,11 +102,12 @@ class GGUFCpuConfig(GGUFBlockConfig):
         return GGUFInt4LinearMethod(type_name) if type_name in INT4_TYPES and cpu_int4pack.available() else None
 
     def process_model_after_loading(self, model: nn.Module) -> None:
-        """The LM head's product at one row goes through an fp16 copy of its (dequantized) weight: torch's CPU fp16
-        GEMV reads half the bytes (2.8 ms against 12.3 for the fp32 product on the default model's 49152 x 576 head,
-        2 cores). From 2 rows on the fp32 head computed as W x^T (VocabParallelEmbedding.compute_logits) is as fast
+        """On a CPU with fp16 instructions the LM head's product at one row goes through an fp16 copy of its
+        (dequantized) weight: torch's CPU fp16 GEMV reads half the bytes (2.8 ms against 12.3 for the fp32 product
+        on the default model's 49152 x 576 head, 2 AVX-512 cores; without them 26 ms against 12.4). From 2 rows on the fp32 head computed as W x^T (VocabParallelEmbedding.compute_logits) is as fast
         or faster, and exact. fp16 keeps 11 mantissa bits (bf16 only 8): against the dense fp32 path the
         teacher-forced logprobs moved by a mean 0.0168 instead of 0.0164 (bf16 weights: 0.033)."""
         head = getattr(model, "lm_head", None)
-        if head is not None and hasattr(head, "enable_half_gemv") and head.weight.dtype == torch.float32:
+        if (head is not None and hasattr(head, "enable_half_gemv") and head.weight.dtype == torch.float32
+                and fast_fp16_gemv()):   # without fp16 instructions it is twice as slow (kernels/cpu_features.py)
             head.enable_half_gemv(max_rows=1)
