@@ -10,22 +10,26 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def read_gguf_metadata(gguf_path: str, keys: set[str] | frozenset[str] | None = None,
-                       _tensors: dict | None = None) -> dict | None:
+def read_gguf_metadata(gguf_path: str, keys: set[str] | frozenset[str] | None = None) -> dict:
     """The GGUF header's key/value metadata (only `keys` when given), read directly from the file.
 
     gguf.GGUFReader decodes every field, which takes ~2 s for a 49k-token vocabulary; this walks the header and
     skips what is not asked for (~50 ms). Array values come back as lists. Falls back to GGUFReader for files this
-    reader does not understand (GGUF v1, big-endian). `_tensors` (read_gguf_tensor_infos's) also collects the tensor
-    table into that dict; the call then returns None for a file it does not understand.
+    reader does not understand (GGUF v1, big-endian).
     """
+    header = _read_header(gguf_path, keys, with_tensors=False)
+    return header[0] if header is not None else _read_gguf_metadata_slow(gguf_path, keys)
+
+
+def _read_header(gguf_path: str, keys, with_tensors: bool):
+    """(metadata, {tensor name: (ggml type id, HF-order shape, data offset)}, byte where the tensor data starts),
+    the table empty unless with_tensors; None for a file this walk does not understand."""
     import mmap
     import struct
 
     with open(gguf_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] not in (2, 3):
-            return None if _tensors is not None else _read_gguf_metadata_slow(gguf_path, keys)
-        tensors = _tensors
+            return None
         n_kv = struct.unpack_from("<Q", buf, 16)[0]
         off = 24
         out = {}
@@ -54,15 +58,19 @@ def read_gguf_metadata(gguf_path: str, keys: set[str] | frozenset[str] | None = 
                 return (items if want else None), off
             raise ValueError(f"unknown GGUF value type {vtype}")
 
+        align = 32   # general.alignment's default
         for _ in range(n_kv):
             key, off = read_string(off)
             (vtype,) = struct.unpack_from("<I", buf, off)
-            value, off = read_value(vtype, off + 4, keys is None or key in keys)
+            want = keys is None or key in keys or key == "general.alignment"
+            value, off = read_value(vtype, off + 4, want)
+            if key == "general.alignment":
+                align = int(value)
             if keys is None or key in keys:
                 out[key] = value
-        if tensors is not None:
-            n_tensors = struct.unpack_from("<Q", buf, 8)[0]
-            for _ in range(n_tensors):
+        tensors = {}
+        if with_tensors:
+            for _ in range(struct.unpack_from("<Q", buf, 8)[0]):
                 name, off = read_string(off)
                 (n_dims,) = struct.unpack_from("<I", buf, off)
                 dims = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
@@ -70,38 +78,34 @@ def read_gguf_metadata(gguf_path: str, keys: set[str] | frozenset[str] | None = 
                 ttype, data_off = struct.unpack_from("<IQ", buf, off)
                 off += 12
                 tensors[name] = (int(ttype), tuple(int(d) for d in reversed(dims)), int(data_off))
-            # The tensor data starts at the next multiple of general.alignment after the header.
-            align = int(out.get("general.alignment") or 32) if keys is None or "general.alignment" in keys else 32
-            tensors["__data_start__"] = -(-off // align) * align
-        return out
+        # The tensor data starts at the next multiple of general.alignment after the header.
+        return out, tensors, -(-off // align) * align
 
 
 def read_gguf_tensor_infos(gguf_path: str) -> dict[str, tuple[int, tuple[int, ...]]]:
     """{GGUF tensor name: (ggml type id, shape in HF order, outermost first)} from the header, without the data."""
-    tensors: dict = {}
-    if read_gguf_metadata(gguf_path, frozenset(), _tensors=tensors) is None:  # a file only GGUFReader reads
+    header = _read_header(gguf_path, frozenset(), with_tensors=True)
+    if header is None:  # a file only GGUFReader reads
         import gguf
         return {t.name: (int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())))
                 for t in gguf.GGUFReader(gguf_path).tensors}
-    tensors.pop("__data_start__")
-    return {name: (ttype, shape) for name, (ttype, shape, _) in tensors.items()}
+    return {name: (ttype, shape) for name, (ttype, shape, _) in header[1].items()}
 
 
 def read_gguf_tensors(gguf_path: str, keys: set[str] | frozenset[str] | None = None
                       ) -> tuple[dict, list[tuple[str, int, tuple[int, ...], object]]] | None:
     """(metadata, [(GGUF tensor name, ggml type id, shape in HF order, raw bytes)]) with each tensor's bytes a
     read-only uint8 numpy view [rows, bytes per row] of a memory map of the file (rows: the product of every
-    dimension but the innermost), the form gguf.quants.dequantize takes. The metadata holds `keys` and
-    general.alignment (everything when keys is None). None for a file only gguf.GGUFReader reads. Unlike
-    GGUFReader it does not decode the tokenizer's fields (seconds for a 49k-token vocabulary)."""
+    dimension but the innermost), the form gguf.quants.dequantize takes. The metadata holds `keys` (everything
+    when None). None for a file only gguf.GGUFReader reads. Unlike GGUFReader it does not decode the tokenizer's
+    fields (seconds for a 49k-token vocabulary)."""
     import gguf
     import numpy as np
 
-    tensors: dict = {}
-    meta = read_gguf_metadata(gguf_path, None if keys is None else {*keys, "general.alignment"}, _tensors=tensors)
-    if meta is None:
+    header = _read_header(gguf_path, keys, with_tensors=True)
+    if header is None:
         return None
-    start = tensors.pop("__data_start__")
+    meta, tensors, start = header
     mm = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     out = []
     for name, (ttype, shape, data_off) in tensors.items():
