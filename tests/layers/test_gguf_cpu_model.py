@@ -69,8 +69,8 @@ def test_greedy_tokens_match_the_dense_path_up_to_near_ties(quantized_and_dense)
 
 
 def test_the_lm_head_takes_its_fp16_copy_at_a_few_rows_only(quantized_and_dense):
-    """Where the CPU has fp16 instructions the loaded head has its fp16 copy; elsewhere it stays fp32 (the copy
-    would be slower) and the copy's behaviour is checked on a duplicate of the head."""
+    """Where the CPU converts fp16 in hardware the loaded head has its fp16 copy; elsewhere it stays fp32 (the
+    copy would be slower) and the copy's behaviour is checked on a duplicate of the head."""
     import copy
 
     import torch
