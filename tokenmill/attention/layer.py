@@ -36,10 +36,11 @@ class Attention(nn.Module):
         On CUDA with a backend that reads K/V only from the cache, one kernel normalises q/k per head (Qwen3),
         rotates them and writes K/V into the paged cache (tokenmill.kernels.triton_qk_norm_rope_store), replacing
         four to five launches per layer; a backend with `forward_decode_qkv` may fold that kernel into decode
-        attention too. fp8 caches keep the unfused path (the fused store does not scale)."""
+        attention too (the CPU backend's does the same with torch ops: torch_ref.TorchRefBackend.forward_decode_qkv).
+        fp8 caches keep the unfused path (the fused store does not scale)."""
         ctx = get_forward_context()
         md = ctx.attn_metadata if ctx.layer_metadata is None else ctx.layer_metadata[self.layer_idx]
-        if md is None or not qkv.is_cuda or not getattr(self.impl, "supports_prestored_kv", False):
+        if md is None:
             return None
         kv_cache = ctx.kv_caches[self.layer_idx]
         if kv_cache.dtype != qkv.dtype:
@@ -49,6 +50,8 @@ class Attention(nn.Module):
             out = fused(qkv, positions, rotary_emb, q_norm, k_norm, kv_cache, md)
             if out is not None:
                 return out
+        if not qkv.is_cuda or not getattr(self.impl, "supports_prestored_kv", False):
+            return None
         from tokenmill.kernels.triton_qk_norm_rope_store import qk_norm_rope_store
         t = md.num_actual_tokens
         q = qk_norm_rope_store(

@@ -13,9 +13,12 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        w = self._parameters["weight"]   # not nn.Module.__getattr__: the CPU step is bound by such overhead
+        if dtype == torch.float32:  # HF's arithmetic with its no-op casts left out and the temporaries reused
+            return torch.mul(x, x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()).mul_(w)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return w * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
