@@ -84,16 +84,18 @@ def test_many_rows_run_a_dense_copy_of_the_int4_kernels_own_weights(type_name, b
     """bf16 where the CPU has bf16 instructions, else fp32 (a bf16 GEMM without them is several times slower)."""
     from tokenmill.kernels import cpu_int4pack
     from tokenmill.layers.quantization import gguf_cpu
-    from tokenmill.layers.quantization.gguf_cpu import DENSE_MIN_ROWS
+    from tokenmill.layers.quantization.gguf_cpu import DENSE_MIN_ROWS, WT_MAX_ROWS
     monkeypatch.setattr(gguf_cpu, "fast_bf16_matmul", lambda: bf16_hardware)
     n, k = 80, 256
     raw = _blocks(type_name, n, k, seed=3)
     method, layer = _layer(type_name, raw, n, k)
-    x = torch.randn(DENSE_MIN_ROWS, k, generator=torch.Generator().manual_seed(3)).bfloat16()
-    y = method.apply(layer, x, None)
-    kernel = cpu_int4pack.mm(x, layer.packed, layer.scales_zeros)[:, :n]
-    # same weights, each rounded to bf16 once: within bf16 output rounding of the kernel's product
-    assert (y.float() - kernel.float()).abs().max().item() <= 1e-2 * kernel.float().abs().max().item()
+    for rows in (DENSE_MIN_ROWS, WT_MAX_ROWS, WT_MAX_ROWS + 1):   # as W x^T, then as x W^T
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        y = method.apply(layer, x, None)
+        assert y.shape == (rows, n) and y.is_contiguous()
+        kernel = cpu_int4pack.mm(x, layer.packed, layer.scales_zeros)[:, :n]
+        # same weights, each rounded to bf16 once: within bf16 output rounding of the kernel's product
+        assert (y.float() - kernel.float()).abs().max().item() <= 1e-2 * kernel.float().abs().max().item()
     dense_dtype = torch.bfloat16 if bf16_hardware else torch.float32
     assert layer.dense.dtype == dense_dtype and layer.dense.shape == (n, k)
 

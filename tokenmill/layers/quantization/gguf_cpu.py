@@ -31,12 +31,17 @@ from tokenmill.layers.quantization.gguf_gpu import GGUFBlockConfig
 # The ggml types kept quantized here (the others load dequantized)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # From this many rows on a product runs on a dense copy of the same weights instead: torch's int4 kernel costs
-# about the same per row at any row count (it is compute-bound past one row), a dense GEMM does not (2 cores,
-# default model, one layer's four products on an AVX-512 BF16 host: 1 row 127 us int4 / 276 bf16; 8 rows 421 /
-# 468; 16 rows 815 / 573; 32 rows 1612 / 827; one 3072 x 576 product on an AVX2 host: 8 rows 0.88 ms int4 / 0.66
-# fp32, 16 rows 0.94 / 0.90, 32 rows 1.87 / 1.43). The copy holds exactly the int4 kernel's weights (its bf16
-# scales and zeros applied), rounded once to bf16 where the CPU has bf16 instructions, else kept in fp32.
-DENSE_MIN_ROWS = 12
+# about the same per row at any row count (it is compute-bound past one row), a dense GEMM does not. Measured with
+# the weights of all 30 layers cycled (cold in the caches, as in a step), 2 cores, AVX2, a step's 120 products:
+# 8 rows 27 ms int4 / 40 dense, 16 rows 52 / 48, 32 rows 116 / 72, 64 rows 199 / 113 (engine steps of 16 rows: 113
+# ms int4, 103 dense). On an AVX-512 BF16 host (one layer, warm): 8 rows 421 us int4 / 468 bf16, 16 rows 815 / 573.
+# The copy holds exactly the int4 kernel's weights (its bf16 scales and zeros applied), rounded once to bf16 where
+# the CPU has bf16 instructions, else kept in fp32.
+DENSE_MIN_ROWS = 16
+# Up to this many rows the dense product runs as W x^T: torch's CPU GEMM packs its right operand per call, and
+# packing the activations instead of the weights made a step's products 1.6x faster at 8-32 rows (x W^T: 80 ms at
+# 16 rows, 115 at 32); from ~190 rows both forms take the same time.
+WT_MAX_ROWS = 160
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default if cpu_int4pack.available() else None
 
 
@@ -84,7 +89,11 @@ class GGUFInt4LinearMethod(LinearMethod):
         if x2.shape[0] >= DENSE_MIN_ROWS:
             # x is rounded to bf16 first as the int4 kernel takes it, so both forms compute from the same input.
             dense = params["dense"]
-            y = torch.nn.functional.linear(x2.to(torch.bfloat16).to(dense.dtype), dense)
+            xq = x2.to(torch.bfloat16).to(dense.dtype)
+            if xq.shape[0] <= WT_MAX_ROWS:
+                y = torch.mm(dense, xq.t()).t().contiguous()
+            else:
+                y = torch.nn.functional.linear(xq, dense)
         else:
             y = _INT4_MM(x2.to(torch.bfloat16).contiguous(), params["packed"], cpu_int4pack.GROUP_SIZE,
                          params["scales_zeros"])
