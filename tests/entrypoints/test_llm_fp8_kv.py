@@ -70,6 +70,9 @@ def fake_quantised(llm, fp8, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(Attention, "forward", rounded)
+        # The fused path (attention straight from the qkv projection) never calls Attention.forward: off, so that
+        # every layer's K/V passes through the rounding above.
+        m.setattr(Attention, "forward_qkv", lambda self, *a, **kw: None)
         return llm.generate(PROMPTS, SP, use_tqdm=False)
 
 
