@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.attention.backends.torch_ref import TorchRefBackend
+from tokenmill.attention.backends.torch_ref import TorchRefBackend, write_kv
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
@@ -21,9 +21,10 @@ def _decode_metadata(ctx_lens, block_size, num_blocks, g):
                              torch.tensor(seq, dtype=torch.int32), table, 1, max(seq), qsl, np.array(seq))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ctx_lens", [[13], [7], [0, 5, 16, 9]])
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3)])
-def test_fused_decode_equals_rotary_then_forward(ctx_lens, heads):
+def test_fused_decode_equals_rotary_then_forward(ctx_lens, heads, cache_dtype):
     g = torch.Generator().manual_seed(len(ctx_lens) + heads[0])
     hq, hkv = heads
     d, bs, n = 16, 4, 24
@@ -35,7 +36,8 @@ def test_fused_decode_equals_rotary_then_forward(ctx_lens, heads):
     positions = torch.tensor(ctx_lens)
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
     cache = torch.randn(2, n, bs, hkv, d, generator=g)
-    ref_cache, fused_cache = cache.clone(), cache.clone()
+    ref_cache, fused_cache = cache.to(cache_dtype), cache.to(cache_dtype)
+    fp32_cache = ref_cache.float()    # the same history, attended to in fp32 by the general decode path
 
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q, k = rope(positions, q, k)
@@ -44,9 +46,16 @@ def test_fused_decode_equals_rotary_then_forward(ctx_lens, heads):
     rope._rows = rope._full = None   # the fused path builds its own tables for the same positions
     got = be.forward_decode_qkv(qkv, positions, rope, None, None, fused_cache, _decode_metadata(ctx_lens, bs, n,
                                 torch.Generator().manual_seed(len(ctx_lens) + heads[0])))
-    assert got is not None
+    assert got is not None and got.dtype == torch.float32
     assert torch.equal(fused_cache, ref_cache)      # the same rotated K and the same V in the same slots
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if cache_dtype == torch.bfloat16:
+        # bf16 attention (q rounded too) against fp32 attention over fp32 K/V: within bf16's rounding
+        write_kv(fp32_cache, k.view(t, hkv, d), v.view(t, hkv, d), md.slot_mapping)
+        exact = torch.empty_like(q).view(t, hq, d)
+        be._decode(q.view(t, hq, d), fp32_cache, md, np.arange(t), exact, (None, None))
+        assert not torch.equal(got, exact.view(t, -1))
+        torch.testing.assert_close(got, exact.view(t, -1), rtol=0, atol=3e-2)
 
 
 def test_fused_decode_declines_what_it_does_not_cover():

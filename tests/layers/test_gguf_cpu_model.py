@@ -46,7 +46,9 @@ def test_teacher_forced_logprobs_stay_close_to_the_dense_path(quantized_and_dens
     diffs = [abs(a - b) for a, b in zip(q, d)]
     # bf16 rounding of the int4 kernel's inputs, outputs and scales is the whole difference, plus, for the prompt's
     # rows (12 or more run on the bf16 copy of those weights), the weights' own bf16 rounding: measured mean 0.0164
-    # (0.0164 without the copy), max 0.10 (0.07) over this text
+    # (0.0164 without the copy), max 0.10 (0.07) over this text on an AVX2 host (fp32 copy); 0.0177 / 0.086 on an AMX
+    # host (bf16 copy). The KV cache's dtype plays no part here: a prompt's first chunk attends to its own K/V as
+    # computed (attention/backends/torch_ref.py)
     assert sum(diffs) / len(diffs) <= 2e-2, diffs
     assert max(diffs) <= 0.15, diffs
 
@@ -91,3 +93,21 @@ def test_the_lm_head_takes_its_fp16_copy_at_a_few_rows_only(quantized_and_dense)
     assert few.dtype == torch.float32 and not torch.equal(few, exact[:head._half_rows])
     assert (few - exact[:head._half_rows]).abs().max().item() <= 2e-3 * exact.abs().max().item()
     torch.testing.assert_close(many, exact, rtol=1e-6, atol=1e-5)   # fp32 (as W x^T), summed in its own order
+
+
+def test_auto_kv_cache_is_bf16_where_the_cpu_has_bf16_instructions(quantized_and_dense, monkeypatch):
+    import torch
+
+    from tokenmill.kernels.cpu_features import fast_bf16_matmul
+    from tokenmill.layers.quantization import gguf_cpu
+    quantized, dense = quantized_and_dense
+    runner = quantized.llm_engine.engine_core.executor.worker.runner
+    want = torch.bfloat16 if fast_bf16_matmul() else torch.float32
+    assert runner.kv_dtype == want and runner.kv_caches[0].dtype == want
+    assert dense.llm_engine.engine_core.executor.worker.runner.kv_caches[0].dtype == torch.float32   # the oracle
+    cfg = gguf_cpu.GGUFCpuConfig({})
+    cpu = torch.device("cpu")
+    for fast in (True, False):
+        monkeypatch.setattr(gguf_cpu, "fast_bf16_matmul", lambda fast=fast: fast)
+        assert cfg.auto_kv_cache_dtype(torch.float32, cpu) == (torch.bfloat16 if fast else None)
+        assert cfg.auto_kv_cache_dtype(torch.bfloat16, cpu) is None     # bf16 activations: the model's dtype

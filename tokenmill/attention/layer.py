@@ -43,14 +43,12 @@ class Attention(nn.Module):
         if md is None:
             return None
         kv_cache = ctx.kv_caches[self.layer_idx]
-        if kv_cache.dtype != qkv.dtype:
-            return None
         fused = getattr(self.impl, "forward_decode_qkv", None)
         if fused is not None:
             out = fused(qkv, positions, rotary_emb, q_norm, k_norm, kv_cache, md)
             if out is not None:
                 return out
-        if not qkv.is_cuda or not getattr(self.impl, "supports_prestored_kv", False):
+        if kv_cache.dtype != qkv.dtype or not qkv.is_cuda or not getattr(self.impl, "supports_prestored_kv", False):
             return None
         from tokenmill.kernels.triton_qk_norm_rope_store import qk_norm_rope_store
         t = md.num_actual_tokens

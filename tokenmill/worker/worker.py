@@ -85,9 +85,9 @@ class Worker:
                 f"one request of max_model_len={mc.max_model_len} needs {need_one} blocks "
                 f"({need_one * per_block / GiB:.2f} GiB). Lower max_model_len or give the KV cache more memory "
                 "(gpu_memory_utilization / kv_cache_memory_bytes).")
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max concurrency at max_model_len %d: %.1fx",
-                    num_blocks, cc.block_size, num_blocks * per_block / GiB, mc.max_model_len,
-                    num_blocks / need_one)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s), max concurrency at max_model_len %d: %.1fx",
+                    num_blocks, cc.block_size, num_blocks * per_block / GiB,
+                    str(self.runner.kv_dtype).removeprefix("torch."), mc.max_model_len, num_blocks / need_one)
         from tokenmill.core.kv_cache_spec import capacity_report
         if specs and specs[0].num_dead_blocks(1 << 40):  # every layer slides: blocks below the window are freed
             logger.info("KV cache capacity per layer group (requests of max_model_len %d at once): %s",
