@@ -5,11 +5,13 @@ from tokenmill.kernels import cpu_features
 
 
 def test_flags_decide_the_fast_forms(monkeypatch):
-    for flags, bf16, fp16 in ((("sse4_2",), False, False), (("avx2", "fma", "f16c"), False, True),
-                              (("avx512f", "avx512_bf16"), True, False),
-                              (("amx_bf16", "amx_fp16", "avx512_fp16"), True, True)):
+    for flags, want in ((("sse4_2",), (False, False, False)), (("avx2", "fma", "f16c"), (False, True, False)),
+                        (("avx512f", "avx512_bf16"), (True, False, False)),
+                        (("avx512_bf16", "amx_bf16", "f16c", "avx512_fp16"), (True, True, True)),
+                        (("amx_bf16", "amx_fp16"), (True, True, True))):
         monkeypatch.setattr(cpu_features, "cpu_flags", lambda flags=flags: frozenset(flags))
-        assert (cpu_features.fast_bf16_matmul(), cpu_features.fast_fp16_gemv()) == (bf16, fp16)
+        assert (cpu_features.fast_bf16_matmul(), cpu_features.fast_fp16_gemv(),
+                cpu_features.fast_fp16_matmul()) == want, flags
 
 
 def test_flags_of_this_machine_are_read():

@@ -34,3 +34,10 @@ def fast_fp16_gemv() -> bool:
     """fp16 -> fp32 conversion in hardware (F16C; AVX-512 FP16 and AMX FP16 CPUs have it too): a one-row product
     from an fp16 weight then reads half the bytes at no extra cost."""
     return bool(cpu_flags() & {"f16c", "avx512_fp16", "amx_fp16"})
+
+
+def fast_fp16_matmul() -> bool:
+    """fp16 arithmetic in hardware (AVX-512 FP16, AMX FP16): an fp16 product of many rows is faster than fp32 too
+    (default model's 49152 x 576 head, 2 cores, AVX-512 FP16: 16 rows 3.8 against 7.1 ms, 64 rows 11.3 / 15.3),
+    where with F16C alone only one-row products gain."""
+    return bool(cpu_flags() & {"avx512_fp16", "amx_fp16"})

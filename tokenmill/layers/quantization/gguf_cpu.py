@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import cpu_int4pack
-from tokenmill.kernels.cpu_features import fast_bf16_matmul, fast_fp16_gemv
+from tokenmill.kernels.cpu_features import fast_bf16_matmul, fast_fp16_gemv, fast_fp16_matmul
 from tokenmill.layers.quantization.base import LinearMethod, LinearShape
 from tokenmill.layers.quantization.common import replace_param
 from tokenmill.layers.quantization.gguf_blocks import BLOCK_TYPES, decode_blocks
@@ -136,4 +136,6 @@ class GGUFCpuConfig(GGUFBlockConfig):
         head = getattr(model, "lm_head", None)
         if (head is not None and hasattr(head, "enable_half_gemv") and head.weight.dtype == torch.float32
                 and fast_fp16_gemv()):   # without F16C the conversion is slow (kernels/cpu_features.py)
-            head.enable_half_gemv(max_rows=1)
+            # With fp16 arithmetic (AVX-512 FP16) products of up to 64 rows gain too: 16 rows 3.8 against 7.1
+            # ms, 32 rows 6.5 / 8.8, 64 rows 11.3 / 15.3 (2 cores).
+            head.enable_half_gemv(max_rows=64 if fast_fp16_matmul() else 1)
