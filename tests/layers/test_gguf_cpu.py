@@ -84,12 +84,17 @@ def test_many_rows_run_a_dense_copy_of_the_int4_kernels_own_weights(type_name, b
     """bf16 where the CPU has bf16 instructions, else fp32 (a bf16 GEMM without them is several times slower)."""
     from tokenmill.kernels import cpu_int4pack
     from tokenmill.layers.quantization import gguf_cpu
-    from tokenmill.layers.quantization.gguf_cpu import DENSE_MIN_ROWS, WT_MAX_ROWS
+    from tokenmill.layers.quantization.gguf_cpu import DENSE_MIN_ROWS, DENSE_MIN_ROWS_AMX, WT_MAX_ROWS
     monkeypatch.setattr(gguf_cpu, "fast_bf16_matmul", lambda: bf16_hardware)
+    monkeypatch.setattr(gguf_cpu, "cpu_flags", lambda: frozenset({"amx_bf16"}))
     n, k = 80, 256
     raw = _blocks(type_name, n, k, seed=3)
     method, layer = _layer(type_name, raw, n, k)
-    for rows in (DENSE_MIN_ROWS, WT_MAX_ROWS, WT_MAX_ROWS + 1):   # as W x^T, then as x W^T
+    first = DENSE_MIN_ROWS_AMX if bf16_hardware else DENSE_MIN_ROWS   # an fp32 copy starts later, AMX or not
+    assert layer.gguf_dense_min_rows == first
+    below = torch.randn(first - 1, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(method.apply(layer, below, None), cpu_int4pack.mm(below, layer.packed, layer.scales_zeros)[:, :n])
+    for rows in (first, WT_MAX_ROWS, WT_MAX_ROWS + 1):   # as W x^T, then as x W^T
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         y = method.apply(layer, x, None)
         assert y.shape == (rows, n) and y.is_contiguous()

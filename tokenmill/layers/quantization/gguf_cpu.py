@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import cpu_int4pack
-from tokenmill.kernels.cpu_features import fast_bf16_matmul, fast_fp16_gemv, fast_fp16_matmul
+from tokenmill.kernels.cpu_features import cpu_flags, fast_bf16_matmul, fast_fp16_gemv, fast_fp16_matmul
 from tokenmill.layers.quantization.base import LinearMethod, LinearShape
 from tokenmill.layers.quantization.common import replace_param
 from tokenmill.layers.quantization.gguf_blocks import BLOCK_TYPES, decode_blocks
@@ -38,6 +38,9 @@ INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # The copy holds exactly the int4 kernel's weights (its bf16 scales and zeros applied), rounded once to bf16 where
 # the CPU has bf16 instructions, else kept in fp32.
 DENSE_MIN_ROWS = 16
+# With AMX the bf16 copy overtakes the int4 kernel sooner. Default model's decode steps, 2 cores: 8 rows 29.8 ms
+# int4 / 37.7 bf16, 10 rows 38.6 bf16, 12 rows 40.2 / 35.0.
+DENSE_MIN_ROWS_AMX = 12
 # Up to this many rows the dense product runs as W x^T: torch's CPU GEMM packs its right operand per call, and
 # packing the activations instead of the weights made a step's products 1.6x faster at 8-32 rows (x W^T: 80 ms at
 # 16 rows, 115 at 32); from ~190 rows both forms take the same time.
@@ -50,7 +53,8 @@ class GGUFInt4LinearMethod(LinearMethod):
 
     Contract: `qweight` [out, in / block * bytes] uint8 holds the file's blocks (stacked slots one after another);
     after loading it is replaced by `packed` and `scales_zeros` (kernels/cpu_int4pack.py) and by `dense`, the same
-    weights in bf16 or fp32 (cpu_features.fast_bf16_matmul) for products of DENSE_MIN_ROWS rows or more. `apply`
+    weights in bf16 or fp32 (cpu_features.fast_bf16_matmul) for products of `gguf_dense_min_rows` rows or more
+    (DENSE_MIN_ROWS, or DENSE_MIN_ROWS_AMX for a bf16 copy on an AMX CPU). `apply`
     casts x to the product's dtype and returns the model dtype."""
 
     def __init__(self, type_name: str) -> None:
@@ -80,13 +84,15 @@ class GGUFInt4LinearMethod(LinearMethod):
         zero = sz[:, :n, 1].t().float().repeat_interleave(cpu_int4pack.GROUP_SIZE, 1)
         dense_dtype = torch.bfloat16 if fast_bf16_matmul() else torch.float32
         replace_param(layer, "dense", ((codes.float() - 8.0) * scale + zero).to(dense_dtype).contiguous())
+        layer.gguf_dense_min_rows = (DENSE_MIN_ROWS_AMX if dense_dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+                                     else DENSE_MIN_ROWS)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # Attribute reads go straight to the parameter dict: nn.Module.__getattr__ costs about a microsecond a
         # name, and a one-row step runs 120 of these products on a 2-core CPU bound by such overhead.
         params = layer._parameters
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if x2.shape[0] >= DENSE_MIN_ROWS:
+        if x2.shape[0] >= layer.__dict__["gguf_dense_min_rows"]:
             # x is rounded to bf16 first as the int4 kernel takes it, so both forms compute from the same input.
             dense = params["dense"]
             xq = x2.to(torch.bfloat16).to(dense.dtype)
