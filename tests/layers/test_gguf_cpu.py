@@ -93,7 +93,8 @@ def test_many_rows_run_a_dense_copy_of_the_int4_kernels_own_weights(type_name, b
     first = DENSE_MIN_ROWS_AMX if bf16_hardware else DENSE_MIN_ROWS   # an fp32 copy starts later, AMX or not
     assert layer.gguf_dense_min_rows == first
     below = torch.randn(first - 1, k, generator=torch.Generator().manual_seed(1)).bfloat16()
-    assert torch.equal(method.apply(layer, below, None), cpu_int4pack.mm(below, layer.packed, layer.scales_zeros)[:, :n])
+    kernel_below = cpu_int4pack.mm(below, layer.packed, layer.scales_zeros)[:, :n]
+    assert torch.equal(method.apply(layer, below, None), kernel_below)
     for rows in (first, WT_MAX_ROWS, WT_MAX_ROWS + 1):   # as W x^T, then as x W^T
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         y = method.apply(layer, x, None)

@@ -81,7 +81,8 @@ def test_the_lm_head_takes_its_fp16_copy_at_a_few_rows_only(quantized_and_dense)
     quantized, dense = quantized_and_dense
     head = quantized.llm_engine.engine_core.executor.worker.runner.model.lm_head
     assert dense.llm_engine.engine_core.executor.worker.runner.model.lm_head._half is None  # the oracle stays fp32
-    h = torch.randn(72, head.embedding_dim, generator=torch.Generator().manual_seed(0))   # more rows than the copy takes
+    # more rows than the copy takes
+    h = torch.randn(72, head.embedding_dim, generator=torch.Generator().manual_seed(0))
     exact = torch.nn.functional.linear(h, head.weight)
     if not fast_fp16_gemv():
         assert head._half is None
