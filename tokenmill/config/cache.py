@@ -24,8 +24,9 @@ class CacheConfig:
                 "as vLLM's V1 engine does, so no swap space is allocated; as there, a value above 70% of the host's "
                 "memory (counted once per tensor-parallel rank) is refused.")
     kv_cache_dtype: str = config_field(
-        "auto", help="KV cache data type; auto = the model's dtype (a GGUF model on a CPU with bf16 instructions: "
-                     "bf16). fp8 (= fp8_e4m3) and fp8_e5m2 store K/V in one "
+        "auto", help="KV cache data type; auto = the model's dtype. bfloat16 under float32 activations on the CPU "
+                     "(the default GGUF model) halves the K/V bytes a decode step reads. fp8 (= fp8_e4m3) and "
+                     "fp8_e5m2 store K/V in one "
                      "byte, doubling the KV capacity, with per-layer k/v scales from the checkpoint (else 1.0); "
                      "fp8_e4m3 on GPU needs compute capability 8.9+.", choices=KV_CACHE_DTYPES)
     num_gpu_blocks_override: int | None = config_field(

@@ -271,7 +271,8 @@ HELP_ZH: dict[str, str] = {
                               "先调低它。",
     "swap_space": "每张 GPU 的 CPU 交换空间，单位 GiB，用于 vLLM 0.7 的换出式抢占。tokenmill 与 vLLM 的 V1 引擎一样"
                   "通过重新计算来抢占，不分配交换空间；同样地，超过本机内存 70%（按张量并行的进程数累计）的取值会被拒绝。",
-    "kv_cache_dtype": "KV 缓存的数据类型；auto 表示与模型相同（GGUF 模型在支持 bf16 指令的 CPU 上为 bf16）。"
+    "kv_cache_dtype": "KV 缓存的数据类型；auto 表示与模型相同。在 CPU 上以 float32 激活运行（默认的 GGUF 模型）时选 bfloat16，"
+                      "解码每步读取的 K/V 字节减半。"
                       "fp8（即 fp8_e4m3）和 fp8_e5m2 每个 K/V 元素只占一个字节，"
                       "KV 容量翻倍；每层的 k/v 缩放因子取自检查点（没有则为 1.0）。GPU 上的 fp8_e4m3 需要计算能力 8.9 "
                       "及以上。其余 vLLM 取值暂不支持。",

@@ -58,8 +58,6 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
         process_weights_after_loading(model)
         if quant_config is not None:
             quant_config.process_model_after_loading(model)
-    # ModelRunner reads it for kv_cache_dtype='auto' (None: the model's dtype).
-    model.auto_kv_cache_dtype = quant_config.auto_kv_cache_dtype(dtype, device) if quant_config is not None else None
     logger.info("Loaded %s (%s, %.1f M parameters, %s%s) on %s; weights %s", mc.architecture, fmt,
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype,
                 f", {quant_config.name}" if quant_config is not None else "", device, weight_memory_summary(model))

@@ -92,9 +92,6 @@ class ModelRunner:
     # ----- set-up -----
     def load_model(self) -> None:
         self.model = load_model(self.config, self.device, self.backend_cls)
-        auto_kv = getattr(self.model, "auto_kv_cache_dtype", None)   # the weight format's choice for 'auto'
-        if self.config.cache_config.kv_cache_dtype == "auto" and auto_kv is not None:
-            self.kv_dtype = auto_kv
         # (prompt length, position offset): requests with longer prompts read the second RoPE table (LongRoPE).
         self.rope_long_switch: tuple[int, int] | None = getattr(self.model, "rope_long_switch", None)
         text = self.config.model_config.get_text_config()

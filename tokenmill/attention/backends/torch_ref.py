@@ -67,15 +67,14 @@ class TorchRefBackend(AttentionBackend):
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scales,
                  fresh: tuple[torch.Tensor, torch.Tensor]):
         """fresh: this chunk's own K/V. A chunk with nothing before it attends to them as computed rather than
-        gathering them back from the cache (the same values in a cache of the activations' dtype; a bf16 cache
-        rounds only what later steps read, as vLLM's CPU backend does). An fp8 cache is always read back: its
-        contract is attention over fp8(K/V / scale) * scale."""
+        gathering them back, where the cache holds exactly those values (its dtype is the activations'); a bf16
+        or fp8 cache is read back, so that a prefix-cache hit computes what the miss did."""
         ql = q.shape[0]
         ctx = seq_len - ql
         bs = kv_cache.shape[2]
         w = self.sliding_window
         first = max(ctx - w + 1, 0) // bs if w is not None else 0   # the first block any query's window reaches
-        if ctx == 0 and not is_fp8(kv_cache.dtype):
+        if ctx == 0 and kv_cache.dtype == q.dtype:
             key, value = fresh
         else:
             key, value = gather_kv(kv_cache, block_ids[first:], seq_len - first * bs)

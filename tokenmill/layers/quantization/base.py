@@ -92,8 +92,3 @@ class QuantizationConfig:
     def process_model_after_loading(self, model: nn.Module) -> None:
         """Once, after every layer's process_weights_after_loading: changes a format makes outside the linear
         layers (the LM head, say). Default: none."""
-
-    def auto_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
-        """What kv_cache_dtype='auto' means for models of this format: None (the default) = the model's dtype.
-        An explicit --kv-cache-dtype always wins."""
-        return None

@@ -121,17 +121,6 @@ class GGUFCpuConfig(GGUFBlockConfig):
     def kept_method(self, type_name: str | None) -> LinearMethod | None:
         return GGUFInt4LinearMethod(type_name) if type_name in INT4_TYPES and cpu_int4pack.available() else None
 
-    def auto_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
-        """bf16 K/V under fp32 activations where the CPU has bf16 instructions. Past a few rows a CPU decode step
-        is bound by the bytes of K/V it gathers and attends over (fp32: 30 layers x 12.6 MB at 32 rows of 256
-        tokens, default model), and bf16 halves them; attention then runs in bf16 (q rounded too), still
-        accumulating in fp32. Default model, 2 cores, AMX: 32-row decode step 84 -> 67 ms; greedy logprobs
-        against the dense fp32 path over 5 x 64 tokens moved by a mean 0.0114 instead of 0.0102 (max 0.097
-        instead of 0.071). Without bf16 instructions bf16 attention is slower than fp32: the model dtype then."""
-        if device.type == "cpu" and model_dtype == torch.float32 and fast_bf16_matmul():
-            return torch.bfloat16
-        return None
-
     def process_model_after_loading(self, model: nn.Module) -> None:
         """On a CPU that converts fp16 in hardware the LM head's product at one row goes through an fp16 copy of
         its (dequantized) weight: torch's CPU fp16 GEMV reads half the bytes (default model's 49152 x 576 head, 2
