@@ -16,9 +16,10 @@ SIZES = [1, 2, 4, 8, 16, 24]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _runner(verify_sizes=None, mixed=((16, 8),), vocab=0) -> CudaGraphRunner:
+def _runner(verify_sizes=None, mixed=((16, 8),), vocab=0, layer_group=None) -> CudaGraphRunner:
     cg = CudaGraphRunner(None, [], SIZES, max_model_len=64, max_blocks_per_req=4, device=DEV,
-                         mixed_sizes=list(mixed), vocab_size=vocab, verify_sizes=verify_sizes)
+                         mixed_sizes=list(mixed), vocab_size=vocab, verify_sizes=verify_sizes,
+                         layer_group=layer_group)
     cg.graphs = {(s, q): None for q, sizes in cg.sizes_by_q.items() for s in sizes}   # as if captured
     cg.mixed_graphs = {t: None for t, _ in mixed}
     cg.prev_sampled[:3] = torch.tensor([111, 222, 333])
@@ -148,6 +149,38 @@ def test_block_table_copied_only_when_changed(runner, monkeypatch):
     assert len(copies) == 2 and runner.block_table[1, 1].item() == 9
     runner.load(*args, bt[:, :1].copy())           # a narrower table that the device already holds
     assert len(copies) == 2
+
+
+def test_kv_groups_get_their_own_slots_and_tables(monkeypatch):
+    """A model with sliding-window layers beside full ones: each group after the first has its own slot mapping
+    (padding tokens store nothing) and block table (copied only when it changed); each layer's metadata is its
+    group's view of the graph's buffers."""
+    import tokenmill.worker.cuda_graph as cgm
+    cg = _runner(layer_group=[0, 1, 1, 0, 2])
+    copies = []
+    orig = cgm._pinned
+    monkeypatch.setattr(cgm, "_pinned", lambda a: copies.append(a.copy()) or orig(a))
+    args = (np.array([1, 2, 3]), np.array([3, 4, 5]), np.array([5, 6, 7]), np.arange(4), np.array([7, 8, 9]),
+            np.array([[1], [2], [3]], dtype=np.int32))
+    groups = [(np.array([40, 41, 42]), np.array([[10], [11], [12]], dtype=np.int32)),
+              (np.array([50, 51, 52]), np.array([[20], [21], [22]], dtype=np.int32))]
+    with pytest.raises(ValueError, match="3 KV cache groups"):
+        cg.load(*args)
+    key = cg.load(*args, groups=groups)
+    assert key == (4, 1)
+    assert cg.group_slots[:, :4].tolist() == [[40, 41, 42, -1], [50, 51, 52, -1]]
+    assert cg.group_block_table[:, :3, 0].tolist() == [[10, 11, 12], [20, 21, 22]]
+    n = len(copies)
+    assert n == 5                                  # the block table, then each group's slots and table
+    cg.load(*args, groups=[(np.array([43, 44, 45]), t.copy()) for _, t in groups])
+    assert len(copies) == n + 2 and cg.group_slots[0, :3].tolist() == [43, 44, 45]   # slots only
+    md = cg._metadata(key)
+    layers = cg._layer_metadata(key, md)
+    assert layers[0] is md and layers[3] is md and layers[1] is layers[2]
+    assert layers[1].slot_mapping.data_ptr() == cg.group_slots[0].data_ptr()
+    assert layers[4].block_table.data_ptr() == cg.group_block_table[1].data_ptr()
+    assert layers[4].block_table.shape == (4, 4) and layers[4].slot_mapping.shape == (4,)
+    assert _runner()._layer_metadata(key, md) is None
 
 
 def test_only_small_decode_graphs_sample(runner):

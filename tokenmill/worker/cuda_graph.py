@@ -8,12 +8,15 @@ for up to a fixed number of requests, so such a step costs one replay instead of
 
 Every graph takes its step inputs the same way: its first kernel reads them from a pinned host ring slot that the
 host filled (kernels/triton_step_inputs.py), so no copy runs between replays; only the block table is copied,
-when it changed. Every graph writes its logits into one shared [max rows, vocab] buffer: graphs replay one at a
+when it changed. A model whose KV cache is in several layer groups (sliding-window layers beside full ones,
+core/kv_cache_groups.py) has a slot mapping and block table per group: the groups after the first are copied
+before the replay (their slot mapping each step, their table when it changed). Every graph writes its logits into one shared [max rows, vocab] buffer: graphs replay one at a
 time on one stream and the step's logits are consumed before the next replay.
 """
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -98,11 +101,13 @@ class CudaGraphRunner:
                  max_model_len: int, max_blocks_per_req: int, device: torch.device,
                  mixed_sizes: list[tuple[int, int]] | None = None, prev_sampled: torch.Tensor | None = None,
                  vocab_size: int = 0, dtype: torch.dtype = torch.float32,
-                 verify_sizes: dict[int, list[int]] | None = None, recurrent=None) -> None:
+                 verify_sizes: dict[int, list[int]] | None = None, recurrent=None,
+                 layer_group: list[int] | None = None) -> None:
         """verify_sizes: q -> the batch sizes to capture with q tokens per request (verifying q - 1 drafts; each a
         decode size; CompilationConfig.verify_capture_sizes). recurrent: a
         worker/state_cache.GraphRecurrentStep for models with recurrent layers (decode graphs only; `load` then
-        takes each request's state slot)."""
+        takes each request's state slot). layer_group: each layer's KV cache group when there are several (then
+        `load` takes the step's slot mapping and block table of every group after the first)."""
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.recurrent = recurrent
         if recurrent is not None and (mixed_sizes or verify_sizes):
@@ -142,6 +147,11 @@ class CudaGraphRunner:
         # What the device block table holds (as of the last queued copy): an unchanged table is not copied again
         # (a decode step changes it only when a request crosses into a new block or the batch changes).
         self._bt_mirror = np.zeros((r, max_blocks_per_req), dtype=np.int32)
+        self.layer_group = layer_group
+        extra = max(layer_group) if layer_group else 0
+        self.group_slots = torch.full((extra, t), -1, dtype=torch.long, device=device)
+        self.group_block_table = torch.zeros((extra, r, max_blocks_per_req), dtype=torch.int32, device=device)
+        self._group_bt_mirror = np.zeros((extra, r, max_blocks_per_req), dtype=np.int32)
         rows = max([sizes[-1] * q for q, sizes in self.sizes_by_q.items()] + list(self.mixed_reqs.values()))
         self.logits = torch.empty((rows, vocab_size), dtype=dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}   # (batch size, q) -> uniform graph
@@ -203,6 +213,16 @@ class CudaGraphRunner:
             query_start_loc_cpu=np.zeros(reqs + 1, dtype=np.int64), seq_lens_cpu=np.zeros(reqs, dtype=np.int64),
             captured_mixed=True)
 
+    def _layer_metadata(self, key: GraphKey, md: AttentionMetadata) -> list[AttentionMetadata] | None:
+        """Per layer, its group's view of the graph's metadata (None: one group)."""
+        if not self.layer_group:
+            return None
+        tokens, reqs = self.tokens_and_reqs(key)
+        per_group = [md] + [dataclasses.replace(md, slot_mapping=self.group_slots[g, :tokens],
+                                                block_table=self.group_block_table[g, :reqs])
+                            for g in range(self.group_slots.shape[0])]
+        return [per_group[g] for g in self.layer_group]
+
     def _forward(self, key: GraphKey) -> None:
         """What a graph runs: load the step's inputs from the ring, the model, the logits into the shared buffer,
         and (q == 1, small) the plain temperature draw when the step's flag says so."""
@@ -210,7 +230,8 @@ class CudaGraphRunner:
         io = self.host_io
         self.load_step_inputs(key)
         recurrent = None if self.recurrent is None else self.recurrent.view(reqs)
-        with set_forward_context(self._metadata(key), self.kv_caches, recurrent=recurrent):
+        md = self._metadata(key)
+        with set_forward_context(md, self.kv_caches, self._layer_metadata(key, md), recurrent=recurrent):
             hidden = self.model(self.input_ids[:tokens], self.positions[:tokens])
         if not key.q:
             hidden = hidden[self.last_token[:reqs]]
@@ -260,14 +281,19 @@ class CudaGraphRunner:
     def load(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, query_start_loc: np.ndarray,
              seq_lens: np.ndarray, block_table: np.ndarray, allow_mixed: bool = True,
              fix_src: np.ndarray | None = None, race: tuple | None = None,
-             state_slots: np.ndarray | None = None) -> GraphKey | None:
+             state_slots: np.ndarray | None = None,
+             groups: list[tuple[np.ndarray, np.ndarray]] | None = None) -> GraphKey | None:
         """Fill the next ring slot for the smallest graph that holds the batch; its key for `run`, or None when
         no graph fits (the batch runs eagerly; nothing was filled). fix_src (per token, -1 = none) marks placeholder
         ids that the graph takes from prev_sampled. race = (seeds, RNG positions, temperatures) per request makes
         a graph that `draws` also draw the plain temperature sample. state_slots: each request's recurrent-state
-        slot (required with `recurrent`; every request must continue from its slot's state)."""
+        slot (required with `recurrent`; every request must continue from its slot's state). groups: the (slot
+        mapping, block table) of each KV cache group after the first (required with `layer_group`)."""
         num_reqs, num_tokens = len(seq_lens), len(input_ids)
         self.last_io_slot = None
+        if self.layer_group and (groups is None or len(groups) != self.group_slots.shape[0]):
+            raise ValueError(f"a model with {self.group_slots.shape[0] + 1} KV cache groups needs the slot mapping "
+                             "and block table of every group after the first")
         key = self.uniform_key(num_reqs, num_tokens, query_start_loc)
         if self.recurrent is not None:
             if state_slots is None:
@@ -294,7 +320,12 @@ class CudaGraphRunner:
             v[FLAG, 0] = 0
         v[SRC, :num_tokens] = -1 if fix_src is None else fix_src
         v[SRC, num_tokens:tokens] = -1
-        self._load_block_table(block_table)
+        self._load_table(self.block_table, self._bt_mirror, block_table)
+        for g, (group_slots, table) in enumerate(groups or ()):
+            staged = np.full(tokens, -1, dtype=np.int64)  # padding tokens store nothing in this group either
+            staged[:num_tokens] = group_slots
+            self.group_slots[g, :tokens].copy_(_pinned(staged), non_blocking=True)
+            self._load_table(self.group_block_table[g], self._group_bt_mirror[g], table)
         self.last_io_slot = slot
         return key
 
@@ -320,13 +351,15 @@ class CudaGraphRunner:
             v[SEEDS:RPOS + 1, n:size] = 0
             temps[n:size] = 1.0
 
-    def _load_block_table(self, block_table: np.ndarray) -> None:
-        """Copy the batch's block table rows unless the device already holds exactly these."""
+    @staticmethod
+    def _load_table(device_table: torch.Tensor, mirror: np.ndarray, block_table: np.ndarray) -> None:
+        """Copy the batch's block table rows unless the device already holds exactly these (`mirror`: what it
+        holds as of the last queued copy)."""
         n, nb = block_table.shape
-        if np.array_equal(self._bt_mirror[:n, :nb], block_table):
+        if np.array_equal(mirror[:n, :nb], block_table):
             return
-        self._bt_mirror[:n, :nb] = block_table
-        self.block_table[:n, :nb].copy_(_pinned(block_table.astype(np.int32, copy=False)), non_blocking=True)
+        mirror[:n, :nb] = block_table
+        device_table[:n, :nb].copy_(_pinned(block_table.astype(np.int32, copy=False)), non_blocking=True)
 
     def run(self, key: GraphKey, n: int) -> torch.Tensor:
         """Replay the graph `load` returned; the logits of the batch's first n requests (all their tokens in a

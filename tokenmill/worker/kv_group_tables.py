@@ -38,19 +38,27 @@ class GroupBlockTables:
                 self.tables[g, row, n:n + len(group_ids)] = group_ids
                 self.counts[g, row] = n + len(group_ids)
 
-    def metadata(self, md: AttentionMetadata, rows: np.ndarray, computed: np.ndarray, n_sched: np.ndarray,
-                 num_table_cols: int, device: torch.device) -> list[AttentionMetadata]:
-        """Per layer: its group's metadata for a step whose request i (batch row rows[i]) computes n_sched[i]
-        tokens after its computed[i] ones."""
+    def step_tables(self, rows: np.ndarray, computed: np.ndarray, n_sched: np.ndarray, num_table_cols: int
+                    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(slot mapping [tokens] int64, block table [len(rows), num_table_cols] int32) of each group 1.., in
+        order, for a step whose request i (batch row rows[i]) computes n_sched[i] tokens after its computed[i]
+        ones."""
         bs = self.block_size
         req_of_token = np.repeat(np.arange(len(rows)), n_sched)
         starts = np.repeat(np.cumsum(n_sched) - n_sched, n_sched)
         positions = computed[req_of_token] + (np.arange(int(n_sched.sum())) - starts)
         token_rows = rows[req_of_token]
-        per_group = [md]
+        out = []
         for g in range(self.num_groups - 1):
             table = self.tables[g]
             slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-            per_group.append(dataclasses.replace(md, slot_mapping=to_device(slots, device),
-                                                 block_table=to_device(table[rows, :num_table_cols], device)))
+            out.append((slots, table[rows, :num_table_cols]))
+        return out
+
+    def metadata(self, md: AttentionMetadata, rows: np.ndarray, computed: np.ndarray, n_sched: np.ndarray,
+                 num_table_cols: int, device: torch.device) -> list[AttentionMetadata]:
+        """Per layer: its group's metadata for the step (see step_tables), group 0's being `md`."""
+        per_group = [md] + [dataclasses.replace(md, slot_mapping=to_device(slots, device),
+                                                block_table=to_device(table, device))
+                            for slots, table in self.step_tables(rows, computed, n_sched, num_table_cols)]
         return [per_group[g] for g in self.layer_group]

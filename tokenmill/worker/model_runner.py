@@ -197,7 +197,7 @@ class ModelRunner:
                                                                         device=self.device),
                                                vocab_size=self.vocab_size, dtype=self.dtype,
                                                verify_sizes={q: cc.verify_capture_sizes(self.max_num_reqs, q)}
-                                               if recurrent is None else None)
+                                               if recurrent is None else None, layer_group=layer_group)
             self.cuda_graphs.capture()
 
     def cuda_graph_output_bytes(self) -> int:
@@ -213,9 +213,8 @@ class ModelRunner:
     def use_cuda_graphs(self) -> bool:
         """Graphs need a device, a backend without host-side planning per step, and enforce_eager off; pipeline
         stages run eagerly (the graphs capture a whole model's forward, not a stage's send/receive)."""
-        # A KV cache in several layer groups runs eagerly: the graphs stage one block table and slot mapping.
         return (self.device.type == "cuda" and not self.config.model_config.enforce_eager and self.link is None
-                and self.config.compilation_config.graphs_enabled and self.kv_layer_groups() is None
+                and self.config.compilation_config.graphs_enabled
                 and getattr(self.backend_cls, "supports_cuda_graphs", False))
 
     @torch.inference_mode()
@@ -360,9 +359,11 @@ class ModelRunner:
         if not sched.grammar_req_ids and len(inp.sample_idx) == n and cg.can_sample(n, total):
             # Every row plain temperature sampling: the (small) decode graph draws the tokens itself.
             race = self.sampling.plain_race_inputs(inp.rows, self.batch.num_prompt_tokens, self.batch.num_tokens)
+        groups = None if self.group_tables is None else self.group_tables.step_tables(
+            inp.rows, inp.computed, inp.n_sched, inp.block_table.shape[1])
         key = cg.load(inp.input_ids, inp.rope_positions, inp.slots, inp.qsl, inp.seq_lens, inp.block_table,
                       allow_mixed=not wants_prompt_lp and inp.one_token_each, fix_src=fix_src, race=race,
-                      state_slots=state_slots)
+                      state_slots=state_slots, groups=groups)
         if key is None:
             return None
         TIMER.count("graph_steps" if key.q else "mixed_graph_steps")
