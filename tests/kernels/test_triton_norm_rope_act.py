@@ -75,6 +75,29 @@ def test_rms_norm_inplace_and_fp32_weight():
     assert rel_err(out, layer(x)) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_gemma_rms_norm(dtype, residual):
+    """The (1 + w) form in fp32 with one rounding at the end, against GemmaRMSNorm's plain-torch arithmetic (the
+    layer runs this kernel on CUDA), with the 3-D per-head shape of q / k norms too."""
+    from tokenmill.models.gemma2 import GemmaRMSNorm
+    for shape in ((5, 96), (2, 3, 48)):
+        x = _rand(*shape, dtype=dtype, seed=11, scale=3.0)
+        layer = GemmaRMSNorm(shape[-1], eps=1e-6).to(DEV, dtype)
+        layer.weight.data = _rand(shape[-1], dtype=dtype, seed=12, scale=0.3)
+        if residual:
+            r = _rand(*shape, dtype=dtype, seed=13)
+            out, res = rms_norm(x, layer.weight, 1e-6, r, gemma=True)
+            if dtype != torch.bfloat16 or not INTERPRETED:  # the interpreter truncates to bf16
+                assert torch.equal(res, x + r)
+            assert rel_err(res, x + r) < TOL[dtype]
+            ref = layer._norm(x + r)
+        else:
+            out, ref = rms_norm(x, layer.weight, 1e-6, gemma=True), layer._norm(x)
+        assert out.dtype == dtype and out.shape == x.shape
+        assert rel_err(out, ref) < TOL[dtype]
+
+
 def test_rms_norm_3d_input():
     x = _rand(2, 3, 48, dtype=torch.float32, seed=7)
     w = _rand(48, dtype=torch.float32, seed=8)

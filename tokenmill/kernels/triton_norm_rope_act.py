@@ -19,7 +19,7 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     n_cols, eps,
     stride_x, stride_r, stride_o, stride_ro,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False, GEMMA: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -33,8 +33,12 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_ro + cols, x.to(res_out_ptr.dtype.element_ty), mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / n_cols
-    y = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    if GEMMA:  # scaled by (1 + w) in fp32, rounded once at the end
+        y = xf * tl.math.rsqrt(var + eps) * (1.0 + w)
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        y = (xf * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -43,8 +47,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
-             inplace: bool = False):
+             inplace: bool = False, gemma: bool = False):
     """HF RMSNorm over the last dim: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32.
+    gemma=True: HF's Gemma form, (x * rsqrt(mean(x^2) + eps) * (1 + weight)).to(x.dtype), all in fp32 (the output
+    then has x's dtype).
 
     Without residual returns out. With residual returns (norm(x + residual), x + residual), the sum rounded to
     x.dtype like torch. The output dtype is promote(x.dtype, weight.dtype) (as `weight * x` in torch).
@@ -53,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     Any leading shape; the last dim must be contiguous (otherwise a copy is made, which inplace refuses)."""
     n = x.shape[-1]
     x2 = _rows(x)
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
     if inplace:
         assert out_dtype == x.dtype and x2.data_ptr() == x.data_ptr(), "inplace needs same dtype and a view of x"
         out2 = x2
@@ -75,7 +81,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(m,)](
             x2, r2, weight, out2, ro2, n, eps,
             x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
-            HAS_RES=residual is not None, BLOCK=block, num_warps=warps, **launch_kwargs(x.device, "norm"),
+            HAS_RES=residual is not None, BLOCK=block, num_warps=warps, GEMMA=gemma,
+            **launch_kwargs(x.device, "norm"),
         )
     out = x if inplace else out2.view(x.shape)
     if residual is None:

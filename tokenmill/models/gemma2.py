@@ -41,6 +41,9 @@ class GemmaRMSNorm(nn.Module):
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda:  # one fused kernel instead of ~10 elementwise launches
+            from tokenmill.kernels.triton_norm_rope_act import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual, gemma=True)
         if residual is None:
             return self._norm(x)
         x = x + residual
