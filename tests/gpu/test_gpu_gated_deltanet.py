@@ -1,6 +1,7 @@
 """Gated DeltaNet on CUDA (run with `pytest -m gpu` on the device): flash-linear-attention's kernels, which the
-layer uses when that package is importable, against the pure-PyTorch reference on fresh random inputs, and the tiny
-Qwen3.5 through the engine on CUDA against the same model on the CPU (fp32, greedy)."""
+layer uses for prefill when that package is importable, and the fused decode kernels (kernels/triton_gdn_decode.py)
+against the pure-PyTorch reference on fresh random inputs, and the tiny Qwen3.5 through the engine on CUDA against
+the same model on the CPU (fp32, greedy)."""
 from __future__ import annotations
 
 import pytest
@@ -81,3 +82,46 @@ def test_tiny_qwen3_5_on_cuda_matches_cpu(tmp_path, smollm2_tokenizer):
     assert outs["eager"] == outs["cpu"]
     assert outs["graphs"] == outs["cpu"]
     assert len(replays) >= 8 and max(replays) > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_decode_at_27b_head_shape(dtype):
+    """kernels/triton_gdn_decode.py compiled, at Qwen3.5-27B's head shape (16 key heads, 48 value heads,
+    dk = dv = 128), against the torch decode path; then captured in a CUDA graph (token indices and slots read from
+    device buffers) and replayed from the same caches: the same results as the eager launch."""
+    from tests.kernels.kernel_check import rel_err
+    from tests.kernels.test_triton_gdn_decode import make_case, reference, run_kernel
+    from tokenmill.kernels.triton_gdn_decode import gdn_decode
+    case = make_case(16, 48, 128, 128, dtype=dtype, t=9, rows=(5, 1, 3, 8), slots=(2, 6, 0, 7), pad=2,
+                     device=torch.device("cuda"), seed=11)
+    out, conv_cache, ssm_cache = run_kernel(case)
+    ref_h, ref_conv, ref_ssm = reference(case)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    n, tok = 4, case["tok"]
+    assert rel_err(out[tok[:n]], ref_h[:n]) < tol
+    assert rel_err(ssm_cache[:-1], ref_ssm[:-1]) < tol
+    assert torch.equal(conv_cache[:-1], ref_conv[:-1])
+
+    hv = case["hv"]
+    g_conv, g_ssm = case["conv_cache"].clone(), case["ssm_cache"].clone()
+    g_out = torch.full_like(case["z"], 7.0)
+    b, a = case["ba"].split([hv, hv], dim=-1)
+    tok_buf, slot_buf = torch.zeros_like(tok), torch.zeros_like(case["slots"])
+
+    def launch():
+        gdn_decode(case["mixed"], case["z"], b, a, case["conv_weight"], case["A_log"], case["dt_bias"],
+                   case["norm_weight"], case["eps"], g_conv, g_ssm, tok_buf, slot_buf, g_out, hk=16, hv=hv,
+                   dk=128, dv=128)
+    launch()                 # compiles outside the capture (every row on token 0, slot 0: the caches are reset below)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    g_conv.copy_(case["conv_cache"])
+    g_ssm.copy_(case["ssm_cache"])
+    g_out.fill_(7.0)
+    tok_buf.copy_(tok)
+    slot_buf.copy_(case["slots"])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out[tok[:n]], out[tok[:n]])
+    assert torch.equal(g_ssm[:-1], ssm_cache[:-1]) and torch.equal(g_conv[:-1], conv_cache[:-1])

@@ -10,7 +10,8 @@ State: the forward context's `recurrent` entry (worker/state_cache.py) gives thi
 request continues from its slot's state (it has computed tokens) or starts from zeros. A request with one token
 and a state is a decode step: all of those are updated together; the others (prefills, prefill chunks) run one
 sequence at a time. Without a `recurrent` entry (the profiling run) the whole batch runs as one sequence from
-zeros and nothing is stored.
+zeros and nothing is stored. On CUDA the decode rows run kernels/triton_gdn_decode.py (two launches: the conv
+update; the gating, delta rule and gated RMSNorm), in place on the state caches; the CPU runs the torch ops.
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from tokenmill.layers.linear import ColumnParallelLinear, MergedColumnParallelLi
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer; `forward(x [T, hidden]) -> [T, hidden]`. `state_shapes()` gives this rank's
     ((conv_dim, K - 1), (Hv, dk, dv)) per request."""
+
+    # Device types whose decode rows run the fused Triton kernels (tests add "cpu" to run them interpreted).
+    fused_decode_devices = frozenset({"cuda"})
 
     def __init__(self, cfg, layer_idx: int, quant_config=None, prefix: str = "") -> None:
         super().__init__()
@@ -91,17 +95,29 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(t, self.hv_here, self.dv)
         b, a = self.in_proj_ba(x).split([self.hv_here, self.hv_here], dim=-1)
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         w = self.conv1d.weight[:, 0, :]
         st = get_forward_context().recurrent
+        # On CUDA the decode rows take two fused launches (conv update, gating, delta rule and gated norm, in place
+        # on the state caches) instead of ~45 small torch kernels: they write their rows of h; the torch path below
+        # then runs only for prefill rows (or everything, on the CPU and in the profiling run).
+        fused = st is not None and x.device.type in self.fused_decode_devices and len(st.decode_idx) > 0
+        h = torch.empty(t, self.hv_here, self.dv, dtype=x.dtype, device=x.device) if fused else None
+        if fused:
+            from tokenmill.kernels.triton_gdn_decode import gdn_decode   # triton: a CUDA-only import
+            gdn_decode(mixed, z, b, a, w, self.A_log, self.dt_bias, self.norm.weight, self.eps,
+                       st.conv[self.layer_idx], st.ssm[self.layer_idx], st.decode_tokens, st.decode_slots, h,
+                       hk=self.hk_here, hv=self.hv_here, dk=self.dk, dv=self.dv)
+            if not len(st.prefill_idx):
+                return self.out_proj(h.reshape(t, self.hv_here * self.dv))
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = torch.empty(t, self.hv_here, self.dv, dtype=x.dtype, device=x.device)
         if st is None:
             conv, _ = ops.causal_conv1d(mixed, w, None)
             out[:] = self._rule(conv, g, beta, None)[0]
         else:
             conv_cache, ssm_cache = st.conv[self.layer_idx], st.ssm[self.layer_idx]
-            if len(st.decode_idx):
+            if len(st.decode_idx) and not fused:
                 tok, slots = st.decode_tokens, st.decode_slots
                 cstate = conv_cache.index_select(0, slots)
                 conv = ops.causal_conv1d_update(mixed.index_select(0, tok), w, cstate)
@@ -130,7 +146,10 @@ class GatedDeltaNet(nn.Module):
                     if ckpt is not None:
                         conv_cache[ckpt].copy_(conv_cache[slot])
                         ssm_cache[ckpt].copy_(ssm_cache[slot])
-        h = ops.gated_rms_norm(out, z, self.norm.weight, self.eps)
+                if fused:  # the decode rows of h are done: normalise this sequence's rows only
+                    h[s0:s1] = ops.gated_rms_norm(out[s0:s1], z[s0:s1], self.norm.weight, self.eps)
+        if not fused:
+            h = ops.gated_rms_norm(out, z, self.norm.weight, self.eps)
         return self.out_proj(h.reshape(t, self.hv_here * self.dv))
 
     def _heads(self, conv: torch.Tensor):
