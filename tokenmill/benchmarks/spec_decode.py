@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill import LLM, SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results, tokens = {}, {}
+    # Process-wide first-use costs (the CPU math libraries' kernels for each new product shape, lazy imports) are
+    # paid here, by an engine without drafts over every prompt, so that no method's timed runs carry them; each
+    # method's own engine then starts fresh (suffix decoding's trie holds none of these outputs).
+    warm = LLM(args.model, max_model_len=args.max_model_len, dtype=args.dtype)
+    warm.chat([[{"role": "user", "content": p}] for p in QUOTING + ORDINARY], sp, use_tqdm=False)
+    del warm
     for name, spec in METHODS.items():
         if spec is not None:
             spec = {**spec, "num_speculative_tokens": args.k, "step_aside": not args.no_step_aside}

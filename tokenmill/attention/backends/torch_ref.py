@@ -25,17 +25,6 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `length` cached K and V of the sequence whose blocks are `block_ids`: [length, H, D] each."""
-    _, _, bs, h, d = kv_cache.shape
-    nb = -(-length // bs)
-    ids = block_ids[:nb].long()
-    # index_select is several times faster than advanced indexing on CPU
-    key = kv_cache[0].index_select(0, ids).view(nb * bs, h, d)[:length]
-    value = kv_cache[1].index_select(0, ids).view(nb * bs, h, d)[:length]
-    return key, value
-
-
 class TorchRefBackend(AttentionBackend):
     """Straightforward and exact: decodes are batched into one padded attention, prefills run one request each.
     An fp8 cache is dequantised (float(fp8) * scale) right after the gather, so it works on any device. With a
@@ -60,33 +49,55 @@ class TorchRefBackend(AttentionBackend):
             self._decode(q, kv_cache, md, decode_rows, out, scales)
         for i in (query_lens > 1).nonzero()[0]:
             s, e = int(qsl[i]), int(qsl[i + 1])
-            out[s:e] = self._prefill(q[s:e], kv_cache, md.block_table[i], int(seq_lens[i]), scales,
+            out[s:e] = self._prefill(q[s:e], kv_cache, self._prefill_plan(md, int(i), kv_cache, q), scales,
                                      (k[s:e], v[s:e]))
         return out.view(t, self.num_heads * self.head_size)
 
-    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, scales,
-                 fresh: tuple[torch.Tensor, torch.Tensor]):
-        """fresh: this chunk's own K/V. A chunk with nothing before it attends to them as computed rather than
-        gathering them back, where the cache holds exactly those values (its dtype is the activations'); a bf16
-        or fp8 cache is read back, so that a prefix-cache hit computes what the miss did."""
-        ql = q.shape[0]
-        ctx = seq_len - ql
-        bs = kv_cache.shape[2]
+    def _prefill_plan(self, md: AttentionMetadata, i: int, kv_cache: torch.Tensor, q: torch.Tensor):
+        """What every layer of a kind gathers and masks for request i's chunk of this step (computed by the first
+        layer, reused by the others): (the ids of its K blocks then its V blocks in the cache viewed as
+        [2 x blocks, ...], or None when the chunk attends to its own K/V only; keys read; the query x key mask).
+        A chunk with nothing before it attends to its K/V as computed rather than gathering them back, where the
+        cache holds exactly those values (its dtype is the activations'); a bf16 or fp8 cache is read back, so that
+        a prefix-cache hit computes what the miss did."""
         w = self.sliding_window
+        plan_key = ("torch_ref_prefill", w, i, kv_cache.dtype == q.dtype)
+        plan = md.plans.get(plan_key)
+        if plan is not None:
+            return plan
+        seq_len = int(md.seq_lens_cpu[i])
+        ql = int(md.query_start_loc_cpu[i + 1] - md.query_start_loc_cpu[i])
+        ctx = seq_len - ql
+        n, bs = kv_cache.shape[1], kv_cache.shape[2]
         first = max(ctx - w + 1, 0) // bs if w is not None else 0   # the first block any query's window reaches
-        if ctx == 0 and kv_cache.dtype == q.dtype:
-            key, value = fresh
-        else:
-            key, value = gather_kv(kv_cache, block_ids[first:], seq_len - first * bs)
-        group = self.num_heads // self.num_kv_heads
-        key = dequantize(key, scales[0], q.dtype)
-        value = dequantize(value, scales[1], q.dtype)
-        # Query i sits at position ctx + i and sees keys 0..ctx + i (with a window W: ctx + i - W + 1..ctx + i).
-        kpos = first * bs + torch.arange(seq_len - first * bs, device=q.device)[None, :]
+        length = seq_len - first * bs
+        ids = None
+        if ctx or kv_cache.dtype != q.dtype:
+            blocks = md.block_table[i, first:first + -(-length // bs)].long()
+            ids = torch.cat((blocks, blocks + n))
+        # Query j sits at position ctx + j and sees keys 0..ctx + j (with a window W: ctx + j - W + 1..ctx + j).
+        kpos = first * bs + torch.arange(length, device=q.device)[None, :]
         qpos = (ctx + torch.arange(ql, device=q.device))[:, None]
         mask = kpos <= qpos
         if w is not None:
             mask &= kpos > qpos - w
+        plan = md.plans[plan_key] = (ids, length, mask)
+        return plan
+
+    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, plan, scales,
+                 fresh: tuple[torch.Tensor, torch.Tensor]):
+        """One request's chunk (plan: `_prefill_plan`'s); fresh: the chunk's own K/V."""
+        ids, length, mask = plan
+        if ids is None:
+            key, value = fresh
+        else:
+            _, n, bs, h, d = kv_cache.shape
+            # K and V blocks in one gather: index_select along dim 0 copies whole contiguous blocks.
+            kv = kv_cache.view(2 * n, bs, h, d).index_select(0, ids).view(2, -1, h, d)
+            key, value = kv[0, :length], kv[1, :length]
+        group = self.num_heads // self.num_kv_heads
+        key = dequantize(key, scales[0], q.dtype)
+        value = dequantize(value, scales[1], q.dtype)
         if self.logits_soft_cap is None and not q.is_cuda:
             # Batched 4-D inputs with grouped heads take torch's fused CPU attention (3-D inputs with repeated
             # K/V heads take its unfused path: 15.3 against 6.6 ms a layer for a 500-token prompt, 2 cores).
