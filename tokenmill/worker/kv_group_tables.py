@@ -15,8 +15,9 @@ class GroupBlockTables:
     """Block tables of groups 1.. (the InputBatch keeps group 0's), one row per batch row.
 
     Contract: `add(row, ids)` starts a row's tables (ids: the lists of groups 1.. in order), `append(row, ids)`
-    extends them, in the order the scheduler hands block ids out; `metadata(md, ...)` gives one step's
-    AttentionMetadata per group, group 0's being `md` itself (only the slot mapping and block table differ).
+    extends them, in the order the scheduler hands block ids out; `step_tables(...)` gives one step's slot mapping and
+    block table of each group after the first, `metadata(md, those, device)` the step's AttentionMetadata per
+    layer, group 0's being `md` itself (only the slot mapping and block table differ).
     """
 
     def __init__(self, num_groups: int, max_num_reqs: int, max_blocks_per_req: int, block_size: int,
@@ -38,16 +39,12 @@ class GroupBlockTables:
                 self.tables[g, row, n:n + len(group_ids)] = group_ids
                 self.counts[g, row] = n + len(group_ids)
 
-    def step_tables(self, rows: np.ndarray, computed: np.ndarray, n_sched: np.ndarray, num_table_cols: int
+    def step_tables(self, rows: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, num_table_cols: int
                     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """(slot mapping [tokens] int64, block table [len(rows), num_table_cols] int32) of each group 1.., in
-        order, for a step whose request i (batch row rows[i]) computes n_sched[i] tokens after its computed[i]
-        ones."""
+        order, for a step of requests in batch rows `rows` whose tokens sit in batch rows token_rows at
+        `positions`."""
         bs = self.block_size
-        req_of_token = np.repeat(np.arange(len(rows)), n_sched)
-        starts = np.repeat(np.cumsum(n_sched) - n_sched, n_sched)
-        positions = computed[req_of_token] + (np.arange(int(n_sched.sum())) - starts)
-        token_rows = rows[req_of_token]
         out = []
         for g in range(self.num_groups - 1):
             table = self.tables[g]
@@ -55,10 +52,9 @@ class GroupBlockTables:
             out.append((slots, table[rows, :num_table_cols]))
         return out
 
-    def metadata(self, md: AttentionMetadata, rows: np.ndarray, computed: np.ndarray, n_sched: np.ndarray,
-                 num_table_cols: int, device: torch.device) -> list[AttentionMetadata]:
-        """Per layer: its group's metadata for the step (see step_tables), group 0's being `md`."""
+    def metadata(self, md: AttentionMetadata, groups: list[tuple[np.ndarray, np.ndarray]],
+                 device: torch.device) -> list[AttentionMetadata]:
+        """Per layer: its group's metadata for the step, from `step_tables`' output (group 0's is `md`)."""
         per_group = [md] + [dataclasses.replace(md, slot_mapping=to_device(slots, device),
-                                                block_table=to_device(table, device))
-                            for slots, table in self.step_tables(rows, computed, n_sched, num_table_cols)]
+                                                block_table=to_device(table, device)) for slots, table in groups]
         return [per_group[g] for g in self.layer_group]

@@ -332,8 +332,10 @@ class ModelRunner:
         if self.spec_state is not None and self.spec_state.drafts:
             n_sample += self.spec_state.num_drafts(req_ids, sample_idx)
         fixup = self.pending.sources(input_ids, token_rows, positions)
+        groups = None if self.group_tables is None else self.group_tables.step_tables(
+            rows, token_rows, positions, block_table.shape[1])
         return StepInputs(req_ids, rows, n_sched, computed, qsl, input_ids, rope_positions, slots, seq_lens,
-                          block_table, sample_idx, n_sample, fixup)
+                          block_table, sample_idx, n_sample, fixup, groups)
 
     def _forward_graph(self, sched: SchedulerOutput, inp: StepInputs) -> StepState | None:
         """Run the step through a captured graph (its first kernel takes the inputs from the host ring); None when
@@ -359,11 +361,9 @@ class ModelRunner:
         if not sched.grammar_req_ids and len(inp.sample_idx) == n and cg.can_sample(n, total):
             # Every row plain temperature sampling: the (small) decode graph draws the tokens itself.
             race = self.sampling.plain_race_inputs(inp.rows, self.batch.num_prompt_tokens, self.batch.num_tokens)
-        groups = None if self.group_tables is None else self.group_tables.step_tables(
-            inp.rows, inp.computed, inp.n_sched, inp.block_table.shape[1])
         key = cg.load(inp.input_ids, inp.rope_positions, inp.slots, inp.qsl, inp.seq_lens, inp.block_table,
                       allow_mixed=not wants_prompt_lp and inp.one_token_each, fix_src=fix_src, race=race,
-                      state_slots=state_slots, groups=groups)
+                      state_slots=state_slots, groups=inp.groups)
         if key is None:
             return None
         TIMER.count("graph_steps" if key.q else "mixed_graph_steps")
@@ -396,8 +396,7 @@ class ModelRunner:
             idx = to_device(inp.fixup, dev)
             ids_t.index_copy_(0, idx[0], self._prev_sampled.index_select(0, idx[1]))
         inter = None if self.is_first_stage else self.link.recv(total)
-        layer_md = None if self.group_tables is None else self.group_tables.metadata(
-            md, inp.rows, inp.computed, inp.n_sched, inp.block_table.shape[1], dev)
+        layer_md = None if inp.groups is None else self.group_tables.metadata(md, inp.groups, dev)
         recurrent = None
         if self.state_cache is not None:
             saves = {i: state_saves[rid] for i, rid in enumerate(inp.req_ids) if state_saves and rid in state_saves}
@@ -554,16 +553,17 @@ class StepInputs:
     token counts, query_start_loc, context length and block-table row; per token its id (placeholders set to 0,
     see fixup), RoPE position and KV slot. sample_idx: the requests that sample; n_sample: how many tokens each
     samples, from its last n_sample positions; fixup: [2, n] (input position, index in the previous step's sampled
-    ids) of the placeholder inputs, or None."""
+    ids) of the placeholder inputs, or None; groups: the slot mapping and block table of each KV cache group
+    after the first (GroupBlockTables.step_tables), or None with one group."""
     __slots__ = ("req_ids", "rows", "n_sched", "computed", "qsl", "input_ids", "rope_positions", "slots",
-                 "seq_lens", "block_table", "sample_idx", "n_sample", "fixup")
+                 "seq_lens", "block_table", "sample_idx", "n_sample", "fixup", "groups")
 
     def __init__(self, req_ids, rows, n_sched, computed, qsl, input_ids, rope_positions, slots, seq_lens,
-                 block_table, sample_idx, n_sample, fixup) -> None:
+                 block_table, sample_idx, n_sample, fixup, groups=None) -> None:
         self.req_ids, self.rows, self.n_sched, self.computed, self.qsl = req_ids, rows, n_sched, computed, qsl
         self.input_ids, self.rope_positions, self.slots = input_ids, rope_positions, slots
         self.seq_lens, self.block_table, self.sample_idx, self.n_sample = seq_lens, block_table, sample_idx, n_sample
-        self.fixup = fixup
+        self.fixup, self.groups = fixup, groups
 
     @property
     def one_token_each(self) -> bool:
