@@ -10,8 +10,9 @@ Every graph takes its step inputs the same way: its first kernel reads them from
 host filled (kernels/triton_step_inputs.py), so no copy runs between replays; only the block table is copied,
 when it changed. A model whose KV cache is in several layer groups (sliding-window layers beside full ones,
 core/kv_cache_groups.py) has a slot mapping and block table per group: the groups after the first are copied
-before the replay (their slot mapping each step, their table when it changed). Every graph writes its logits into one shared [max rows, vocab] buffer: graphs replay one at a
-time on one stream and the step's logits are consumed before the next replay.
+before the replay (their slot mapping each step, their table when it changed). Every graph writes its logits into
+one shared [max rows, vocab] buffer: graphs replay one at a time on one stream and the step's logits are consumed
+before the next replay.
 """
 from __future__ import annotations
 
