@@ -17,13 +17,13 @@ GiB = 1 << 30
 
 
 
-def check_state_fits(left_bytes: float, per_slot_bytes: int, max_num_seqs: int, checkpoints: int) -> None:
-    """Raise, naming max_num_seqs, when the recurrent-state slots (one per running request, a scratch slot and the
+def check_state_fits(left_bytes: float, per_slot_bytes: int, max_num_seqs: int, checkpoints: int) -> int:
+    """The bytes of the recurrent-state slots; raises, naming max_num_seqs, when the recurrent-state slots (one per running request, a scratch slot and the
     prefix-caching checkpoints) take all the memory the weights and activations leave: a hybrid model's state is
     reserved per max_num_seqs, so the default of 256 sequences may not fit beside a large model."""
     need = per_slot_bytes * (max_num_seqs + 1 + checkpoints)
     if per_slot_bytes <= 0 or need < left_bytes:
-        return
+        return need
     # With prefix caching a sequence brings a checkpoint slot too (num_checkpoint_slots: one per sequence).
     per_seq = per_slot_bytes * (2 if checkpoints else 1)
     fit = max(int((left_bytes / 2 - per_slot_bytes) // per_seq), 0)
@@ -184,9 +184,8 @@ class Worker:
         from tokenmill.core.state_checkpoints import num_checkpoint_slots
         checkpoints = num_checkpoint_slots(self.config)
         per_slot = sum(s.bytes_per_request for s in model_state_specs(self.runner.model))
-        state = per_slot * (sc.max_num_seqs + 1 + checkpoints)
         left = total * cc.gpu_memory_utilization - peak - non_torch - graphs
-        check_state_fits(left, per_slot, sc.max_num_seqs, checkpoints)
+        state = check_state_fits(left, per_slot, sc.max_num_seqs, checkpoints)
         available = left - state
         logger.info("Memory: weights+activations peak %.2f GiB, other %.2f GiB, CUDA graph logits %.2f GiB, "
                     "per-request state %.2f GiB, KV budget %.2f GiB", peak / GiB, non_torch / GiB, graphs / GiB,
