@@ -6,7 +6,7 @@ import json
 
 def test_bench_spec_reports_each_method_and_identical_tokens(tiny_model_factory, capsys):
     from tokenmill.benchmarks.spec_decode import main
-    assert main(["--model", tiny_model_factory("llama"), "--max-tokens", "6", "--repeats", "1",
+    assert main(["--model", tiny_model_factory("llama"), "--max-tokens", "6", "--rounds", "1",
                  "--dtype", "float32", "--max-model-len", "512"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(out["results"]) == {f"{k}/{m}" for k in ("quoting", "ordinary") for m in ("none", "ngram", "suffix")}

@@ -8,20 +8,20 @@ import pytest
 from tests.spec_decode.conftest import cycle_prompt, make_llm
 from tests.spec_decode.test_greedy_exact import generate, ids, spec_counts
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.step_aside import CLEAR_STEPS, MAX_PERIOD, WINDOW, SpeculationGate
+from tokenmill.spec_decode.step_aside import CLEAR_STEPS, MAX_PERIOD, SHADOW_MIN_SAMPLES, WINDOW, SpeculationGate
 
 
 def _drive(gate: SpeculationGate, steps: int, spec_cost: float, spec_tokens: float, batch=lambda i: 4):
     """Run `steps` pure decode steps on a simulated clock: a plain step takes 1.0 and yields one token per
-    request; a speculative one takes spec_cost and yields spec_tokens per request. Returns the speculative steps'
-    share."""
+    request; a speculative one verifies 3 drafts per request, takes spec_cost and yields spec_tokens per request.
+    Returns the speculative steps' share."""
     now, spec_steps = 0.0, 0
     for i in range(steps):
         b = batch(i)
         spec = gate.speculating(b)
         now += spec_cost if spec else 1.0
         spec_steps += spec
-        gate.observe(now, round((spec_tokens if spec else 1) * b), b, spec, counted=True)
+        gate.observe(now, round((spec_tokens if spec else 1) * b), b, spec, counted=True, drafts=3 * b if spec else 0)
     return spec_steps / steps
 
 
@@ -100,6 +100,68 @@ def test_intervals_that_are_not_steps_are_not_measured():
     assert gate._current.steps == 0
 
 
+def _settle_on_plain(gate: SpeculationGate) -> None:
+    """Speculation measured slower (nothing accepted, a verify step 1.2x a plain one): decoding without drafts."""
+    _drive(gate, 200, spec_cost=1.2, spec_tokens=1.0)
+    assert not gate.spec_mode and gate.wants_shadow(4)
+
+
+def test_unverified_drafts_that_would_pay_bring_speculation_back_at_once():
+    gate = SpeculationGate()
+    _settle_on_plain(gate)
+    switches = gate.switches
+    # drafts proposed meanwhile would have kept 2 tokens a step: 1.2 / 2 per token beats 1.0
+    gate.observe_shadow(2.0, 3.0, SHADOW_MIN_SAMPLES)
+    assert gate.spec_mode and gate.switches == switches + 1 and gate._exploring
+
+
+def test_a_would_be_step_is_priced_by_its_drafts():
+    """The speculative window verified 3 drafts a request for 0.2 of a plain step; drafts proposed now are 1 a
+    request, accepted often enough for 1.19 tokens a step: 1.067 / 1.19 per token beats plain decoding, though the
+    window's full step time (1.2 / 1.19) would not."""
+    gate = SpeculationGate()
+    _settle_on_plain(gate)
+    gate.observe_shadow(1.19, 3.0, SHADOW_MIN_SAMPLES)
+    assert not gate.spec_mode
+    gate.observe_shadow(1.19, 1.0, SHADOW_MIN_SAMPLES)
+    assert gate.spec_mode
+
+
+def test_unverified_drafts_that_would_not_pay_change_nothing():
+    gate = SpeculationGate()
+    _settle_on_plain(gate)
+    switches = gate.switches
+    gate.observe_shadow(1.2, 3.0, 100)                     # 1.2 / 1.2 = 1.0 per token: no gain
+    gate.observe_shadow(3.0, 3.0, SHADOW_MIN_SAMPLES - 1)  # too few would-be steps to go on
+    assert not gate.spec_mode and gate.switches == switches
+
+
+def test_while_unverified_drafts_say_it_would_not_pay_speculation_is_not_timed_again():
+    """Plain decoding settled, the drafts still proposed keep showing no gain: the periodic looks at speculation
+    are put off (the interval doubling) until the longest interval, where its step time is measured again."""
+    gate = SpeculationGate()
+    _settle_on_plain(gate)
+    now, spec_steps = gate._last, 0
+    for _ in range(2 * MAX_PERIOD):
+        spec = gate.speculating(4)
+        now += 1.2 if spec else 1.0
+        spec_steps += spec
+        gate.observe(now, 4, 4, spec, counted=True)
+        if not spec:
+            gate.observe_shadow(1.0, 3.0, 16)
+    assert not gate.spec_mode and 0 < spec_steps <= WINDOW + 1     # one look (without the drafts: four)
+
+
+def test_no_shadow_without_a_speculative_figure_or_above_the_batch_limit():
+    gate = SpeculationGate()
+    assert not gate.wants_shadow(4)                        # speculating
+    gate.spec_mode = False
+    assert not gate.wants_shadow(4)                        # nothing to predict the speculative step time from
+    limited = SpeculationGate(disable_by_batch_size=2)
+    _drive(limited, 200, spec_cost=1.2, spec_tokens=1.0, batch=lambda i: 2)
+    assert not limited.spec_mode and limited.wants_shadow(2) and not limited.wants_shadow(3)
+
+
 class ScriptedGate(SpeculationGate):
     """Alternates: `on` steps speculating, then `off` steps without drafts."""
 
@@ -111,7 +173,7 @@ class ScriptedGate(SpeculationGate):
         self.calls += 1
         return self.pattern[self.calls % len(self.pattern)]
 
-    def observe(self, now, tokens, batch, speculated, counted) -> None:
+    def observe(self, now, tokens, batch, speculated, counted, drafts=0) -> None:
         self.seen.append(speculated)
 
 
@@ -151,3 +213,23 @@ def test_above_disable_by_batch_size_nothing_is_drafted(cycle_model):
     assert spec_counts(llm)[0] == 0
     generate(llm, sp, [cycle_prompt(1, 12)])
     assert spec_counts(llm)[0] > 0
+
+
+def test_standing_aside_the_drafter_keeps_proposing_and_the_tokens_stay_exact(cycle_model):
+    """The gate chose plain decoding: the steps verify nothing (no draft counted) yet propose drafts that are scored
+    against the tokens that follow; their acceptance brings speculation back, and the greedy tokens are the plain
+    engine's throughout."""
+    prompts = [cycle_prompt(7 * i + 1, 12 + 5 * i) for i in range(2)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = ids(generate(make_llm(cycle_model), sp, prompts))
+    llm = make_llm(cycle_model, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                 "step_aside": True})
+    gate = llm.llm_engine.engine_core.gate
+    _settle_on_plain(gate)
+    gate._period = 10 ** 9                                  # no timed look back: only the shadow can switch
+    seen = []
+    shadow = gate.observe_shadow
+    gate.observe_shadow = lambda t, d, n: (seen.append((t, n)), shadow(t, d, n))
+    assert ids(generate(llm, sp, prompts)) == want
+    assert seen and max(n for _, n in seen) >= SHADOW_MIN_SAMPLES and max(t for t, _ in seen) > 1.0
+    assert spec_counts(llm)[1] > 0                          # the cycle's drafts pay: speculation came back

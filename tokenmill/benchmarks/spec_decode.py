@@ -2,9 +2,10 @@
 and suffix decoding, on chat prompts that quote their own context (edit or repeat a given passage or code block)
 and on ordinary chat prompts. Greedy, so every method must give the very same tokens (checked).
 
-Usage: tokenmill bench spec [--model PATH] [--max-tokens 128] [--k 4] [--repeats 1] [--dtype float32]
-Prints per prompt kind and method: output tok/s (the best of --repeats timed runs of each prompt, one at a time),
-the speed-up over no drafts and the draft acceptance rate; then one JSON line with every figure.
+Usage: tokenmill bench spec [--model PATH] [--max-tokens 128] [--k 4] [--rounds 3] [--dtype float32]
+Prints per prompt kind and method: output tok/s over all rounds (each prompt one at a time, the methods taking
+turns prompt by prompt), the speed-up over no drafts (overall and per round) and the draft acceptance rate; then
+one JSON line with every figure.
 """
 from __future__ import annotations
 
@@ -54,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="timed runs of each prompt (the best counts). Above 1, suffix decoding's global trie "
-                    "holds the earlier run's output of the same prompt, which flatters it.")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timed rounds; each builds fresh engines (suffix decoding's trie starts empty) and runs "
+                    "every prompt under every method in turn, so that a drift in the machine's speed touches all "
+                    "methods alike. The figures sum the rounds")
     ap.add_argument("--dtype", default="auto", help="float32: the dense oracle path (batch-shape-invariant "
                     "enough for greedy identity); auto: the default quantized path, whose bf16 / fp16 products can "
                     "round differently at k + 1 rows than at 1 and so flip near-ties")
@@ -66,42 +68,58 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from tokenmill import LLM, SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    results, tokens = {}, {}
+    tokens: dict = {}
+    secs = {(kind, name): 0.0 for kind in ("quoting", "ordinary") for name in METHODS}
+    n_tok = dict.fromkeys(secs, 0)
+    counts = dict.fromkeys(secs, (0, 0))  # (drafted, accepted)
+    per_round = {key: [] for key in secs}
     # Process-wide first-use costs (the CPU math libraries' kernels for each new product shape, lazy imports) are
-    # paid here, by an engine without drafts over every prompt, so that no method's timed runs carry them; each
-    # method's own engine then starts fresh (suffix decoding's trie holds none of these outputs).
+    # paid here, by an engine without drafts over every prompt, so that no timed run carries them.
     warm = LLM(args.model, max_model_len=args.max_model_len, dtype=args.dtype)
     warm.chat([[{"role": "user", "content": p}] for p in QUOTING + ORDINARY], sp, use_tqdm=False)
     del warm
-    for name, spec in METHODS.items():
-        if spec is not None:
-            spec = {**spec, "num_speculative_tokens": args.k, "step_aside": not args.no_step_aside}
-        llm = LLM(args.model, speculative_config=spec, max_model_len=args.max_model_len, dtype=args.dtype)
-        llm.chat([[{"role": "user", "content": "Hello"}]], sp, use_tqdm=False)   # warm-up
+    for _ in range(args.rounds):
+        engines = {}
+        for name, spec in METHODS.items():
+            if spec is not None:
+                spec = {**spec, "num_speculative_tokens": args.k, "step_aside": not args.no_step_aside}
+            engines[name] = llm = LLM(args.model, speculative_config=spec, max_model_len=args.max_model_len,
+                                      dtype=args.dtype)
+            llm.chat([[{"role": "user", "content": "Hello"}]], sp, use_tqdm=False)   # warm-up
+        round_tok, round_secs = dict.fromkeys(secs, 0), dict.fromkeys(secs, 0.0)
         for kind, prompts in (("quoting", QUOTING), ("ordinary", ORDINARY)):
-            before = _spec_counts(llm)
-            n_tok, secs = 0, 0.0
             for i, p in enumerate(prompts):
-                best = None
-                for _ in range(args.repeats):
+                for name, llm in engines.items():
+                    before = _spec_counts(llm)
                     t = time.perf_counter()
                     out = llm.chat([[{"role": "user", "content": p}]], sp, use_tqdm=False)[0].outputs[0]
                     dt = time.perf_counter() - t
-                    best = dt if best is None else min(best, dt)
-                tokens.setdefault((kind, i), {})[name] = list(out.token_ids)
-                n_tok += len(out.token_ids)
-                secs += best
-            drafted, accepted = (a - b for a, b in zip(_spec_counts(llm), before))
-            results[kind, name] = {"tok_s": n_tok / secs, "tokens": n_tok,
-                                   "acceptance": accepted / drafted if drafted else None}
-        del llm
-    same = sum(len({tuple(v) for v in by.values()}) == 1 for by in tokens.values())
+                    after = _spec_counts(llm)
+                    key = (kind, name)
+                    tokens.setdefault((kind, i), {}).setdefault(name, set()).add(tuple(out.token_ids))
+                    round_tok[key] += len(out.token_ids)
+                    round_secs[key] += dt
+                    counts[key] = tuple(c + a - b for c, a, b in zip(counts[key], after, before))
+        for key in secs:
+            secs[key] += round_secs[key]
+            n_tok[key] += round_tok[key]
+            per_round[key].append(round_tok[key] / round_secs[key])
+        del engines, llm
+    results = {}
+    for key in secs:
+        drafted, accepted = counts[key]
+        results[key] = {"tok_s": n_tok[key] / secs[key], "tokens": n_tok[key], "rounds_tok_s": per_round[key],
+                        "acceptance": accepted / drafted if drafted else None}
+    same = sum(len(set().union(*by.values())) == 1 for by in tokens.values())
     for (kind, name), r in results.items():
         base = results[kind, "none"]["tok_s"]
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
-        print(f"{kind:9s} {name:7s} {r['tok_s']:7.1f} tok/s  x{r['tok_s'] / base:.2f}  acceptance {acc}")
+        ratios = " ".join(f"{x / b:.2f}" for x, b in zip(r["rounds_tok_s"], results[kind, "none"]["rounds_tok_s"]))
+        print(f"{kind:9s} {name:7s} {r['tok_s']:7.1f} tok/s  x{r['tok_s'] / base:.2f} (rounds {ratios})  "
+              f"acceptance {acc}")
     print(f"prompts whose greedy tokens are identical across methods: {same} of {len(tokens)}")
-    print(json.dumps({"k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype, "identical_prompts": same,
+    print(json.dumps({"k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype, "rounds": args.rounds,
+                      "step_aside": not args.no_step_aside, "identical_prompts": same,
                       "results": {f"{k}/{n}": r for (k, n), r in results.items()}}))
     return 0
 

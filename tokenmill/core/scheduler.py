@@ -12,6 +12,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
 from tokenmill.core.sched_output import (CachedRequestData, GrammarOutput, ModelRunnerOutput, NewRequestData,
                                          SchedulerOutput)
+from tokenmill.spec_decode.shadow_drafts import ShadowDrafts
 
 
 def _long_rope_prompt_len(config: TokenmillConfig) -> int | None:
@@ -78,6 +79,9 @@ class Scheduler:
         # gate (spec_decode/step_aside.py) turns it off while decoding without drafts is faster and above
         # disable_by_batch_size running requests.
         self.drafting = spec is not None
+        # Speculation stands aside, yet the next steps propose drafts that are scored, not verified.
+        self.shadowing = False
+        self.shadow = ShadowDrafts()
         self.spec_stats = SpecDecodingStats.new(spec.num_speculative_tokens) if spec is not None else None
         # A draft model writes KV for its k drafts past the verified tokens before the target computes them: each
         # allocation reserves k slots beyond the step's tokens (up to max_model_len).
@@ -125,6 +129,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self._freed_at[request.request_id] = self._step_seq
+        self.shadow.forget(request.request_id)
         self.kv.free(request)
         self._runner_num_tokens.pop(request.request_id, None)
         self._finished_since_last_step.add(request.request_id)
@@ -256,7 +261,8 @@ class Scheduler:
                                total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
                                finished_req_ids=finished, grammar_req_ids=grammar_req_ids,
                                scheduled_spec_decode_tokens=spec_tokens, state_saves=state_saves,
-                               propose_drafts=self.drafting)
+                               propose_drafts=self.drafting or self.shadowing,
+                               shadow_drafts=self.shadowing and not self.drafting)
 
     def _lookahead(self, end: int) -> int:
         """KV slots to reserve past a step that ends at position `end` (a draft model's drafts)."""
@@ -322,6 +328,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # a token in flight is dropped; recompute samples it again
         req.spec_token_ids = []
+        self.shadow.forget(req.request_id)
         req.num_preemptions += 1
         self._num_preemptions += 1
         self._finished_since_last_step.add(req.request_id)  # the runner drops its state; resumed as new
@@ -359,6 +366,8 @@ class Scheduler:
             token_ids, stopped = self._append_until_stop(req, token_ids)
             if next_drafts is not None and not stopped:
                 req.spec_token_ids = next_drafts.get(rid) or []
+                if sched.shadow_drafts:
+                    self.shadow.step(rid, token_ids, req.spec_token_ids)
             new_lp = None
             if out.logprobs is not None and req.sampling_params.logprobs is not None:
                 rows = slice(first_row, first_row + len(token_ids))

@@ -71,6 +71,10 @@ class EngineCore:
         if spec is not None:
             from tokenmill.spec_decode.step_aside import SpeculationGate
             self.gate = SpeculationGate(spec.disable_by_batch_size, enabled=spec.step_aside)
+        # Standing aside, a drafter that costs only a lookup keeps proposing where the steps are synchronous anyway
+        # (no async scheduling), so that the gate sees the acceptance come back (spec_decode/shadow_drafts.py).
+        self._shadow_ok = (spec is not None and not spec.uses_draft_model and spec.benchmark_acceptance_rate is None
+                           and not config.scheduler_config.async_scheduling)
         self._in_flight: tuple[SchedulerOutput, object] | None = None  # (batch, AsyncRunnerOutput)
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self._batches: deque[tuple[SchedulerOutput, object]] = deque()  # pipeline parallelism, oldest first
@@ -117,6 +121,8 @@ class EngineCore:
         sched = None
         if self.scheduler.has_unfinished_requests():
             self.scheduler.drafting = speculate
+            self.scheduler.shadowing = (self._shadow_ok and not speculate
+                                        and self.gate.wants_shadow(len(self.scheduler.running)))
             with TIMER.phase("schedule"):
                 sched = self.last_scheduled = self.scheduler.schedule()
             with TIMER.phase("execute_model"):
@@ -190,7 +196,13 @@ class EngineCore:
         n = len(sched.num_scheduled_tokens)
         counted = not sched.scheduled_new_reqs and sched.total_num_scheduled_tokens == n + drafts
         tokens = sum(len(t) for t in out.sampled_token_ids)
-        self.gate.observe(time.monotonic(), tokens, n, sched.propose_drafts, counted)
+        speculated = sched.propose_drafts and not sched.shadow_drafts
+        self.gate.observe(time.monotonic(), tokens, n, speculated, counted, drafts)
+        shadow = self.scheduler.shadow
+        if sched.shadow_drafts:
+            self.gate.observe_shadow(shadow.tokens_per_step(), shadow.drafts_per_step(), shadow.samples)
+        elif shadow.active:
+            shadow.reset()  # its history describes an earlier stretch of plain decoding
 
     def describe_last_batch(self) -> str:
         """One line on the latest scheduled batch, for diagnostics."""

@@ -9,6 +9,13 @@ one is tried again for a short window now and then (cut to two steps when it is 
 that doubles while the choice stands (so a settled choice costs a fraction of a percent), and that starts short
 again when the choice changes, when the batch size moved away from what the last measurements saw, or when the
 chosen mode's own fresh figure stops beating the other's latest (the prompts changed).
+
+Decoding without drafts, the gate would be blind to the acceptance coming back (a request starts quoting its
+prompt) until its next look. Where drafts cost only a lookup (ngram, suffix) and the steps are not overlapped
+anyway, the engine keeps proposing without verifying (spec_decode/shadow_drafts.py) and the gate predicts the
+speculative figure from that acceptance and the latest speculative step time: speculation is measured again as
+soon as the prediction beats plain decoding, and while it does not, the timed looks back are put off (up to the
+longest interval, when the speculative step time itself is measured again).
 """
 from __future__ import annotations
 
@@ -35,6 +42,10 @@ CLEAR_RATIO = {False: 1.25, True: 2.0}
 # The chosen mode's fresh window must lose to the other mode's latest figure by this much to be looked at again
 # before its interval ends (more than a window's noise).
 RECHECK_MARGIN = 0.10
+# Unverified drafts' would-be verify steps needed before their prediction is acted on, and plain steps run since
+# the last switch (a prediction that the measurement then contradicts costs at most one window in two).
+SHADOW_MIN_SAMPLES = 4
+SHADOW_MIN_STEPS = WINDOW
 
 
 @dataclass
@@ -43,8 +54,10 @@ class _Window:
     tokens: int = 0
     steps: int = 0
     batch: int = 0  # summed requests per step (mean = batch / steps)
+    drafts: int = 0  # summed draft tokens verified
 
-    def add(self, seconds: float, tokens: int, batch: int) -> None:
+    def add(self, seconds: float, tokens: int, batch: int, drafts: int = 0) -> None:
+        self.drafts += drafts
         self.seconds += seconds
         self.tokens += tokens
         self.steps += 1
@@ -80,6 +93,8 @@ class SpeculationGate:
     _since_choice: int = 0        # counted steps run in the chosen mode since the last choice
     _skip: bool = True            # the next interval holds a mode switch or an idle gap
     _chosen: bool = True          # the latest choice (speculate or not)
+    _plain_steps: int = 0         # counted steps decoded without drafts since the last switch
+    _shadow_says_plain: bool = False  # the latest prediction from unverified drafts, since the last switch
     switches: int = 0             # mode changes (diagnostics, tests)
 
     def speculating(self, num_running: int) -> bool:
@@ -88,15 +103,51 @@ class SpeculationGate:
             return False
         return self.spec_mode or not self.enabled
 
+    def wants_shadow(self, num_running: int) -> bool:
+        """Whether unverified drafts would inform the next choice: decoding without drafts by choice (not above
+        the batch limit), with a speculative figure to predict from."""
+        limit = self.disable_by_batch_size
+        return (self.enabled and not self.spec_mode and True in self._best
+                and (limit is None or num_running <= limit))
+
+    def observe_shadow(self, tokens_per_step: float, drafts_per_step: float, samples: int) -> None:
+        """Decoding without drafts: the unverified drafts would have made `tokens_per_step` tokens per request per
+        verify step, verifying `drafts_per_step` drafts each (over `samples` would-be steps). A verify step is
+        priced as a plain step plus, per draft, what the latest speculative window paid per draft beyond plain
+        steps; speculation is measured again now when that prediction beats plain decoding by MARGIN."""
+        if self.spec_mode or samples < SHADOW_MIN_SAMPLES or self._plain_steps < SHADOW_MIN_STEPS:
+            return
+        spec, plain = self._best.get(True), self._best.get(False)
+        if not _comparable(spec, plain) or not spec.steps or not plain.steps:
+            return
+        # A plain step at the speculative window's batch, and what each draft it verified added to it.
+        base = plain.seconds / plain.steps * spec.mean_batch / plain.mean_batch
+        spec_step = spec.seconds / spec.steps
+        if spec.drafts:
+            per_draft = max(spec_step - base, 0.0) / (spec.drafts / spec.steps)
+            step = base + per_draft * drafts_per_step * spec.mean_batch
+        else:
+            step = spec_step
+        predicted = step / (tokens_per_step * spec.mean_batch)
+        self._shadow_says_plain = predicted >= plain.per_token * (1 - MARGIN)
+        if not self._shadow_says_plain:
+            logger.debug("Speculation gate: unverified drafts yield %.2f tokens a step, predicting %.4f ms per token "
+                         "against %.4f without: speculating again", tokens_per_step, predicted * 1e3,
+                         plain.per_token * 1e3)
+            self._period = MIN_PERIOD
+            self._switch(explore=True)
+
     def idle(self) -> None:
         self._last, self._skip = None, True
 
-    def observe(self, now: float, tokens: int, batch: int, speculated: bool, counted: bool) -> None:
+    def observe(self, now: float, tokens: int, batch: int, speculated: bool, counted: bool, drafts: int = 0) -> None:
         last, self._last = self._last, now
         skip, self._skip = self._skip, False
         if not self.enabled or last is None or skip or not counted or speculated != self.spec_mode or tokens <= 0:
             return
-        self._current.add(now - last, tokens, batch)
+        self._current.add(now - last, tokens, batch, drafts)
+        if not speculated:
+            self._plain_steps += 1
         if self._exploring:
             if self._current.steps >= WINDOW or self._clearly_worse():
                 self._best[self.spec_mode] = self._current
@@ -112,7 +163,11 @@ class SpeculationGate:
                     self._switch(explore=True)
                     return
             if self._since_choice >= self._period:
-                self._switch(explore=True)
+                if self._shadow_says_plain and self._period < MAX_PERIOD:
+                    # Unverified drafts keep showing that speculation would not pay: no need to measure it now.
+                    self._since_choice, self._period = 0, self._period * 2
+                else:
+                    self._switch(explore=True)
 
     def _clearly_worse(self) -> bool:
         cur, other = self._current, self._best.get(not self.spec_mode)
@@ -153,6 +208,7 @@ class SpeculationGate:
         self.spec_mode = not self.spec_mode
         self.switches += 1
         self._exploring, self._since_choice, self._current, self._skip = explore, 0, _Window(), True
+        self._plain_steps, self._shadow_says_plain = 0, False
 
 
 def _comparable(a: _Window | None, b: _Window | None) -> bool:

@@ -53,6 +53,8 @@ class SpecDecodeState:
         """(tokens kept per sampling request, the token at every verified position): the run of drafts that the
         target's own draws agree with, plus the draw after it (layers/rejection_sampler.accept_matching). With
         benchmark_acceptance_rate the kept drafts stand whatever the target drew there."""
+        if not self.drafts:  # nothing verified (speculation stood aside): each request keeps its one draw
+            return np.ones(len(n_sample), dtype=np.int64), targets
         starts = np.cumsum(n_sample) - n_sample
         drafts = np.full(len(targets), -1, dtype=np.int64)
         for j, i in enumerate(sample_idx):
