@@ -5,6 +5,8 @@
 #           the bytes of every weight a token reads (all but the embedding table) / 4.25 TB/s (target <= 1.15x).
 #   long    64 requests of 8k in / 512 out (`tokenmill bench throughput`) on the shape as shipped and on a copy
 #           whose every layer is full attention (target: hybrid >= 1.5x), with the KV capacity at 32k tokens.
+#           TAGS="hybrid" or "all_full" runs one of the two; LONG_EXTRA adds flags to both (on an 80 GB card
+#           "--no-enable-prefix-caching": the hybrid's state checkpoints would otherwise take the KV cache's room).
 # flash-linear-attention (wheels fla_core and flash_linear_attention) goes in .devcarry/ with the other wheels the
 # machine lacks, as for tools/gpu_bench.sh; without it the layers run the PyTorch reference.
 set -uo pipefail
@@ -50,11 +52,11 @@ cfg = json.load(open(os.path.join(dst, "config.json")))
 cfg["text_config"]["layer_types"] = ["full_attention"] * cfg["text_config"]["num_hidden_layers"]
 json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
 PY
-  for tag in hybrid all_full; do
+  for tag in ${TAGS:-hybrid all_full}; do
     path=$SRC; [ "$tag" = all_full ] && path=$full
     echo "=== $tag: 64 x 8192 in / 512 out"
     bench throughput --model "$path" --load-format dummy --num-prompts 64 --input-len 8192 --output-len 512 \
-      --max-model-len 8800 --max-num-seqs 64 --output-json "$OUT/qwen3_5_long_$tag.json"
+      --max-model-len 8800 --max-num-seqs 64 ${LONG_EXTRA:-} --output-json "$OUT/qwen3_5_long_$tag.json"
   done
 }
 

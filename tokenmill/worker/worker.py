@@ -17,22 +17,34 @@ GiB = 1 << 30
 
 
 
-def check_state_fits(left_bytes: float, per_slot_bytes: int, max_num_seqs: int, checkpoints: int) -> int:
-    """The bytes of the recurrent-state slots; raises, naming max_num_seqs, when the recurrent-state slots (one per running request, a scratch slot and the
-    prefix-caching checkpoints) take all the memory the weights and activations leave: a hybrid model's state is
-    reserved per max_num_seqs, so the default of 256 sequences may not fit beside a large model."""
+def balanced_num_seqs(left_bytes: float, per_slot_bytes: int, checkpoints: bool, request_kv_bytes: int) -> int:
+    """The max_num_seqs whose recurrent state leaves the KV cache room for as many requests of max_model_len:
+    each sequence costs its state slot (and, with prefix caching, a checkpoint slot) plus one such request's KV
+    (request_kv_bytes; 0: unknown, then half the memory goes to the state). A scratch slot comes off first."""
+    per_seq = per_slot_bytes * (2 if checkpoints else 1)
+    if request_kv_bytes <= 0:
+        return max(int((left_bytes / 2 - per_slot_bytes) // per_seq), 0)
+    return max(int((left_bytes - per_slot_bytes) // (per_seq + request_kv_bytes)), 0)
+
+
+def check_state_fits(left_bytes: float, per_slot_bytes: int, max_num_seqs: int, checkpoints: int,
+                     request_kv_bytes: int = 0) -> int:
+    """The bytes of the recurrent-state slots; raises, naming max_num_seqs, when the recurrent-state slots (one per
+    running request, a scratch slot and the prefix-caching checkpoints) take all the memory the weights and
+    activations leave: a hybrid model's state is reserved per max_num_seqs, so the default of 256 sequences may not
+    fit beside a large model. The value suggested balances state and KV (balanced_num_seqs)."""
     need = per_slot_bytes * (max_num_seqs + 1 + checkpoints)
     if per_slot_bytes <= 0 or need < left_bytes:
         return need
-    # With prefix caching a sequence brings a checkpoint slot too (num_checkpoint_slots: one per sequence).
-    per_seq = per_slot_bytes * (2 if checkpoints else 1)
-    fit = max(int((left_bytes / 2 - per_slot_bytes) // per_seq), 0)
+    fit = balanced_num_seqs(left_bytes, per_slot_bytes, bool(checkpoints), request_kv_bytes)
+    room = ("leaves the KV cache room for as many requests of max_model_len" if request_kv_bytes > 0
+            else "leaves half of that for the KV cache")
     raise ValueError(
         f"The recurrent state of max_num_seqs={max_num_seqs} requests ({per_slot_bytes / GiB:.3f} GiB each, plus "
         f"{checkpoints} prefix-caching checkpoints and a scratch slot) needs {need / GiB:.2f} GiB, but the weights "
         f"and activations leave {max(left_bytes, 0) / GiB:.2f} GiB under gpu_memory_utilization. Lower max_num_seqs "
-        f"(--max-num-seqs {fit} leaves half of that for the KV cache)" + (" or turn prefix caching off."
-                                                                         if checkpoints else "."))
+        f"(--max-num-seqs {fit} {room})" + (" or turn prefix caching off." if checkpoints else "."))
+
 
 class Worker:
     """One rank: joins the process groups (when the world has more than one rank), then owns its model runner.
@@ -154,7 +166,8 @@ class Worker:
                 raise ValueError(f"{name}={gib}: the CPU KV cache needs at least 1 GiB")
             return int(min(gib * GiB, sc.max_num_seqs * per_request_bytes)), f"{name}={gib}"
         # bytes: the profile's "blocks" of one byte
-        return self._profile_gpu_blocks(1), f"gpu_memory_utilization={cc.gpu_memory_utilization}"
+        return (self._profile_gpu_blocks(1, per_request_bytes),
+                f"gpu_memory_utilization={cc.gpu_memory_utilization}")
 
     def _kv_specs(self):
         """(this rank's per-layer KV specs or None, the most blocks one max_model_len request holds at once)."""
@@ -168,7 +181,7 @@ class Worker:
             return specs, cdiv(mlen, cc.block_size)
         return specs, spec.max_blocks_per_request(mlen, sc.max_num_batched_tokens)
 
-    def _profile_gpu_blocks(self, per_block: int) -> int:
+    def _profile_gpu_blocks(self, per_block: int, request_kv_bytes: int = 0) -> int:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -185,8 +198,17 @@ class Worker:
         checkpoints = num_checkpoint_slots(self.config)
         per_slot = sum(s.bytes_per_request for s in model_state_specs(self.runner.model))
         left = total * cc.gpu_memory_utilization - peak - non_torch - graphs
-        state = check_state_fits(left, per_slot, sc.max_num_seqs, checkpoints)
+        state = check_state_fits(left, per_slot, sc.max_num_seqs, checkpoints, request_kv_bytes)
         available = left - state
+        if per_slot and request_kv_bytes and available < (sc.max_num_seqs / 1.25) * request_kv_bytes:
+            # The state slots of sequences that the KV cache could never run at max_model_len are memory lost.
+            fit = balanced_num_seqs(left, per_slot, bool(checkpoints), request_kv_bytes)
+            if fit > available / request_kv_bytes:
+                logger.warning(
+                    "max_num_seqs=%d reserves recurrent state for %d requests, but the KV cache left beside it holds "
+                    "%.1f requests of max_model_len %d: --max-num-seqs %d would hold %d of each (more requests at "
+                    "once; for long prompts, more throughput)", sc.max_num_seqs, sc.max_num_seqs,
+                    available / request_kv_bytes, self.config.model_config.max_model_len, fit, fit)
         logger.info("Memory: weights+activations peak %.2f GiB, other %.2f GiB, CUDA graph logits %.2f GiB, "
                     "per-request state %.2f GiB, KV budget %.2f GiB", peak / GiB, non_torch / GiB, graphs / GiB,
                     state / GiB, available / GiB)
