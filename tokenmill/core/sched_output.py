@@ -51,7 +51,7 @@ class SchedulerOutput:
     # Speculative decoding: this step runs synchronously and its sampling proposes the next step's drafts (False:
     # a step decoded without drafts, which async scheduling may overlap).
     propose_drafts: bool = False
-    # Speculation stands aside but the drafter still proposes (spec_decode/shadow_drafts.py): no drafts are
+    # Speculation stands aside but the drafter still proposes (core/shadow_drafts.py): no drafts are
     # verified; the proposals are only scored against the tokens that follow.
     shadow_drafts: bool = False
     # Hybrid models with prefix caching: per request, (token offset within this step's tokens, checkpoint slot)

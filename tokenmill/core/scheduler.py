@@ -12,7 +12,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue
 from tokenmill.core.sched_output import (CachedRequestData, GrammarOutput, ModelRunnerOutput, NewRequestData,
                                          SchedulerOutput)
-from tokenmill.spec_decode.shadow_drafts import ShadowDrafts
+from tokenmill.core.shadow_drafts import ShadowDrafts
 
 
 def _long_rope_prompt_len(config: TokenmillConfig) -> int | None:

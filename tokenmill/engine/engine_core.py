@@ -72,7 +72,7 @@ class EngineCore:
             from tokenmill.spec_decode.step_aside import SpeculationGate
             self.gate = SpeculationGate(spec.disable_by_batch_size, enabled=spec.step_aside)
         # Standing aside, a drafter that costs only a lookup keeps proposing where the steps are synchronous anyway
-        # (no async scheduling), so that the gate sees the acceptance come back (spec_decode/shadow_drafts.py).
+        # (no async scheduling), so that the gate sees the acceptance come back (core/shadow_drafts.py).
         self._shadow_ok = (spec is not None and not spec.uses_draft_model and spec.benchmark_acceptance_rate is None
                            and not config.scheduler_config.async_scheduling)
         self._in_flight: tuple[SchedulerOutput, object] | None = None  # (batch, AsyncRunnerOutput)

@@ -12,7 +12,7 @@ chosen mode's own fresh figure stops beating the other's latest (the prompts cha
 
 Decoding without drafts, the gate would be blind to the acceptance coming back (a request starts quoting its
 prompt) until its next look. Where drafts cost only a lookup (ngram, suffix) and the steps are not overlapped
-anyway, the engine keeps proposing without verifying (spec_decode/shadow_drafts.py) and the gate predicts the
+anyway, the engine keeps proposing without verifying (core/shadow_drafts.py) and the gate predicts the
 speculative figure from that acceptance and the latest speculative step time: speculation is measured again as
 soon as the prediction beats plain decoding, and while it does not, the timed looks back are put off (up to the
 longest interval, when the speculative step time itself is measured again).

@@ -1,8 +1,8 @@
-"""Unverified drafts (spec_decode/shadow_drafts.py): scored against the tokens that follow exactly as a verify step
+"""Unverified drafts (core/shadow_drafts.py): scored against the tokens that follow exactly as a verify step
 would have scored them."""
 from __future__ import annotations
 
-from tokenmill.spec_decode.shadow_drafts import ShadowDrafts
+from tokenmill.core.shadow_drafts import ShadowDrafts
 
 
 def test_a_run_of_matches_ends_at_the_first_mismatch():
