@@ -51,7 +51,7 @@ class ShadowDrafts:
         self._outcomes.append((drafted, accepted))
         self._drafted, self._accepted = self._drafted + drafted, self._accepted + accepted
 
-    def step(self, req_id: str, tokens: list[int], next_drafts: list[int]) -> None:
+    def step(self, req_id: str, tokens: list[int], next_drafts: list[int] | None) -> None:
         pending = self._pending.pop(req_id, None)
         for t in tokens:
             if pending is None:
