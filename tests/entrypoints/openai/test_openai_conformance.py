@@ -73,6 +73,18 @@ def test_parallel_tool_calls_false_returns_one_call(make_client, scripted, paral
     assert [json.loads(a)["city"] for _, a in sorted(calls.items())] == expected and finish == "tool_calls"
 
 
+def test_streamed_deltas_under_a_tool_parser_carry_only_what_they_have(make_client, scripted):
+    """Text deltas have no `tool_calls` key and call deltas no `content: null`: clients test
+    `delta.tool_calls is not None` and then index it."""
+    c, _ = make_client(scripted("Hi there. " + TWO_CALLS), enable_auto_tool_choice=True, tool_call_parser="hermes")
+    r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "max_tokens": 80, "stream": True})
+    deltas = [ev["choices"][0]["delta"] for ev in sse_events(r.text) if ev != "[DONE]" and ev["choices"]]
+    assert any("content" in d and "tool_calls" not in d for d in deltas[1:])
+    assert any(d.get("tool_calls") for d in deltas)
+    for d in deltas:
+        assert d.get("tool_calls", [None]) != [] and all(v is not None for v in d.values()), d
+
+
 def test_parallel_tool_calls_false_limits_required_to_one_call(make_client):
     c, engine = make_client()
     r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS, "tool_choice": "required",

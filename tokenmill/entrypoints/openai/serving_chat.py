@@ -290,9 +290,16 @@ class OpenAIServingChat(OpenAIServing):
                             if parsers[i].tools_called and finish_reason == "stop" \
                                     and not self._named_choice(parsing):
                                 finish_reason = "tool_calls"
-                        delta = DeltaMessage(content=piece.content or None, tool_calls=piece.tool_calls,
-                                             reasoning_content=piece.reasoning or None,
-                                             reasoning=piece.reasoning or None)
+                        # Only the parts this piece has: clients test `delta.tool_calls is not None` and then
+                        # index it, so an empty list or a null field must not appear (vLLM and OpenAI omit them).
+                        parts: dict[str, Any] = {}
+                        if piece.content:
+                            parts["content"] = piece.content
+                        if piece.reasoning:
+                            parts["reasoning_content"] = parts["reasoning"] = piece.reasoning
+                        if piece.tool_calls:
+                            parts["tool_calls"] = piece.tool_calls
+                        delta = DeltaMessage(**parts)
                         if not piece and finish_reason is None and not (request.logprobs and out.token_ids):
                             continue  # held back (a possible tag or an unfinished tool call)
                     choice = ChatCompletionResponseStreamChoice(index=i, delta=delta, logprobs=logprobs,
