@@ -76,3 +76,26 @@ def test_batch_one_equals_batch_all(pair):
     together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     alone = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     assert together == alone
+
+
+def test_prompt_logprobs_under_preemption_and_one_token_prompt(tiny_model_factory):
+    """A KV pool too small for the batch preempts requests after their prefill; recomputing scores their prompts
+    again, which must not repeat the prompt logprobs already reported. A one-token prompt reports [None]."""
+    import transformers as tf
+    d = tiny_model_factory("llama")
+    hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    llm = LLM(d, max_model_len=128, num_gpu_blocks_override=12, block_size=16, max_num_batched_tokens=32)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 40000, (n,), generator=gen).tolist() for n in (40, 33, 50, 17, 64, 1)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=2),
+                        use_tqdm=False)
+    assert llm.llm_engine.last_stats.num_preemptions > 0
+    for ids, out in zip(prompts, outs):
+        plp = out.prompt_logprobs
+        assert len(plp) == len(ids) and plp[0] is None
+        if len(ids) > 1:
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+            for p in range(1, len(ids)):
+                assert abs(plp[p][ids[p]].logprob - ref[p - 1, ids[p]].item()) < 1e-4

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from tokenmill.core.messages import EngineCoreRequest, FinishReason
+from tokenmill.core.messages import EngineCoreRequest, FinishReason, LogprobsLists
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -63,6 +63,10 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 = not scheduled yet
         self.num_recomputed_tokens = 0  # cached prompt tokens computed anyway at first scheduling
         self.num_preemptions = 0
+        # Prompt-logprob rows reported to the client, and rows the runner returned since the request last started
+        # from its first token (a preemption restarts the count, see new_prompt_logprobs).
+        self.prompt_lp_rows_sent = 0
+        self.prompt_lp_rows_seen = 0
         # The core's time.monotonic() when the scheduler received it and first scheduled it (metrics).
         self.queued_ts = 0.0
         self.scheduled_ts = 0.0
@@ -105,6 +109,21 @@ class Request:
         hasher = self._block_hasher
         if hasher is not None and len(self.all_token_ids) // hasher.block_size > len(self.block_hashes):
             self.block_hashes.extend(hasher(self))  # a block just filled
+
+    def new_prompt_logprobs(self, lists: LogprobsLists) -> LogprobsLists | None:
+        """The rows of a prefill chunk's prompt logprobs the client has not had yet, or None. A preempted request
+        is computed again from its first token (prompt logprobs never take prefix-cache hits), so the runner scores
+        prompt positions already reported; reporting them again would repeat them in the output."""
+        start, n = self.prompt_lp_rows_seen, len(lists.logprobs)
+        self.prompt_lp_rows_seen += n
+        skip = self.prompt_lp_rows_sent - start
+        if skip <= 0:
+            self.prompt_lp_rows_sent += n
+            return lists
+        if skip >= n:
+            return None
+        self.prompt_lp_rows_sent += n - skip
+        return LogprobsLists(lists.token_ids[skip:], lists.logprobs[skip:], lists.ranks[skip:])
 
     def is_finished(self) -> bool:
         return self.status.is_finished

@@ -330,6 +330,7 @@ class Scheduler:
         req.spec_token_ids = []
         self.shadow.forget(req.request_id)
         req.num_preemptions += 1
+        req.prompt_lp_rows_seen = 0
         self._num_preemptions += 1
         self._finished_since_last_step.add(req.request_id)  # the runner drops its state; resumed as new
         self.waiting.prepend(req)
@@ -352,6 +353,8 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING or freed_at.get(rid, -1) >= seq:
                 continue  # aborted or preempted while the step ran, or the id now names a newer request
             prompt_lp = out.prompt_logprobs.get(rid)
+            if prompt_lp is not None:
+                prompt_lp = req.new_prompt_logprobs(prompt_lp)
             if token_ids and req.num_output_placeholders:
                 req.num_output_placeholders -= 1
             if not token_ids:

@@ -76,7 +76,9 @@ class LogprobsProcessor:
         self._token_text = token_text if params.detokenize else None
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
-        self.prompt_logprobs: PromptLogprobs | None = None
+        # [None] from the start (as vLLM): a one-token prompt has no scored position, yet asked for prompt logprobs
+        # it still reports the first token's None.
+        self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
 
     def update_sample(self, lists: LogprobsLists | None) -> None:
         if lists is None or self.logprobs is None:
@@ -85,8 +87,6 @@ class LogprobsProcessor:
         self.cumulative_logprob += sum(row[0] for row in lists.logprobs)
 
     def update_prompt(self, lists: LogprobsLists | None) -> None:
-        if lists is None or self.num_prompt_logprobs is None:
+        if lists is None or self.prompt_logprobs is None:
             return
-        if self.prompt_logprobs is None:
-            self.prompt_logprobs = [None]  # the first prompt token has no context to be predicted from
         self.prompt_logprobs.extend(make_logprob_dicts(lists, self.num_prompt_logprobs, self._token_text))
