@@ -190,6 +190,18 @@ def test_stream_n_and_batch(client):
     assert {c["index"]: c["text"] for c in full["choices"]} == texts
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "a b c", "n": 2}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})])
+def test_stream_usage_is_null_before_the_usage_chunk(client, path, body):
+    """OpenAI: with include_usage every chunk but the last carries "usage": null; without it, no usage key."""
+    r = client.post(path, json={**body, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = sse_events(r.text)[:-1]
+    assert len(chunks) > 2 and all("usage" in ch and ch["usage"] is None for ch in chunks[:-1]), chunks
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+    r = client.post(path, json={**body, "max_tokens": 2, "stream": True})
+    assert not any("usage" in ch for ch in sse_events(r.text)[:-1])
+
+
 def test_stream_echo_with_usage_force(make_client):
     c, _ = make_client(enable_force_include_usage=True)
     r = c.post("/v1/completions", json={"prompt": "Echo me", "max_tokens": 2, "stream": True, "echo": True})

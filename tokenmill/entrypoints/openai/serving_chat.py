@@ -247,6 +247,8 @@ class OpenAIServingChat(OpenAIServing):
                                              model=model, choices=[choice], system_fingerprint=self.fingerprint)
             if continuous:
                 c.usage = self.usage(prompt_len, tokens_out[i], cached)
+            elif include_usage:
+                c.usage = None  # OpenAI: with include_usage, every chunk but the last has "usage": null
             return f"data: {c.model_dump_json(exclude_unset=True)}\n\n"
 
         try:
@@ -261,6 +263,8 @@ class OpenAIServingChat(OpenAIServing):
                                                      prompt_token_ids=prompt_ids)
                     if continuous:
                         c.usage = self.usage(prompt_len, 0, cached)
+                    elif include_usage:
+                        c.usage = None
                     yield f"data: {c.model_dump_json(exclude_unset=True)}\n\n"
                 else:
                     yield chunk(first, i)

@@ -211,6 +211,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                                      system_fingerprint=self.fingerprint)
                     if continuous:
                         chunk.usage = self.usage(len(pids), tokens_out[i], cached[pi])
+                    elif include_usage:
+                        chunk.usage = None  # OpenAI: with include_usage, every chunk but the last has "usage": null
                     yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
             if include_usage:
                 usage = self.usage(sum(len(p[1]) for p in prompts), sum(tokens_out), sum(cached))
