@@ -28,3 +28,23 @@ def test_bad_inputs(smollm2_tokenizer):
                     continue_final_message=True)
     with pytest.raises(ValueError, match="role"):
         render_chat(smollm2_tokenizer, [{"content": "x"}])
+
+
+@pytest.mark.parametrize("content,match", [
+    (5, r"messages\[1\]\.content must be a string or a list"),
+    ({"type": "text", "text": "hi"}, r"messages\[1\]\.content must be a string or a list"),
+    ([{"type": "text"}], r"messages\[1\]\.content\[0\] of type 'text' needs a string 'text'"),
+    ([{"type": "text", "text": "a"}, 7], r"messages\[1\]\.content\[1\] must be a content part"),
+])
+def test_malformed_content_names_the_message_and_part(smollm2_tokenizer, content, match):
+    """A wrong content type is a ValueError (the server's 400) that names where it is, not a Jinja error."""
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "ok"}]}, {"role": "user", "content": content}]
+    with pytest.raises(ValueError, match=match):
+        render_chat(smollm2_tokenizer, msgs, chat_template=TEMPLATE)
+
+
+def test_text_and_refusal_parts_join(smollm2_tokenizer):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, "b", {"type": "input_text", "text": "c"}]},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]
+    assert render_chat(smollm2_tokenizer, msgs, chat_template=TEMPLATE, add_generation_prompt=False) == \
+        "<user>a\nb\nc<assistant>no"

@@ -20,20 +20,26 @@ def load_chat_template(template: str | None) -> str | None:
     return template
 
 
-def _flatten_content(content: Any, content_format: str) -> Any:
+def _flatten_content(content: Any, content_format: str, where: str = "content") -> Any:
     """OpenAI-style content parts -> what the template expects ('string': joined text; 'openai': parts)."""
-    if not isinstance(content, list):
+    if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        # Caught here: the template would fail on it with a Jinja error that names neither the message nor the field.
+        raise ValueError(f"{where} must be a string or a list of content parts; got {type(content).__name__}.")
     texts = []
-    for part in content:
+    for j, part in enumerate(content):
         if isinstance(part, str):
             texts.append(part)
-        elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
-            texts.append(part.get("text", ""))
-        elif isinstance(part, dict) and part.get("type") == "refusal":  # an earlier assistant turn, sent back
-            texts.append(part.get("refusal", ""))
+        elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "refusal"):
+            key = "refusal" if part["type"] == "refusal" else "text"  # a refusal: an earlier assistant turn
+            if not isinstance(part.get(key), str):
+                raise ValueError(f"{where}[{j}] of type {part['type']!r} needs a string {key!r}.")
+            texts.append(part[key])
         elif isinstance(part, dict):
             raise ValueError(f"Message content part of type {part.get('type')!r} is not supported (text only).")
+        else:
+            raise ValueError(f"{where}[{j}] must be a content part object; got {type(part).__name__}.")
     if content_format == "openai":
         return [{"type": "text", "text": t} for t in texts]
     return "\n".join(texts)
@@ -69,7 +75,7 @@ def render_chat(tokenizer: Any, conversation: Conversation, *, chat_template: st
         raise ValueError("The tokenizer has no chat template; pass chat_template (a file or a Jinja string).")
     fmt = "string" if content_format == "auto" else content_format
     msgs = []
-    for m in conversation:
+    for i, m in enumerate(conversation):
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"Each chat message needs a 'role'; got {m!r}.")
         m = dict(m)
@@ -77,7 +83,7 @@ def render_chat(tokenizer: Any, conversation: Conversation, *, chat_template: st
             # An assistant turn that only made tool calls has content null (or none at all); templates want text.
             m["content"] = [] if fmt == "openai" else ""
         else:
-            m["content"] = _flatten_content(m["content"], fmt)
+            m["content"] = _flatten_content(m["content"], fmt, f"messages[{i}].content")
         if m.get("tool_calls"):
             m["tool_calls"] = [_parse_arguments(tc) for tc in m["tool_calls"]]
         msgs.append(m)
