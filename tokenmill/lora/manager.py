@@ -32,7 +32,6 @@ from tokenmill.lora.ops import build_lora_map, lora_delta_ref, map_groups
 from tokenmill.lora.peft import LoRAAdapter, read_adapter
 from tokenmill.lora.request import LoRARequest
 
-PROLOGUE_MAX_ROWS = 16
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # tokenmill's projection -> the module names an adapter may target it by.
 _LEAVES = {"qkv_proj": ("qkv_proj", "q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -257,11 +256,8 @@ class LoRAModelManager:
         if self.use_triton:
             from tokenmill.lora.triton_ops import lora_delta_triton
 
-            def delta(x: torch.Tensor, y: torch.Tensor, prologue: tuple | None = None) -> None:
-                lora_delta_triton(x, y, self._map_dev, ls.a, ls.b, ls.sizes, ls.rank, prologue)
-            # Up to a decode tile of rows the shrink computes a fused norm / SiLU itself (from its own K split), so
-            # the layer keeps its fused product (a launch fewer).
-            delta.prologue_rows = PROLOGUE_MAX_ROWS
+            def delta(x: torch.Tensor, y: torch.Tensor) -> None:
+                lora_delta_triton(x, y, self._map_dev, ls.a, ls.b, ls.sizes, ls.rank)
             return delta
 
         def delta(x: torch.Tensor, y: torch.Tensor) -> None:

@@ -7,11 +7,9 @@ sit inside the CUDA graphs: program (m, ., s) takes tokens m * BLOCK_M ... of sl
 when the list is shorter (a slot the step does not use, a token without an adapter).
 
 The shrink computes h[t] = x[t] A[s]^T for every output slice at once (A stacks the slices' ranks: [S * R, in]),
-split over K into fp32 partials [splits, T, S * R + 1] (column S * R: a RMSNorm prologue's partial sum of
-squares) so a decode batch of one token still spreads over the SMs; the
+split over K into fp32 partials [splits, T, S * R] so a decode batch of one token still spreads over the SMs; the
 expand sums the partials in a fixed order (deterministic) and adds h[t, slice j] B[s, slice j]^T into y, one
-column block of one slice per program. The shrink can also compute the product's fused prologue (a RMSNorm or SiLU-and-mul of its input),
-so the layer keeps its fused kernel.
+column block of one slice per program.
 """
 from __future__ import annotations
 
@@ -41,50 +39,32 @@ def _tile_rows(map_ptr, slot, first, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _shrink_part(x_ptr, a_ptr, nw_ptr, rows, valid, slot, K, R_TOT, k_lo, k_hi, x_stride, a_slot_stride,
-                 a_row_stride, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRO: tl.constexpr, IEEE: tl.constexpr):
-    """x[rows, k_lo:k_hi] A[slot, :, k_lo:k_hi]^T in fp32 ([BLOCK_M, BLOCK_R]), x through the prologue PRO, and
-    (PRO 1) the rows' partial sum of squares over k_lo:k_hi. A RMSNorm's 1 / rms is a per-row factor, so the
-    shrink applies only its weight and the expand scales h by 1 / rms once the partial sums are all in: no
-    program needs a pass over the whole row."""
+def _shrink_part(x_ptr, a_ptr, rows, valid, slot, R_TOT, k_lo, k_hi, x_stride, a_slot_stride, a_row_stride,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """x[rows, k_lo:k_hi] A[slot, :, k_lo:k_hi]^T in fp32 ([BLOCK_M, BLOCK_R])."""
     r = tl.arange(0, BLOCK_R)
     a_base = a_ptr + slot.to(tl.int64) * a_slot_stride
     xrow = x_ptr + rows[:, None] * x_stride
-    xdt = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xmask = valid[:, None] & (k[None, :] < k_hi)
         xt = tl.load(xrow + k[None, :], mask=xmask, other=0.0)
-        if PRO == 1:  # RMSNorm: the weight now, the per-row 1 / rms in the expand
-            xf = xt.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-            w = tl.load(nw_ptr + k, mask=k < k_hi, other=0.0).to(tl.float32)
-            xt = (xf * w[None, :]).to(xdt)
-        elif PRO == 2:  # x is [gate | up]: silu(gate) * up in fp32, rounded once
-            g = xt.to(tl.float32)
-            u = tl.load(xrow + K + k[None, :], mask=xmask, other=0.0).to(tl.float32)
-            xt = (g / (1.0 + tl.exp(-g)) * u).to(xdt)
         at = tl.load(a_base + r[None, :] * a_row_stride + k[:, None],
                      mask=(r[None, :] < R_TOT) & (k[:, None] < k_hi), other=0.0)
         if IEEE:
             acc += tl.dot(xt.to(at.dtype), at, input_precision="ieee")
         else:
             acc += tl.dot(xt.to(at.dtype), at)
-    return acc, ss
+    return acc
 
 
 @triton.jit
-def _store_part(h_ptr, acc, ss, split, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_R: tl.constexpr,
-                PRO: tl.constexpr):
-    """A shrink partial into h[split, rows]: R_TOT columns, then (PRO 1) the partial sum of squares."""
+def _store_part(h_ptr, acc, split, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_R: tl.constexpr):
+    """A shrink partial into h[split, rows] (R_TOT columns)."""
     r = tl.arange(0, BLOCK_R)
     hp = h_ptr + split * h_split_stride + rows * h_stride
     tl.store(hp[:, None] + r[None, :], acc, mask=valid[:, None] & (r[None, :] < R_TOT))
-    if PRO == 1:
-        tl.store(hp + R_TOT, ss, mask=valid)
 
 
 @triton.jit
@@ -99,21 +79,15 @@ def _expand_cols(blk, n0, n1, n2, nb0, nb01, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, R_TOT, SPLITS, K, eps, h_split_stride, h_stride,
-                 y_stride, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr):
-    """y[rows, c] += (sum of the SPLITS partials of h[rows, slice j]) bt, bt = B[slot, c, :]^T; with the RMSNorm
-    prologue (PRO 1) h is scaled by each row's 1 / rms first."""
+def _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, SPLITS, h_split_stride, h_stride, y_stride,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+    """y[rows, c] += (sum of the SPLITS partials of h[rows, slice j]) bt, bt = B[slot, c, :]^T."""
     r = tl.arange(0, BLOCK_R)
     hmask = valid[:, None] & (r[None, :] < R)
     hp = h_ptr + rows[:, None] * h_stride + (j * R + r)[None, :]
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for s in range(0, SPLITS):
         h += tl.load(hp + s * h_split_stride, mask=hmask, other=0.0)
-    if PRO == 1:
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for s in range(0, SPLITS):
-            ss += tl.load(h_ptr + s * h_split_stride + rows * h_stride + R_TOT, mask=valid, other=0.0)
-        h = h * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     if IEEE:
         d = tl.dot(h.to(bt.dtype), bt, input_precision="ieee")
     else:
@@ -135,10 +109,9 @@ def _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R: tl.con
 # padded to 16 floats, so its strides always divide by 16; a count of one split is not specialized), so the graph
 # capture and the profile run compile every variant a server meets: none compiles mid-serving.
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, nw_ptr, K, R_TOT, K_PER, x_stride, a_slot_stride,
-                   a_row_stride, h_split_stride, h_stride, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
-                   PDL: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, K, R_TOT, K_PER, x_stride, a_slot_stride, a_row_stride,
+                   h_split_stride, h_stride, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     tile, split, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     first = tl.load(map_ptr + slot) + tile * BLOCK_M
     idle = first >= tl.load(map_ptr + slot + 1)
@@ -151,16 +124,15 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, nw_ptr, K, R_TOT, K_PER, x_stri
         return
     rows, valid = _tile_rows(map_ptr, slot, first, NUM_SLOTS, BLOCK_M)
     k_lo = split * K_PER
-    acc, ss = _shrink_part(x_ptr, a_ptr, nw_ptr, rows, valid, slot, K, R_TOT, k_lo, tl.minimum(k_lo + K_PER, K),
-                           x_stride, a_slot_stride, a_row_stride, BLOCK_M, BLOCK_R, BLOCK_K, PRO, IEEE)
-    _store_part(h_ptr, acc, ss, split, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_R, PRO)
+    acc = _shrink_part(x_ptr, a_ptr, rows, valid, slot, R_TOT, k_lo, tl.minimum(k_lo + K_PER, K), x_stride,
+                       a_slot_stride, a_row_stride, BLOCK_M, BLOCK_R, BLOCK_K, IEEE)
+    _store_part(h_ptr, acc, split, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_R)
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
-def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, R_TOT, SPLITS, K, eps, h_split_stride, h_stride, b_slot_stride,
-                   b_row_stride, y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRO: tl.constexpr, IEEE: tl.constexpr,
-                   PDL: tl.constexpr):
+def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, SPLITS, h_split_stride, h_stride, b_slot_stride, b_row_stride,
+                   y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     tile, blk, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     first = tl.load(map_ptr + slot) + tile * BLOCK_M
     idle = first >= tl.load(map_ptr + slot + 1)
@@ -173,8 +145,8 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, R_TOT, SPLITS, K, eps, h_spl
     j, c, end = _expand_cols(blk, n0, n1, n2, nb0, nb01, BLOCK_N)
     bt = _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R)
     pdl_wait(PDL)  # h is the shrink's output, y the product's
-    _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, R_TOT, SPLITS, K, eps, h_split_stride, h_stride,
-                 y_stride, BLOCK_M, BLOCK_R, PRO, IEEE)
+    _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, SPLITS, h_split_stride, h_stride, y_stride,
+                 BLOCK_M, BLOCK_R, IEEE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,10 +157,8 @@ def _num_sms(device_index: int) -> int:
 
 
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                      sizes: list[int], rank: int, prologue: tuple | None = None) -> None:
-    """lora/ops.lora_delta_ref's contract, the map as a device int32 tensor (x, y: 2-D, rows contiguous), and
-    optionally a prologue (layers/linear.py's OutputDelta): the product's input is then norm(x) or
-    silu(gate) * up of x = [gate | up], computed by the shrink as it loads x."""
+                      sizes: list[int], rank: int) -> None:
+    """lora/ops.lora_delta_ref's contract, the map as a device int32 tensor (x, y: 2-D, rows contiguous)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if y.stride(1) != 1:
@@ -196,14 +166,6 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, 
     if len(sizes) > MAX_SLICES:
         raise ValueError(f"lora_delta_triton: at most {MAX_SLICES} output slices, got {len(sizes)}.")
     T, K = x.shape
-    pro, nw, eps = 0, x, 0.0
-    if prologue is not None:
-        if prologue[0] == "rmsnorm":
-            pro, nw, eps = 1, prologue[1].weight, float(prologue[1].eps)
-        elif prologue[0] == "silu_mul":
-            pro, K = 2, K // 2
-        else:
-            raise ValueError(f"lora_delta_triton: unknown prologue {prologue[0]!r}")
     S = a.shape[0]
     r_tot = a.shape[1]
     ieee = a.dtype == torch.float32
@@ -215,20 +177,20 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, 
     k_per = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     splits = triton.cdiv(K, k_per)
     pdl = launch_kwargs(x.device, "lora")
-    # + the partial sums of squares; rows padded to 16 floats, so every row and split starts 64-byte aligned (an odd
-    # row stride leaves the partials' loads and stores unvectorized)
-    h = torch.empty(splits, T, triton.cdiv(r_tot + 1, 16) * 16, dtype=torch.float32, device=x.device)
+    # Rows padded to 16 floats, so every row and split starts 64-byte aligned (an odd row stride leaves the
+    # partials' loads and stores unvectorized)
+    h = torch.empty(splits, T, triton.cdiv(r_tot, 16) * 16, dtype=torch.float32, device=x.device)
     block_n = 64 if T <= 64 else 128
     n = list(sizes) + [0] * (MAX_SLICES - len(sizes))
     nb = [triton.cdiv(v, block_n) for v in n]
     block_rt, block_r = max(16, triton.next_power_of_2(r_tot)), max(16, triton.next_power_of_2(rank))
     _shrink_kernel[(tiles, splits, S)](
-        x, a, h, lora_map, nw, K, r_tot, k_per, x.stride(0), a.stride(0), a.stride(1), h.stride(0),
-        h.stride(1), NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_rt, BLOCK_K=block_k, PRO=pro, IEEE=ieee, **pdl)
+        x, a, h, lora_map, K, r_tot, k_per, x.stride(0), a.stride(0), a.stride(1), h.stride(0), h.stride(1),
+        NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_rt, BLOCK_K=block_k, IEEE=ieee, **pdl)
     _expand_kernel[(tiles, sum(nb), S)](
-        h, b, y, lora_map, rank, r_tot, splits, K, eps, h.stride(0), h.stride(1), b.stride(0), b.stride(1),
-        y.stride(0), n[0], n[1], n[2], nb[0], nb[0] + nb[1], NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_r,
-        BLOCK_N=block_n, PRO=pro, IEEE=ieee, **pdl)
+        h, b, y, lora_map, rank, splits, h.stride(0), h.stride(1), b.stride(0), b.stride(1), y.stride(0), n[0], n[1],
+        n[2], nb[0], nb[0] + nb[1], NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, IEEE=ieee,
+        **pdl)
 
 
 def map_to_device(lora_map: np.ndarray, device: torch.device) -> torch.Tensor:
