@@ -5,6 +5,7 @@ honoured by the server or rejected in `__post_init__`; nothing is accepted and t
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,6 +153,31 @@ class FrontendConfig:
         if self.lora_modules:
             from tokenmill.config.lora import parse_lora_modules
             parse_lora_modules(self.lora_modules)  # a malformed entry fails at start, naming it
+
+    def check_tls_files(self) -> None:
+        """Load the TLS files once before the engine starts: uvicorn would only read them after the model has
+        loaded, and its error names neither the flag nor the file."""
+        if not self.ssl_certfile:
+            return
+        import ssl
+        files = (("ssl_certfile", self.ssl_certfile), ("ssl_keyfile", self.ssl_keyfile),
+                 ("ssl_ca_certs", self.ssl_ca_certs))
+        for name, path in files:
+            if path and not os.path.isfile(path):
+                raise ValueError(f"--{name.replace('_', '-')} {path}: no such file.")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+        except (OSError, ssl.SSLError) as e:
+            key = f" with --ssl-keyfile {self.ssl_keyfile}" if self.ssl_keyfile else ""
+            raise ValueError(f"--ssl-certfile {self.ssl_certfile}{key}: cannot load the certificate and "
+                             f"private key ({e}).") from None
+        if self.ssl_ca_certs:
+            try:
+                ctx.load_verify_locations(self.ssl_ca_certs)
+            except (OSError, ssl.SSLError) as e:
+                raise ValueError(f"--ssl-ca-certs {self.ssl_ca_certs}: cannot load the CA certificates ({e}).") \
+                    from None
 
     @property
     def url(self) -> str:

@@ -364,6 +364,7 @@ def _check_frontend(frontend: FrontendConfig) -> None:
     from tokenmill.structured import StructuredOutputsConfig
     # Unknown keys, backends and options tokenmill cannot honour yet fail here, before the engine starts.
     StructuredOutputsConfig.from_dict(frontend.structured_outputs_config).check_supported()
+    frontend.check_tls_files()
 
 
 async def _watchdog(app: FastAPI) -> None:
@@ -500,7 +501,11 @@ def _log_ready(engine: EngineClient) -> None:
 def run_server(engine_kwargs: dict[str, Any], frontend: FrontendConfig) -> None:
     """Starts the engine, serves until stopped, then exits: 0 after SIGTERM/SIGINT, 1 if the engine died.
     `--headless` runs only this node's data-parallel engine cores; `--api-server-count N` runs N API servers."""
-    _check_frontend(frontend)
+    try:
+        _check_frontend(frontend)
+    except ValueError as e:  # a bad front-end option: say so before loading the model, no traceback
+        logger.error("Cannot start the server: %s", e)
+        sys.exit(1)
     from tokenmill.config.scheduler import server_defaults
     engine_kwargs = server_defaults(engine_kwargs)
     if frontend.headless or frontend.api_server_count > 1:
