@@ -106,7 +106,7 @@ class AsyncMPClient:
                     self.manager.poll(0)
                     why = self.manager.failure()
                     if why is not None:
-                        raise RuntimeError(why)
+                        raise self.manager.startup_error(why)
                 if out.poll(100):
                     kind, payload = out.recv_multipart()
                     if kind == READY:

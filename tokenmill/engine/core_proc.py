@@ -27,6 +27,9 @@ from tokenmill.logger import init_logger
 from tokenmill.metrics.step_timing import SlowStepLog
 
 logger = init_logger(__name__)
+# Start-up errors that are about the user's model or options (a KV cache too small for max_model_len, a flag the
+# checkpoint does not match): their message says what to change, and a traceback would bury it.
+REFUSED_AT_START = (ValueError, FileNotFoundError)
 
 # client <-> engine
 ADD, ABORT, UTILITY, SHUTDOWN = b"A", b"X", b"U", b"S"
@@ -266,7 +269,9 @@ def run_engine_core(config, engine_index: int, handshake_path: str, parent_pid: 
                               core=core)
     except BaseException as e:
         hs.send_multipart([FAILED, msgspec.msgpack.encode({"rank": engine_index, "error": f"{type(e).__name__}: {e}",
-                                                           "traceback": traceback.format_exc()})])
+                                                           "traceback": traceback.format_exc(),
+                                                           "refused": isinstance(e, REFUSED_AT_START),
+                                                           "message": str(e)})])
         hs.close()
         ctx.term()
         os._exit(1)

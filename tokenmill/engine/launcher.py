@@ -28,6 +28,10 @@ logger = init_logger(__name__)
 WAIT_LOG_INTERVAL_S = 15.0
 
 
+class EngineRefusedError(ValueError):
+    """An engine core refused to start with the user's model or options; the message says what to change."""
+
+
 class EngineAddresses(msgspec.Struct):
     """Where the engine cores and their clients meet: `inputs[k][r]` is client k's socket for sending to engine
     rank r, `outputs[k]` client k's socket for everything the engines send back."""
@@ -185,6 +189,7 @@ class EngineManager:
         self.node_ranks: dict[int, str] = {}  # rank -> host of the headless node that claimed it
         self.ready: dict[int, int] = {}  # rank -> number of KV blocks
         self.errors: list[str] = []
+        self.refusals: set[str] = set()  # errors that are the user's to fix (see startup_error)
         self._last_wait_log = time.monotonic()
         self.procs: dict[int, multiprocessing.Process] = {}
         try:
@@ -265,6 +270,10 @@ class EngineManager:
                         self.ready[rank])
         elif kind == FAILED and msg.get("running"):  # a headless node reports one of its engines died
             self.errors.append(str(msg.get("error")))
+        elif kind == FAILED and msg.get("refused"):  # the head reports the message once; the stack is for debugging
+            self.errors.append(f"engine core {rank} failed to start: {msg.get('message')}")
+            self.refusals.add(self.errors[-1])
+            logger.debug("Engine core %d refused to start:\n%s", rank, msg.get("traceback", ""))
         elif kind == FAILED:
             self.errors.append(f"engine core {rank} failed to start: {msg.get('error')}")
             logger.error("Engine core %d failed to start:\n%s", rank, msg.get("traceback", ""))
@@ -273,6 +282,11 @@ class EngineManager:
         if self.errors:
             return self.errors[0]
         return self.dead_local()
+
+    def startup_error(self, why: str) -> Exception:
+        """The exception for start-up failure `why`: EngineRefusedError when an engine core refused the user's
+        model or options (the entry points print its message alone), else RuntimeError."""
+        return EngineRefusedError(why) if why in self.refusals else RuntimeError(why)
 
     def dead_local(self) -> str | None:
         for rank, p in self.procs.items():
@@ -292,7 +306,7 @@ class EngineManager:
                 why = (f"data-parallel engine cores {[r for r in range(self.dp_size) if r not in self.ready]} "
                        f"were not ready within {timeout_s:.0f} s")
             if why is not None:
-                raise RuntimeError(why)
+                raise self.startup_error(why)
 
     @property
     def pids(self) -> list[int]:

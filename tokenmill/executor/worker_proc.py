@@ -47,8 +47,11 @@ def run_worker(spec) -> int:
                 getattr(worker, method)(*args, **kwargs)
             elif kind == SHUTDOWN:
                 break
-    except BaseException:
-        logger.exception("Worker rank %d failed", spec.rank)
+    except BaseException as e:
+        if isinstance(e, ValueError):  # the user's model or options (rank 0 raises the same): the message suffices
+            logger.error("Worker rank %d failed: %s", spec.rank, e)
+        else:
+            logger.exception("Worker rank %d failed", spec.rank)
         rpc.report_error()
         rpc.close()
         return 1
