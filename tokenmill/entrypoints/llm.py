@@ -197,3 +197,17 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+
+def _pooling_method(name: str):
+    def method(self: LLM, *args: Any, **kwargs: Any) -> list:
+        raise ValueError(f"LLM.{name}() needs an embedding, pooling or scoring model; tokenmill runs generative models "
+                         "only (runner='generate'): use LLM.generate, LLM.chat or LLM.beam_search.")
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+# vLLM's pooling-model methods: a script written for vLLM gets the server's message for the same routes, not an
+# AttributeError that reads like a tokenmill bug.
+for _name in ("encode", "embed", "classify", "score", "reward"):
+    setattr(LLM, _name, _pooling_method(_name))
