@@ -71,8 +71,10 @@ def _str(default: str | None = None, choices: tuple[str, ...] | None = None) -> 
 _VARIABLES: dict[str, _Var] = {
     # Where converted tokenizers and other derived artefacts are cached ("" = no cache).
     "TOKENMILL_CACHE_DIR": _str(os.path.expanduser("~/.cache/tokenmill")),
-    # Log level of the `tokenmill` logger.
-    "TOKENMILL_LOGGING_LEVEL": _str("INFO"),
+    # Log level of the `tokenmill` logger (DEBUG, INFO, WARNING, ERROR, CRITICAL; any case); VLLM_LOGGING_LEVEL is
+    # vLLM's name for it, read second; INFO when neither is set.
+    "TOKENMILL_LOGGING_LEVEL": _str(),
+    "VLLM_LOGGING_LEVEL": _str(),
     # Default attention backend name (see tokenmill/attention/registry.py); empty = pick by device.
     "TOKENMILL_ATTENTION_BACKEND": _str(""),
     # Small-batch decode GEMV (tokenmill/kernels/gemv_config.py): "auto" = the products the device's measured
