@@ -140,3 +140,12 @@ def test_swap_space_is_checked_against_host_memory_as_in_vllm(capsys):
     assert api_errors({"swap_space": too_big}) == (said, said)
     with pytest.raises(ValueError, match="Invalid value -1 for `swap_space`"):
         create_engine_config(swap_space=-1)
+
+
+def test_tokenizer_mode_has_vllms_choices_and_refuses_the_ones_it_lacks_by_name(capsys):
+    spec = next(s for s in make_serve_parser(lang="en").specs if s.dest == "tokenizer_mode")
+    assert set(spec.choices) == {"auto", "deepseek_v32", "deepseek_v4", "hf", "mistral", "slow"}  # vLLM 0.20.1
+    for mode in ("mistral", "deepseek_v32", "deepseek_v4"):
+        said = cli_error(["--tokenizer-mode", mode], capsys)
+        assert said.startswith(f"`tokenizer_mode='{mode}'` (--tokenizer-mode) is not supported yet by tokenmill.")
+        assert api_errors({"tokenizer_mode": mode}) == (said, said)

@@ -43,12 +43,13 @@ def test_missing_or_unreadable_files_are_named_with_their_flag(tls_pair, tmp_pat
         assert str(e.value).startswith(said), kwargs
 
 
-def test_serve_stops_before_the_engine_with_one_line(capfd):
-    from tokenmill.entrypoints.openai.api_server import run_server
+def test_serve_stops_before_the_engine_with_one_line(monkeypatch):
+    from tokenmill.entrypoints.openai import api_server
+    said: list[str] = []
+    monkeypatch.setattr(api_server.logger, "error", lambda msg, *args: said.append(msg % args))
     # The model does not exist: reaching the engine would log "Cannot start the engine" instead.
     with pytest.raises(SystemExit) as e:
-        run_server({"model": "/nonexistent/model"},
-                   FrontendConfig(ssl_keyfile="/nope/key.pem", ssl_certfile="/nope/cert.pem"))
+        api_server.run_server({"model": "/nonexistent/model"},
+                              FrontendConfig(ssl_keyfile="/nope/key.pem", ssl_certfile="/nope/cert.pem"))
     assert e.value.code == 1
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].endswith("Cannot start the server: --ssl-certfile /nope/cert.pem: no such file.")
+    assert said == ["Cannot start the server: --ssl-certfile /nope/cert.pem: no such file."]

@@ -40,7 +40,8 @@ class ModelConfig:
                                                 "empty = the embedded SmolLM2-135M-Instruct.")
     tokenizer: str | None = config_field(None, help="Tokenizer directory or id (default: the model's).")
     tokenizer_mode: str = config_field("auto", help="auto/hf: fast tokenizer; slow: the Python one.",
-                                       choices=("auto", "hf", "slow", "mistral", "deepseek_v32"))
+                                       choices=("auto", "hf", "slow", "mistral", "deepseek_v32",
+                                                "deepseek_v4"))
     trust_remote_code: bool = config_field(False, help="Allow custom code from the model repository.")
     dtype: str = config_field("auto", help="Weights and activations dtype. auto: the checkpoint's dtype on GPU "
                                            "(fp32 checkpoints run in bf16); float32 on CPU, where a GGUF file's "
@@ -99,7 +100,7 @@ class ModelConfig:
         check_range("max_model_len", self.max_model_len, 1)
         if self.max_logprobs < -1:
             raise ValueError(f"Invalid value {self.max_logprobs} for `max_logprobs`: must be -1 or >= 0.")
-        if self.tokenizer_mode in ("mistral", "deepseek_v32"):
+        if self.tokenizer_mode in ("mistral", "deepseek_v32", "deepseek_v4"):
             raise not_supported_yet("tokenizer_mode", self.tokenizer_mode, "Use auto, hf or slow.")
         if self.quantization is not None and self.quantization.lower() not in QUANTIZATION_METHODS:
             raise not_supported_yet("quantization", self.quantization,
