@@ -342,3 +342,30 @@ def test_dummy_weight_init():
     if hasattr(torch, "float8_e4m3fn"):
         f8 = dummy_weight_init(torch.empty(32, dtype=torch.float8_e4m3fn))
         assert f8.float().abs().max() <= 1e-3
+
+
+_BAR_THEN_EXIT = """
+import multiprocessing, os
+def child():
+    from tokenmill.models.weight_utils import _tqdm
+    for _ in _tqdm(range(3), "Loading GGUF tensors", 3, True):
+        pass
+    os._exit(0)  # how an engine core ends
+if __name__ == "__main__":
+    p = multiprocessing.get_context("spawn").Process(target=child)
+    p.start()
+    p.join()
+"""
+
+
+def test_progress_bar_leaves_no_semaphore_after_os_exit(tmp_path):
+    # tqdm's default lock is a multiprocessing semaphore: an engine core that showed a loading bar and then
+    # os._exit-ed made every `tokenmill serve` shutdown print a resource_tracker "leaked semaphore" warning.
+    import subprocess
+    import sys
+    script = tmp_path / "bar.py"
+    script.write_text(_BAR_THEN_EXIT)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "Loading GGUF tensors" in r.stderr  # the bar did run
+    assert "leaked semaphore" not in r.stderr, r.stderr

@@ -26,8 +26,15 @@ _SAFETENSORS_SINGLE = "model.safetensors"
 def _tqdm(iterable, desc: str, total: int, enabled: bool):
     if not enabled:
         return iterable
+    import threading
+
     from tqdm.auto import tqdm
 
+    # tqdm's default lock includes a multiprocessing RLock, a named semaphore registered with the resource tracker
+    # the engine core shares with the API server. The engine core ends with os._exit, which never unregisters it,
+    # so every shutdown printed "resource_tracker: There appear to be 1 leaked semaphore objects". These bars are
+    # written by one process (each rank has its own), so a thread lock is all they need.
+    tqdm.set_lock(threading.RLock())
     return tqdm(iterable, desc=desc, total=total, unit="file" if "shards" in desc else "tensor")
 
 
