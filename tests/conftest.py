@@ -141,3 +141,17 @@ def tm_log(caplog):
     logger.addHandler(caplog.handler)
     yield caplog
     logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture(scope="session")
+def tls_pair(tmp_path_factory) -> tuple[str, str]:
+    """A self-signed (key, certificate) pair for 127.0.0.1 in PEM files."""
+    import shutil
+    import subprocess
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("tls")
+    key, cert = str(d / "key.pem"), str(d / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "2", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    return key, cert

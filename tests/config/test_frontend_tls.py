@@ -2,23 +2,9 @@
 after the model has loaded, and says "[Errno 2] No such file or directory" without a path)."""
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
 
 from tokenmill.config.frontend import FrontendConfig
-
-
-@pytest.fixture(scope="module")
-def tls_pair(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    d = tmp_path_factory.mktemp("tls")
-    key, cert = str(d / "key.pem"), str(d / "cert.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "2", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
-    return key, cert
 
 
 def test_a_good_pair_loads_and_no_certificate_means_nothing_to_check(tls_pair):

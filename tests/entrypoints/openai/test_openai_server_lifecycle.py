@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -18,19 +16,8 @@ import pytest
 from tests.entrypoints.openai.server_utils import RemoteServer, engine_core_pid
 
 
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    d = tmp_path_factory.mktemp("tls")
-    key, cert = str(d / "key.pem"), str(d / "cert.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "2", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
-    return key, cert
-
-
-def test_tokenmill_serve_embedded_model_tls_and_sigterm(tmp_path, tls_files):
-    key, cert = tls_files
+def test_tokenmill_serve_embedded_model_tls_and_sigterm(tmp_path, tls_pair):
+    key, cert = tls_pair
     tokenmill_cmd = [sys.executable, "-c", "from tokenmill.entrypoints.cli.main import main; main()", "serve"]
     srv = RemoteServer(["--ssl-keyfile", key, "--ssl-certfile", cert, "--default-chat-template-kwargs",
                         '{"enable_thinking": false}'], str(tmp_path / "serve.log"), cmd=tokenmill_cmd)
