@@ -65,11 +65,10 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp_size == 1:
             rows = hidden.shape[0]
             if self._half is not None and out is None and rows <= self._half_rows:
-                x = hidden.to(torch.float16)
-                if rows <= _CPU_HALF_XW_ROWS:
-                    return F.linear(x, self._half).to(hidden.dtype)
-                # W x^T, as for fp32 below (AVX-512 FP16, 49152 x 576: 16 rows 3.8 against 4.6 ms)
-                return torch.mm(self._half, x.t()).t().to(hidden.dtype, memory_format=torch.contiguous_format)
+                # x W^T at every row count: W x^T (as for fp32 below) measured no faster once its output's
+                # transposing copy counts (AVX-512 FP16, 49152 x 576, 2 cores: 12 / 16 / 20 / 32 rows 3.6-3.9 /
+                # 4.2-4.4 / 4.8-4.9 / 6.6-7.0 ms against 3.9-4.2 / 4.0-4.3 / 6.6-6.7 / 7.3-7.4).
+                return F.linear(hidden.to(torch.float16), self._half).to(hidden.dtype)
             if out is None and not hidden.is_cuda and hidden.dtype == torch.float32 and 2 <= rows <= _CPU_WT_ROWS:
                 # The same fp32 product as W x^T, which torch's CPU GEMM runs far faster than x W^T at a few rows
                 # of a wide head (2 cores, 49152 x 576: 2 rows 5.6 against 26 ms, 4 rows 6.1 / 21, 16 rows 20 / 28,
@@ -85,9 +84,6 @@ class VocabParallelEmbedding(nn.Module):
 
 
 _CPU_WT_ROWS = 64
-# Up to this many rows the fp16 head runs as x W^T (2 cores, AVX-512 FP16, 49152 x 576: 8 rows 3.4 ms against 3.8
-# as W x^T; 1 row 2.1 / 3.1)
-_CPU_HALF_XW_ROWS = 8
 
 
 def _linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
