@@ -242,13 +242,11 @@ class OpenAIServingChat(OpenAIServing):
         cached = 0
         prompt_len = len(prompt_ids)
 
-        def chunk(choice: ChatCompletionResponseStreamChoice, i: int) -> str:
+        def chunk(choice: ChatCompletionResponseStreamChoice, i: int, **extra: Any) -> str:
             c = ChatCompletionStreamResponse(id=response_id, object="chat.completion.chunk", created=created,
-                                             model=model, choices=[choice], system_fingerprint=self.fingerprint)
-            if continuous:
-                c.usage = self.usage(prompt_len, tokens_out[i], cached)
-            elif include_usage:
-                c.usage = None  # OpenAI: with include_usage, every chunk but the last has "usage": null
+                                             model=model, choices=[choice], system_fingerprint=self.fingerprint,
+                                             **extra)
+            self.set_chunk_usage(c, include_usage, continuous, prompt_len, tokens_out[i], cached)
             return f"data: {c.model_dump_json(exclude_unset=True)}\n\n"
 
         try:
@@ -257,15 +255,7 @@ class OpenAIServingChat(OpenAIServing):
                 first = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=role, content=""),
                                                            logprobs=None, finish_reason=None)
                 if request.return_token_ids and i == 0:
-                    c = ChatCompletionStreamResponse(id=response_id, object="chat.completion.chunk",
-                                                     created=created, model=model, choices=[first],
-                                                     system_fingerprint=self.fingerprint,
-                                                     prompt_token_ids=prompt_ids)
-                    if continuous:
-                        c.usage = self.usage(prompt_len, 0, cached)
-                    elif include_usage:
-                        c.usage = None
-                    yield f"data: {c.model_dump_json(exclude_unset=True)}\n\n"
+                    yield chunk(first, i, prompt_token_ids=prompt_ids)
                 else:
                     yield chunk(first, i)
                 if echo:

@@ -209,10 +209,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     chunk = CompletionStreamResponse(id=response_id, object="text_completion", created=created,
                                                      model=model, choices=[choice],
                                                      system_fingerprint=self.fingerprint)
-                    if continuous:
-                        chunk.usage = self.usage(len(pids), tokens_out[i], cached[pi])
-                    elif include_usage:
-                        chunk.usage = None  # OpenAI: with include_usage, every chunk but the last has "usage": null
+                    self.set_chunk_usage(chunk, include_usage, continuous, len(pids), tokens_out[i], cached[pi])
                     yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
             if include_usage:
                 usage = self.usage(sum(len(p[1]) for p in prompts), sum(tokens_out), sum(cached))

@@ -299,6 +299,16 @@ class OpenAIServing:
             usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens or 0)
         return usage
 
+    def set_chunk_usage(self, chunk: Any, include: bool, continuous: bool, prompt_tokens: int,
+                        completion_tokens: int, cached_tokens: int | None) -> None:
+        """A stream chunk's usage field (usage_flags' two flags): the running counts with continuous usage stats,
+        else null when a final usage chunk will come (OpenAI sends "usage": null on every chunk before it), else
+        left unset (absent from the JSON)."""
+        if continuous:
+            chunk.usage = self.usage(prompt_tokens, completion_tokens, cached_tokens)
+        elif include:
+            chunk.usage = None
+
     def usage_flags(self, request: Any) -> tuple[bool, bool]:
         """(send a final usage chunk, send usage with every chunk)."""
         opts = request.stream_options
