@@ -6,7 +6,8 @@ import logging
 import sys
 
 _configured = False
-LEVELS = tuple(logging.getLevelNamesMapping())  # what logging accepts: DEBUG, INFO, WARNING, WARN, ERROR, ...
+# The names logging accepts (logging.getLevelNamesMapping() would list them, but only from Python 3.11 on).
+LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARN", "WARNING", "INFO", "DEBUG", "NOTSET")
 
 
 def log_level() -> str:
