@@ -137,6 +137,27 @@ def test_prefill_and_decode_kernels_read_fp8_with_scales(case):
     assert rel_err(out.view(t, -1), ref_out) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("fp8", FP8)
+def test_kernels_dot_fp8_in_fp16_for_16_bit_queries(fp8):
+    """bf16 queries with an fp8 cache take the fp16 dots (q pre-scaled, K/V widened to fp16): both kernels against
+    the float64 reference, with queries beyond fp16's range before the scale is applied."""
+    ql, ctx, hq, hkv, d, bs = [5, 1, 1], [11, 40, 3], 8, 2, 64, 16
+    md, base, q, k, v = make_batch(ql, ctx, hq=hq, hkv=hkv, d=d, block_size=bs, dtype=torch.bfloat16, seed=77)
+    q = q * 2e4                     # some |q| above 65504, fp16's largest value
+    k_scale, v_scale = scalar(0.8), scalar(1.9)
+    cache = fp8_cache(base, fp8, k_scale, v_scale)
+    scale = 2e-5
+    ref_out, ref_cache = reference(md, cache, q, k, v, hq, hkv, d, scale, k_scale, v_scale)
+    t = md.num_actual_tokens
+    out = torch.full((t, hq, d), float("nan"), dtype=torch.bfloat16, device=DEV)
+    qv = q.view(t, hq, d)
+    prefill_attention(qv, ref_cache[0], ref_cache[1], out, md.query_start_loc, md.seq_lens, md.block_table, scale,
+                      num_tokens=t, skip_single=True, k_scale=k_scale, v_scale=v_scale)
+    decode_attention(qv, ref_cache[0], ref_cache[1], out, md.query_start_loc, md.seq_lens, md.block_table, scale,
+                     num_splits=2, block_n=16, k_scale=k_scale, v_scale=v_scale)
+    assert rel_err(out.view(t, -1), ref_out) < TOL[torch.bfloat16]
+
+
 def test_scales_change_the_result():
     """Guards against a kernel ignoring a scale: the same bytes read with other scales give other outputs."""
     ql, ctx, hq, hkv, d, bs = [1, 5], [20, 3], 4, 2, 32, 8

@@ -203,7 +203,7 @@ def decode_rope_attention(qkv: torch.Tensor, positions: torch.Tensor, slot_mappi
     if num_rows == 0 or t == 0:
         return out
     g = num_heads // num_kv_heads
-    block_n, num_warps, num_stages = decode_config(head_dim, g, qkv.dtype, False, num_rows)
+    block_n, num_warps, num_stages = decode_config(head_dim, g, qkv.dtype, num_rows)
     if head_dim > 64:
         # At D=128 four warps spill ~112 bytes per thread on sm_90 (the first K/V tile is held across the wait);
         # eight hold it in registers: 1.3% faster in Llama-3-8B's batch-1 decode graph on an H200, 7.4% in

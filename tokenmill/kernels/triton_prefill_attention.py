@@ -14,8 +14,9 @@ Layout of the work:
     past the request's end. The grid is T // BLOCK_Q + B programs along axis 0 (a few idle ones).
   * Flash-attention style: fp32 online softmax in the exp2 domain, tl.dot for QK^T and PV. The key loop is split in
     an unmasked part (keys every row of the tile sees) and a masked diagonal part.
-  * fp8 cache (FP8 constexpr): K/V tiles are loaded as fp8 (half the bytes) and widened to the query dtype, which
-    holds every e4m3 / e5m2 value exactly. Dequantising is linear, so k_scale folds into the softmax scale
+  * fp8 cache (FP8 constexpr): K/V tiles are loaded as fp8 (half the bytes) and widened to fp16 (fp32 for fp32
+    queries), which holds every e4m3 / e5m2 value exactly; q, pre-multiplied by the softmax scale, and the
+    probabilities go to fp16 for the dots. Dequantising is linear, so k_scale folds into the softmax scale
     (q.(k * s_k) = s_k * (q.k)) and v_scale into the final normalisation: no per-element multiply in the key loop.
   * Sliding window (SLIDING constexpr): a tile reads keys from the lowest one its first row sees; keys every row of
     the tile sees are the unmasked middle part, the ones below it are masked per row like the diagonal part. Keys
@@ -117,6 +118,12 @@ def _attend_span(q, q_pos, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
     acc = tl.zeros([ROWS, HEAD_P2], dtype=tl.float32)
     if FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+        if not IEEE:
+            # Dots in fp16, which e4m3 and e5m2 widen to in one hardware instruction per pair (widening to bf16
+            # takes four), and fp16's 11-bit significand holds q no worse than bf16. The softmax scale goes into
+            # q first, so q.k stays far inside fp16's range whatever q's magnitude.
+            q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+            qk_scale = 1.0
     if SLIDING:
         acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row_ptr, kv_head_off,
                                     d, d_mask, start, full_start, full_start, start, window, qk_scale, softcap,

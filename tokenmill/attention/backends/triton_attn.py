@@ -35,14 +35,14 @@ class TritonAttentionBackend(AttentionBackend):
         # count it was captured with); None = a heuristic from the batch size and md.max_seq_len per call.
         self.decode_num_splits: int | None = None
 
-    def _decode_splits(self, md: AttentionMetadata, dtype: torch.dtype, fp8: bool) -> int:
+    def _decode_splits(self, md: AttentionMetadata, dtype: torch.dtype) -> int:
         if self.decode_num_splits is not None:
             return self.decode_num_splits
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         rows = md.seq_lens.shape[0]
         keys = md.max_seq_len if self.sliding_window is None else min(md.max_seq_len, self.sliding_window)
         return decode_num_splits(rows, hkv, keys, md.seq_lens.device,
-                                 block_n=decode_config(d, hq // hkv, dtype, fp8, rows)[0])
+                                 block_n=decode_config(d, hq // hkv, dtype, rows)[0])
 
     def forward_decode_qkv(self, qkv, positions, rotary_emb, q_norm, k_norm, kv_cache,
                            md: AttentionMetadata) -> torch.Tensor | None:
@@ -63,7 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
             qkv, positions, md.slot_mapping, kv_cache, rotary_emb.cos_cache, rotary_emb.sin_cache,
             md.query_start_loc, md.seq_lens, md.block_table, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_size, scale=self.scale,
-            num_splits=self._decode_splits(md, qkv.dtype, False), rotary_dim=rotary_emb.rotary_dim,
+            num_splits=self._decode_splits(md, qkv.dtype), rotary_dim=rotary_emb.rotary_dim,
             is_neox=rotary_emb.is_neox_style, num_tokens=md.num_actual_tokens,
             q_norm_weight=None if q_norm is None else q_norm.weight,
             k_norm_weight=None if k_norm is None else k_norm.weight,
@@ -90,6 +90,6 @@ class TritonAttentionBackend(AttentionBackend):
                               softcap=self.logits_soft_cap)
         if has_decode:
             decode_attention(q, kc, vc, out, md.query_start_loc, md.seq_lens, md.block_table, self.scale,
-                             num_splits=self._decode_splits(md, q.dtype, fp8), k_scale=k_scale, v_scale=v_scale,
+                             num_splits=self._decode_splits(md, q.dtype), k_scale=k_scale, v_scale=v_scale,
                              sliding_window=self.sliding_window, softcap=self.logits_soft_cap)
         return out.view(t, hq * d)
