@@ -154,6 +154,24 @@ def test_fp8_weights_with_row_scales(config):
         gemv(x, w8, weight_scale=torch.ones(4, device=DEV))
 
 
+@pytest.mark.parametrize("config", [c for c in CPU_CONFIGS if c.use_dot], ids=[i for c, i in
+                                                                         zip(CPU_CONFIGS, CPU_IDS) if c.use_dot])
+def test_fp8_weights_with_bf16_activations_beyond_fp16_range(config):
+    """The dot path takes fp8 weights and bf16 x in fp16: activations far past fp16's largest value (65504), and
+    tiny ones, must come through as in float64."""
+    gen = torch.Generator(device=DEV).manual_seed(80)
+    m, n, k = 3, 40, 96
+    x = torch.randn(m, k, generator=gen, device=DEV) * 3e5
+    x[:, ::5] *= 1e-9
+    x = x.to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen, device=DEV) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w_scale = torch.rand(n, generator=gen, device=DEV) + 0.5
+    ref = x.double() @ (w.double() * w_scale.double()[:, None]).T
+    y = gemv(x, w, weight_scale=w_scale, config=config)
+    assert y.float().isfinite().all()
+    assert rel_err(y, ref) < 1e-2
+
+
 def test_residual_without_norm_and_leading_dims():
     _check(3, 40, 64, torch.bfloat16, seed=30, config=CPU_CONFIGS[1], residual=True, lead=(2,))
 
@@ -323,7 +341,7 @@ const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SILU_MUL=False, NO
              XPRE=True, PDL=False, W_SCALE=True)
 for use_dot, out_silu in ((True, False), (False, True)):
     c = {**const, "USE_DOT": use_dot, "OUT_SILU": out_silu, "NORM": not out_silu, "HAS_RES": not out_silu,
-         "BLOCK_M": 16 if use_dot else 1}
+         "BLOCK_M": 16 if use_dot else 1, "F16_DOT": use_dot}
     s = {**sig, **{k: "constexpr" for k in c}}
     src = ASTSource(fn=_gemv_kernel, signature=s, constexprs=c)
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
@@ -331,6 +349,6 @@ for use_dot, out_silu in ((True, False), (False, True)):
 
 
 def test_the_fp8_weight_path_compiles_for_sm90():
-    """The interpreter accepts code the compiler rejects: the fp8-weight variants (dot with the norm prologue and
-    split-K; FMA with the SiLU epilogue) compiled for an H100/H200 target, in a process without the interpreter."""
+    """The interpreter accepts code the compiler rejects: the fp8-weight variants (fp16 dot with the norm prologue
+    and split-K; FMA with the SiLU epilogue) compiled for an H100/H200 target, in a process without the interpreter."""
     assert compile_for_sm90(_COMPILE_FP8).count("ttgir") == 2
