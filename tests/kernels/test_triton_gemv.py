@@ -56,7 +56,7 @@ def _rms_ref(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=False, residual=False, lead=(),
-           epilogue=None, fp8=False):
+           epilogue=None, fp8=False, block=None):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     k_in = 2 * k if act == "silu_mul" else k
     x = _rand(*lead, m, k_in, dtype=dtype, gen=gen, scale=2.0)
@@ -64,8 +64,14 @@ def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=Fals
     w_ref, w_scale = w.double(), None
     if fp8:  # e4m3 values with one float32 scale per row (the FP8 linear method's layout)
         w = (torch.randn(n, k, generator=gen, device=DEV) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
-        w_scale = (torch.rand(n, generator=gen, device=DEV) + 0.5) * (k ** -0.5 / 60)
-        w_ref = w.double() * w_scale.double()[:, None]
+        if block is None:
+            w_scale = (torch.rand(n, generator=gen, device=DEV) + 0.5) * (k ** -0.5 / 60)
+            w_ref = w.double() * w_scale.double()[:, None]
+        else:  # one scale per (block_n x block_k) block, partial blocks at the edges
+            bn, bk = block
+            w_scale = (torch.rand(-(-n // bn), -(-k // bk), generator=gen, device=DEV) + 0.5) * (k ** -0.5 / 60)
+            full = w_scale.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+            w_ref = w.double() * full
     b = _rand(n, dtype=dtype, gen=gen) if bias else None
     nw = _rand(k, dtype=dtype, gen=gen) if norm else None
     r = _rand(*lead, m, k, dtype=dtype, gen=gen) if residual else None
@@ -87,7 +93,7 @@ def _check(m, n, k, dtype, seed, *, config=None, bias=False, act=None, norm=Fals
     out = torch.full((*lead, m, n), float("nan"), dtype=dtype, device=DEV)     # poison: every element written
     x_before = x.clone()
     res = gemv(x, w, b, act=act, norm_weight=nw, eps=eps, residual=r, out=out, config=config, epilogue=epilogue,
-               weight_scale=w_scale)
+               weight_scale=w_scale, block=block)
     if residual:
         y, r_out = res
         if dtype != torch.bfloat16 or not INTERPRETED:                   # the interpreter truncates bf16
@@ -170,6 +176,30 @@ def test_fp8_weights_with_bf16_activations_beyond_fp16_range(config):
     y = gemv(x, w, weight_scale=w_scale, config=config)
     assert y.float().isfinite().all()
     assert rel_err(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("config", CPU_CONFIGS, ids=CPU_IDS)
+def test_fp8_weights_with_block_scales(config):
+    """Block-wise FP8 (one scale per block_n x block_k block, DeepSeek-V3 / Qwen3-FP8 checkpoints): each K step's
+    product scaled per column, steps cut to stay inside a block, partial blocks at the N and K edges, alone and with
+    the prologues and the SiLU epilogue (whose interleaved gate / up columns come from different row blocks). FMA
+    configs are replaced by a dot config."""
+    _check(1, 37, 100, torch.bfloat16, seed=90, config=config, fp8=True, block=(16, 32))
+    _check(5, 50, 72, torch.float16, seed=91, config=config, fp8=True, block=(8, 16), bias=True, norm=True,
+           residual=True)
+    _check(3, 42, 80, torch.bfloat16, seed=92, config=config, fp8=True, block=(16, 48), epilogue="silu_mul")
+    _check(2, 29, 64, torch.bfloat16, seed=93, config=config, fp8=True, block=(32, 64), act="silu_mul")
+
+
+def test_fp8_block_scale_checks():
+    w8 = torch.zeros(40, 64, device=DEV).to(torch.float8_e4m3fn)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match=r"weight_scale must be contiguous float32 \(3, 2\)"):
+        gemv(x, w8, weight_scale=torch.ones(40, device=DEV), block=(16, 32))
+    with pytest.raises(ValueError, match="block_k a multiple of 16"):
+        gemv(x, w8, weight_scale=torch.ones(3, 3, device=DEV), block=(16, 24))
+    with pytest.raises(ValueError, match="block goes with a float8 weight_scale"):
+        gemv(x, torch.zeros(40, 64, dtype=torch.bfloat16, device=DEV), block=(16, 32))
 
 
 def test_residual_without_norm_and_leading_dims():
@@ -335,13 +365,13 @@ from tokenmill.kernels.triton_gemv import _gemv_kernel
 sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", b_ptr="*bf16", y_ptr="*bf16", nw_ptr="*bf16", res_ptr="*bf16",
            res_out_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", k_per_split="i32",
            split_k="i32", eps="fp32", stride_xm="i32", stride_wn="i32", stride_ym="i32", stride_rm="i32",
-           stride_rom="i32", wsc_ptr="*fp32")
+           stride_rom="i32", wsc_ptr="*fp32", bsc_cols="i32")
 const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SILU_MUL=False, NORM=True, HAS_RES=True,
              HAS_BIAS=False, USE_DOT=True, EVEN_K=True, DOT_F32=False, PREFETCH=True, ACC2D=False, OUT_SILU=False,
-             XPRE=True, PDL=False, W_SCALE=True)
-for use_dot, out_silu in ((True, False), (False, True)):
+             XPRE=True, PDL=False, W_SCALE=True, BLOCK_SCALE=False, BN_SCALE=128, BK_SCALE=128)
+for use_dot, out_silu, blocks in ((True, False, False), (False, True, False), (True, True, True)):
     c = {**const, "USE_DOT": use_dot, "OUT_SILU": out_silu, "NORM": not out_silu, "HAS_RES": not out_silu,
-         "BLOCK_M": 16 if use_dot else 1, "F16_DOT": use_dot}
+         "BLOCK_M": 16 if use_dot else 1, "F16_DOT": use_dot, "W_SCALE": not blocks, "BLOCK_SCALE": blocks}
     s = {**sig, **{k: "constexpr" for k in c}}
     src = ASTSource(fn=_gemv_kernel, signature=s, constexprs=c)
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
@@ -350,5 +380,6 @@ for use_dot, out_silu in ((True, False), (False, True)):
 
 def test_the_fp8_weight_path_compiles_for_sm90():
     """The interpreter accepts code the compiler rejects: the fp8-weight variants (fp16 dot with the norm prologue
-    and split-K; FMA with the SiLU epilogue) compiled for an H100/H200 target, in a process without the interpreter."""
-    assert compile_for_sm90(_COMPILE_FP8).count("ttgir") == 2
+    and split-K; FMA with the SiLU epilogue; block scales with the SiLU epilogue) compiled for an H100/H200 target,
+    in a process without the interpreter."""
+    assert compile_for_sm90(_COMPILE_FP8).count("ttgir") == 3

@@ -72,6 +72,7 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr = False,
     ACC2D: tl.constexpr = False, OUT_SILU: tl.constexpr = False, XPRE: tl.constexpr = False,
     PDL: tl.constexpr = False, wsc_ptr=0, W_SCALE: tl.constexpr = False, F16_DOT: tl.constexpr = False,
+    bsc_cols=0, BLOCK_SCALE: tl.constexpr = False, BN_SCALE: tl.constexpr = 128, BK_SCALE: tl.constexpr = 128,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -117,8 +118,10 @@ def _gemv_kernel(
         step1x = tl.where(k_start + BLOCK_K < k_end, BLOCK_K, 0)
         na, nb, nc = _load_x(k_start + step1x + offs_k, x_rows, r_rows, nw_ptr, m_mask, K, BLOCK_M, BLOCK_K,
                              SILU_MUL, NORM, HAS_RES, EVEN_K)
+    bs = _block_scales(wsc_ptr, n_safe, k_start, bsc_cols, BLOCK_SCALE, BN_SCALE, BK_SCALE)
     acc, ss = _gemv_step(acc, ss, w, k_start + offs_k, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K,
-                         xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32, ACC2D, F16_DOT)
+                         xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32, ACC2D, F16_DOT,
+                         bs, BLOCK_SCALE)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
         kk = k0 + offs_k
@@ -136,9 +139,10 @@ def _gemv_kernel(
         else:
             xa, xb, xc = _load_x(kk, x_rows, r_rows, nw_ptr, m_mask, K, BLOCK_M, BLOCK_K, SILU_MUL, NORM,
                                  HAS_RES, EVEN_K)
+        bs = _block_scales(wsc_ptr, n_safe, k0, bsc_cols, BLOCK_SCALE, BN_SCALE, BK_SCALE)
         acc, ss = _gemv_step(acc, ss, w, kk, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K,
                              xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32, ACC2D,
-                             F16_DOT)
+                             F16_DOT, bs, BLOCK_SCALE)
     if USE_DOT or ACC2D:
         part = acc
     else:
@@ -185,6 +189,18 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _block_scales(bsc_ptr, rows, k0, bsc_cols, BLOCK_SCALE: tl.constexpr, BN_SCALE: tl.constexpr,
+                  BK_SCALE: tl.constexpr):
+    """The scale of each tile column's weight row in the K block holding k0 ([N / BN_SCALE, K / BK_SCALE] row-major
+    block scales); 0.0 (unused) without block scales."""
+    if BLOCK_SCALE:
+        s = tl.load(bsc_ptr + (rows // BN_SCALE) * bsc_cols + k0 // BK_SCALE)
+    else:
+        s = 0.0
+    return s
+
+
+@triton.jit
 def _load_w_tile(w_ptrs, kk, K, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(w_ptrs)
@@ -218,7 +234,7 @@ def _load_x(kk, x_rows, r_rows, nw_ptr, m_mask, K, BLOCK_M: tl.constexpr, BLOCK_
 def _gemv_step(acc, ss, w, kk, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K, xdt,
                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
                HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-               ACC2D: tl.constexpr, F16_DOT: tl.constexpr = False):
+               ACC2D: tl.constexpr, F16_DOT: tl.constexpr = False, bs=0.0, BLOCK_SCALE: tl.constexpr = False):
     """One BLOCK_K step: the prologue on x's columns kk (loaded by _load_x), then acc += x_tile @ w_tile."""
     if SILU_MUL:
         gate = xa.to(tl.float32)
@@ -239,7 +255,16 @@ def _gemv_step(acc, ss, w, kk, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K, xdt
             ss += xf * xf
             xin = (xf * xc.to(tl.float32)[None, :]).to(xdt)
     if USE_DOT:
-        if F16_DOT:
+        if BLOCK_SCALE:
+            # Each column's scale for this K step's block (the host keeps a step inside one block).
+            if F16_DOT:
+                d = tl.dot((xin.to(tl.float32) * 0.00390625).to(tl.float16), w.to(tl.float16))
+            elif DOT_F32:
+                d = tl.dot(xin.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                d = tl.dot(xin, w.to(xdt))
+            acc += d * bs[None, :]
+        elif F16_DOT:
             acc += tl.dot((xin.to(tl.float32) * 0.00390625).to(tl.float16), w.to(tl.float16))
         elif DOT_F32:
             acc += tl.dot(xin.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -323,7 +348,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
          residual_out: torch.Tensor | None = None, out: torch.Tensor | None = None,
          config: GemvConfig | None = None, epilogue: str | None = None,
-         weight_scale: torch.Tensor | None = None):
+         weight_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None):
     """F.linear(prologue(x), weight, bias) for a few rows of x.
 
     x [..., K] (or [..., 2K] with act="silu_mul"), weight [N, K], bias [N] or None; fp16/bf16, x and weight of one
@@ -337,7 +362,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     Returns y [..., N] in x.dtype (written into `out` when given). config overrides the device table's config for
     the shape, or the heuristic (gemv_config.default_config).
     weight_scale [N] float32: the weight is float8 e4m3 with one scale per row (W = weight * weight_scale[:, None]),
-    widened to x's dtype in registers: the stream is 1 byte per weight."""
+    widened in registers: the stream is 1 byte per weight. With block = (block_n, block_k), weight_scale is
+    [ceil(N / block_n), ceil(K / block_k)] float32, one scale per block (block-wise FP8 checkpoints); block_k must
+    be a multiple of 16, and the config's K step is cut to divide it."""
     if act not in _ACTS:
         raise ValueError(f"gemv: unsupported act={act!r}; supported: None, 'silu_mul'")
     if epilogue not in (None, "silu_mul"):
@@ -352,10 +379,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         if weight.dtype != torch.float8_e4m3fn or x.dtype not in _DTYPES:
             raise TypeError(f"gemv: weight_scale goes with a float8_e4m3fn weight and fp16/bf16 x, got "
                             f"{weight.dtype} and {x.dtype}")
-        if weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32 \
-                or not weight_scale.is_contiguous():
-            raise ValueError(f"gemv: weight_scale must be contiguous float32 ({weight.shape[0]},), got "
+        want = (weight.shape[0],) if block is None else \
+            (triton.cdiv(weight.shape[0], block[0]), triton.cdiv(weight.shape[1], block[1]))
+        if weight_scale.shape != want or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous():
+            raise ValueError(f"gemv: weight_scale must be contiguous float32 {want}, got "
                              f"{tuple(weight_scale.shape)} {weight_scale.dtype}")
+        if block is not None and (block[0] <= 0 or block[1] <= 0 or block[1] % 16):
+            raise ValueError(f"gemv: block must be (block_n, block_k) with block_k a multiple of 16, got {block}")
+    elif block is not None:
+        raise ValueError("gemv: block goes with a float8 weight_scale")
     elif x.dtype not in _DTYPES or weight.dtype != x.dtype:
         raise TypeError(f"gemv: x and weight must share dtype float16 or bfloat16, got {x.dtype} and "
                         f"{weight.dtype}")
@@ -412,11 +444,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                 config = dataclasses.replace(config, split_k=2 * config.split_k)
         if epilogue is not None and config.block_n < 2:
             config = dataclasses.replace(config, block_n=2)
+        if block is not None:
+            config = _block_scaled(config, block[1], m, n, k, dev)
         _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, config, act == "silu_mul",
-                residual is not None, epilogue is not None, weight_scale)
+                residual is not None, epilogue is not None, weight_scale, block)
     if residual is None:
         return out
     return out, residual_out
+
+
+def _block_scaled(cfg: GemvConfig, block_k: int, m: int, n: int, k: int, dev: torch.device) -> GemvConfig:
+    """A config for block scales: the dot path (the scale multiplies each K step's product), with a K step that
+    divides block_k so that a step never straddles two scale blocks."""
+    if not cfg.use_dot:
+        cfg = default_config(m, n, k, sm_count(dev))
+    step = cfg.block_k
+    while block_k % step:
+        step //= 2
+    return cfg if step == cfg.block_k else dataclasses.replace(cfg, block_k=step)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -438,7 +483,8 @@ def launch_plan(m: int, n: int, k: int, cfg: GemvConfig) -> tuple[int, int, int,
 
 
 def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvConfig, silu_mul: bool,
-            has_res: bool, out_silu: bool = False, weight_scale: torch.Tensor | None = None) -> None:
+            has_res: bool, out_silu: bool = False, weight_scale: torch.Tensor | None = None,
+            block: tuple[int, int] | None = None) -> None:
     block_m, n_tiles, split, k_per_split = launch_plan(m, n, k, cfg)
     if split > 1:
         ws = torch.empty(n_tiles * split * block_m * (cfg.block_n + 1), dtype=torch.float32, device=x2.device)
@@ -454,7 +500,9 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
         SILU_MUL=silu_mul, NORM=norm_weight is not None, HAS_RES=has_res, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED, PREFETCH=cfg.prefetch,
         ACC2D=cfg.acc2d, OUT_SILU=out_silu, XPRE=cfg.xprefetch,
-        wsc_ptr=weight_scale if weight_scale is not None else y2, W_SCALE=weight_scale is not None,
+        wsc_ptr=weight_scale if weight_scale is not None else y2, W_SCALE=weight_scale is not None and block is None,
         F16_DOT=weight_scale is not None and cfg.use_dot and x2.dtype == torch.bfloat16,
+        bsc_cols=weight_scale.shape[1] if block is not None else 0, BLOCK_SCALE=block is not None,
+        BN_SCALE=block[0] if block is not None else 128, BK_SCALE=block[1] if block is not None else 128,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x2.device, "gemv"),
     )

@@ -14,13 +14,14 @@ Storage after loading (what `apply` reads):
 Online quantization keeps one scale per output row (amax / 448), finer than vLLM's one scale per tensor.
 
 The products: on CUDA, more than `SCALED_MM_MIN_ROWS` rows with row scales quantize the activations (the checkpoint's
-static scale, else one dynamic scale per token) and run torch._scaled_mm; up to 16 rows with row scales run the
-decode GEMV of kernels/triton_gemv.py on the fp8 weight (scaled per row in its epilogue); the rows between, and
-every block-wise product, run the Triton kernel of kernels/triton_quant_matmul.py, which dequantizes the weight in registers and keeps the
-activations in the model dtype (more precise than the scheme asks: the decode path is weight-bound). Elsewhere (CPU)
-the product is the scheme's definition: activations rounded through fp8 as the scheme quantizes them (the static
-scale, else per token), the weight dequantized into the activation dtype per call (kept in 1 byte per value), then
-F.linear - what compressed-tensors' own reference forward computes. Block-wise checkpoints run weights-only on every
+static scale, else one dynamic scale per token) and run torch._scaled_mm; up to 16 rows run the decode GEMV of
+kernels/triton_gemv.py on the fp8 weight (row scales in its epilogue, block scales on each K step's product); the
+rows between, and block-wise products of more rows, run the Triton kernel of kernels/triton_quant_matmul.py, which
+dequantizes the weight in registers and keeps the activations in the model dtype (more precise than the scheme
+asks: the decode path is weight-bound). Elsewhere (CPU) the product is the scheme's definition: activations
+rounded through fp8 as the scheme quantizes them (the static scale, else per token), the weight dequantized into the
+activation dtype per call (kept in 1 byte per value), then F.linear - what compressed-tensors' own reference forward
+computes. Block-wise checkpoints run weights-only on every
 device (their authors' 1 x 128 activation groups are not emulated). GPUs older than sm_89 (no fp8 arithmetic)
 convert the weight per call and run F.linear.
 """
@@ -150,14 +151,17 @@ class Fp8LinearMethod(LinearMethod):
             # No fp8 arithmetic before Ada / Hopper (Triton's e4m3 and torch._scaled_mm need sm_89): convert the
             # weight per call instead, still stored in 1 byte per value.
             return F.linear(x, dequantize(layer, x.dtype))
+        from tokenmill.kernels.triton_gemv import MAX_M, gemv
         from tokenmill.kernels.triton_quant_matmul import fp8_matmul
-        if self.scheme.weight == "block":
-            return fp8_matmul(x, layer.weight, layer.weight_scale_inv, self.scheme.block)
         n, k = layer.weight.shape
         rows = x.numel() // x.shape[-1]
+        if self.scheme.weight == "block":
+            block = self.scheme.block
+            if rows <= MAX_M and x.dtype in (torch.bfloat16, torch.float16) and block[1] % 16 == 0:
+                return gemv(x, layer.weight, weight_scale=layer.weight_scale_inv, block=block)
+            return fp8_matmul(x, layer.weight, layer.weight_scale_inv, block)
         if (rows >= SCALED_MM_MIN_ROWS and self.scheme.activation is not None and n % 16 == 0 and k % 16 == 0):
             return scaled_mm(x, layer.weight, layer.weight_scale, getattr(layer, "input_scale", None))
-        from tokenmill.kernels.triton_gemv import MAX_M, gemv
         if rows <= MAX_M and x.dtype in (torch.bfloat16, torch.float16):
             # Decode: the tuned weight-streaming GEMV, reading 1 byte per weight (split-K, deep K tiles).
             return gemv(x, layer.weight, weight_scale=layer.weight_scale)
