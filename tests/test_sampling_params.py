@@ -65,3 +65,32 @@ def test_best_of_is_at_least_n_and_survives_the_engine_trip():
             SamplingParams(n=2, best_of=bad)
     p = msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams(n=2, best_of=2)), type=SamplingParams)
     assert (p.n, p.best_of) == (2, 2)
+
+
+def test_vllm_normalisation_of_seed_stop_ids_and_bad_words():
+    """vLLM: seed -1 means unseeded; duplicate stop ids / bad words are dropped; an empty bad word is an error."""
+    from tokenmill.sampling_params import SamplingType
+    p = SamplingParams(seed=-1, temperature=1.0)
+    assert p.seed is None and p.sampling_type == SamplingType.RANDOM
+    assert SamplingParams(stop_token_ids=[3, 1, 3]).stop_token_ids == [3, 1]
+    assert SamplingParams(bad_words=["a", "b", "a"]).bad_words == ["a", "b"]
+    for bad in ([""], ["ok", "  "], [5]):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(bad_words=bad)
+
+
+@pytest.mark.parametrize("field", ["ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens",
+                                   "spaces_between_special_tokens"])
+def test_flags_must_be_booleans(field):
+    """A string such as "false" would read as true: refused, naming the field; 0 / 1 pass."""
+    for bad in ("false", None, 2, [True]):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: bad})
+    assert getattr(SamplingParams(**{field: 0}), field) == 0
+
+
+def test_output_kind_error_names_the_field():
+    from tokenmill.sampling_params import RequestOutputKind
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=7)

@@ -87,8 +87,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
             self.stop = []
         else:
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or [])
+        # Duplicates dropped (first occurrence kept), as vLLM does.
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or [])
+        if any(not isinstance(w, str) or not w.strip() for w in bad_words):
+            raise ValueError(f"SamplingParams.bad_words must be non-empty strings, got {bad_words!r}.")
+        self.bad_words = list(dict.fromkeys(bad_words))
+        if self.seed == -1:
+            self.seed = None  # vLLM: -1 means unseeded
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -111,6 +117,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
 
     _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
     _INT_FIELDS = ("n", "top_k", "min_tokens")
+    _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens",
+                    "spaces_between_special_tokens")
 
     def _check_types(self) -> None:
         """Wrong types are ValueErrors naming the field (not TypeErrors from a comparison deep inside)."""
@@ -122,6 +130,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"SamplingParams.{name} must be an integer, got {v!r}.")
+        for name in self._BOOL_FIELDS:
+            v = getattr(self, name)
+            # A string such as "false" would otherwise read as true.
+            if isinstance(v, (str, bytes)) or not (isinstance(v, bool) or v in (0, 1)):
+                raise ValueError(f"SamplingParams.{name} must be True or False, got {v!r}.")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}.")
         for name in ("stop_token_ids", "bad_words", "allowed_token_ids"):
@@ -200,7 +213,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
         elif self.structured_outputs is not None:
             self.structured_outputs = as_structured_outputs(self.structured_outputs, "structured_outputs")
         if not isinstance(self.output_kind, RequestOutputKind):
-            self.output_kind = RequestOutputKind(self.output_kind)
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise bad("output_kind", "a RequestOutputKind (CUMULATIVE=0, DELTA=1, FINAL_ONLY=2)",
+                          self.output_kind) from None
 
     # ----- derived properties used by the engine -----
     @property
