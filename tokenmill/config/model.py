@@ -174,3 +174,14 @@ class ModelConfig:
     def get_text_config(self) -> Any:
         get = getattr(self.hf_config, "get_text_config", None)
         return get() if get else self.hf_config
+
+    # vLLM's ModelConfig accessors, which scripts call (llm.llm_engine.model_config.get_vocab_size()).
+    @property
+    def hf_text_config(self) -> Any:
+        return self.get_text_config()
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return self.get_text_config().hidden_size

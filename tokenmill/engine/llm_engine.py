@@ -45,6 +45,10 @@ class LLMEngine:
 
     def __init__(self, config: TokenmillConfig, log_stats: bool = False) -> None:
         self.config = config
+        # vLLM's attribute names, which scripts read (llm.llm_engine.model_config.max_model_len, ...).
+        self.vllm_config = config
+        self.model_config, self.cache_config = config.model_config, config.cache_config
+        self.scheduler_config, self.parallel_config = config.scheduler_config, config.parallel_config
         front = FrontEnd(config, log_stats)
         self.tokenizer, self.generation_config = front.tokenizer, front.generation_config
         self.processor, self.output_processor = front.processor, front.output_processor
@@ -69,6 +73,20 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def collective_rpc(self, method: str | Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list:
+        """vLLM's collective_rpc: call `method` (a Worker method's name, or a function taking the worker as its
+        first argument) on every worker; one result per worker. Supported where the worker runs in this process
+        (one rank, the default offline engine)."""
+        from tokenmill.executor.uniproc import UniProcExecutor
+        executor = getattr(self.engine_core, "executor", None)
+        if type(executor) is not UniProcExecutor:  # (subclasses: one rank of several)
+            raise ValueError("collective_rpc is supported only for an engine whose one worker runs in this process "
+                             "(no tensor, pipeline or data parallelism, no external launcher) by tokenmill yet.")
+        worker = executor.worker
+        fn = getattr(worker, method) if isinstance(method, str) else (lambda *a, **k: method(worker, *a, **k))
+        return [fn(*args, **(kwargs or {}))]
 
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**default_sampling_kwargs(self.generation_config))

@@ -139,6 +139,10 @@ class Processor:
             raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}.")
         if params.truncate_prompt_tokens is not None:
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            if keep > self.max_model_len:
+                raise ValueError(f"SamplingParams.truncate_prompt_tokens ({keep}) is larger than the maximum model "
+                                 f"length ({self.max_model_len}); give at most {self.max_model_len}, or -1 for "
+                                 "max_model_len.")
             ids = ids[-keep:]
         if not ids:
             raise ValueError("The prompt is empty; give at least one token.")

@@ -62,10 +62,21 @@ class LLM:
         self.structured_outputs_config.check_supported()
         self.llm_engine = LLMEngine.from_engine_args(log_stats=not disable_log_stats, model=model,
                                                      **offline_defaults(kwargs))
+        self.model_config = self.llm_engine.model_config  # as vLLM's LLM has it
         self._counter = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list:
+        """Call a Worker method (by name) or a function `f(worker, *args, **kwargs)` on every worker; one result
+        per worker (LLMEngine.collective_rpc)."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Any) -> list:
+        """Run `func(model)` on the model (a torch.nn.Module) of every worker; one result per worker."""
+        return self.collective_rpc(lambda worker: func(worker.runner.model))
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.get_default_sampling_params()
@@ -100,9 +111,17 @@ class LLM:
              lora_request: Any = None) -> list[RequestOutput]:
         """Render each conversation with the chat template, then generate. Accepts one conversation or a list;
         lora_request as in generate()."""
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError("messages must be a conversation (a list of message dicts such as "
+                             "{'role': 'user', 'content': '...'}) or a list of conversations, got "
+                             f"{type(messages).__name__}.")
         if not messages:
             raise ValueError("messages is empty.")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        for i, conv in enumerate(convs):
+            if not isinstance(conv, (list, tuple)) or not conv:
+                raise ValueError(f"messages[{i}] must be a non-empty list of message dicts (one conversation), got "
+                                 f"{conv!r:.80}.")
         tok = self.get_tokenizer()
         prompts = []
         for conv in convs:
@@ -145,7 +164,13 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError("sampling_params must be a SamplingParams or a list with one per prompt, got "
+                            f"{type(sampling_params).__name__}.")
         sp = list(sampling_params)
+        wrong = [f"[{i}]: {type(p).__name__}" for i, p in enumerate(sp) if not isinstance(p, SamplingParams)]
+        if wrong:
+            raise TypeError(f"sampling_params must hold SamplingParams; got {', '.join(wrong[:3])}.")
         if len(sp) != len(prompts):
             raise ValueError(f"Got {len(sp)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt.")
         return sp

@@ -1,0 +1,65 @@
+"""The offline LLM's Python surface as vLLM scripts use it: argument checks that name the argument, and the engine
+and config attributes scripts read (llm.llm_engine.model_config, collective_rpc, apply_model)."""
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory):
+    return LLM(tiny_model_factory("llama"), max_model_len=128, num_gpu_blocks_override=64)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=2)
+
+
+@pytest.mark.parametrize("sp,match", [
+    ({"max_tokens": 3}, "sampling_params must be a SamplingParams or a list"),
+    ([GREEDY, None], r"sampling_params must hold SamplingParams; got \[1\]: NoneType"),
+])
+def test_wrong_sampling_params_type_names_the_argument(llm, sp, match):
+    with pytest.raises(TypeError, match=match):
+        llm.generate(["a", "b"], sp, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("messages,match", [
+    ("hello", "messages must be a conversation"),
+    (["hello"], r"messages\[0\] must be a non-empty list of message dicts"),
+    ([[{"role": "user", "content": "hi"}], []], r"messages\[1\] must be a non-empty list"),
+])
+def test_chat_messages_of_the_wrong_shape(llm, messages, match):
+    with pytest.raises(ValueError, match=match):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+
+
+def test_truncate_prompt_tokens_above_max_model_len_is_refused(llm):
+    """vLLM refuses a truncation size above max_model_len whatever the prompt's length (-1 means max_model_len)."""
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(1000\) is larger than the maximum model length "
+                                         r"\(128\)"):
+        llm.generate("a b", SamplingParams(truncate_prompt_tokens=1000), use_tqdm=False)
+    out = llm.generate("one two three", SamplingParams(truncate_prompt_tokens=-1, max_tokens=1), use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) == 3
+
+
+def test_engine_and_config_attributes_scripts_read(llm):
+    engine = llm.llm_engine
+    assert llm.model_config is engine.model_config is engine.vllm_config.model_config
+    assert engine.model_config.max_model_len == 128
+    assert engine.model_config.get_vocab_size() == len(llm.get_tokenizer())
+    assert engine.model_config.get_hidden_size() == engine.model_config.hf_text_config.hidden_size == 64
+    assert engine.cache_config is engine.vllm_config.cache_config
+    assert engine.scheduler_config.max_num_seqs >= 1 and engine.parallel_config.tensor_parallel_size == 1
+
+
+def test_collective_rpc_and_apply_model(llm):
+    import torch
+    assert llm.collective_rpc(lambda worker, x: (worker.rank, x), args=(5,)) == [(0, 5)]
+    assert llm.collective_rpc("determine_num_blocks") == [llm.llm_engine.engine_core.executor.worker
+                                                          .determine_num_blocks()]
+    [n] = llm.apply_model(lambda model: sum(p.numel() for p in model.parameters()))
+    assert isinstance(n, int) and n > 0
+    [cls] = llm.apply_model(lambda model: isinstance(model, torch.nn.Module))
+    assert cls is True
