@@ -49,7 +49,7 @@ def make_decode_fn(tokenizer: Any, skip_special_tokens: bool,
                                         clean_up_tokenization_spaces=False)
 
 
-class _DecodeWindow:
+class DecodeWindow:
     """Turns ids into text one token at a time by decoding a short sliding window.
 
     Contract: the concatenation of everything `step` and `flush` return equals `decode(ids fed)` for tokenizers
@@ -79,6 +79,11 @@ class _DecodeWindow:
         if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT):
             return ""  # nothing new yet (skipped special token) or an incomplete character: hold back
         return self._advance(text)
+
+    def pending(self) -> str:
+        """The text held back now, up to the incomplete character it ends in (one more decode)."""
+        text = self._decode(self._ids[self._prefix:])
+        return text[len(self._prefix_text):].rstrip(_REPLACEMENT)
 
     def flush(self) -> str:
         """Returns whatever is held back (a trailing incomplete character decodes to U+FFFD, like `decode`)."""
@@ -126,12 +131,12 @@ class IncrementalDetokenizer:
         self._stop: list[str] = list(params.stop or [])
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
-        self._window: _DecodeWindow | None = None
+        self._window: DecodeWindow | None = None
         self._added_tokens: dict[int, str] | None = None
         self._last_was_added = False
         if tokenizer is not None and params.detokenize:
             skip = params.skip_special_tokens
-            self._window = _DecodeWindow(
+            self._window = DecodeWindow(
                 make_decode_fn(tokenizer, skip, params.spaces_between_special_tokens), prompt_token_ids or [])
             # vLLM: with special tokens shown and spaces_between_special_tokens=False, a special token that follows
             # another one is emitted as its raw text, so a decoder that joins tokens with spaces cannot add one.

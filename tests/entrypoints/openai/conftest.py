@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from tokenmill.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineClient, EngineDeadError
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -134,6 +136,62 @@ class FakeEngine(EngineClient):
         pass
 
 
+class DetokEngine(FakeEngine):
+    """Sequence j emits the token ids scripts[j % len(scripts)], `chunk` ids per step, through the real
+    OutputProcessor (incremental detokenization, stop strings, logprobs shapes, n > 1 fan-in), as AsyncLLM does.
+    A sequence ends with "stop" at the EOS id (`eos`), else "length" at its script's end or max_tokens. Logprob rows:
+    the chosen token at -0.25 (rank 1), then ids chosen+1.. at -1, -2, ...; prompt logprobs -0.5 each."""
+
+    def __init__(self, tokenizer: Any, scripts: list[list[int]], chunk: int = 1, eos: int = 2, **kw):
+        super().__init__(tokenizer, **kw)
+        self.scripts, self.chunk, self.eos = scripts, chunk, eos
+
+    @staticmethod
+    def _rows(ids: list[int], k: int, chosen_lp: float) -> LogprobsLists:
+        return LogprobsLists([[t] + ([t] + [t + m for m in range(1, k)] if k else []) for t in ids],
+                             [[chosen_lp] + ([chosen_lp] + [-float(m) for m in range(1, k)] if k else [])
+                              for _ in ids], [1] * len(ids))
+
+    async def generate(self, prompt, sampling_params, request_id, priority=0):
+        p = sampling_params
+        self.calls.append((prompt, p, request_id, priority))
+        ids = list(prompt["prompt_token_ids"])
+        op = OutputProcessor(self.tokenizer)
+        n = p.n
+        kids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+        for i, kid in enumerate(kids):
+            child = p.clone()
+            child.n = 1
+            op.add_request(EngineCoreRequest(kid, ids, child, 0.0), prompt.get("prompt"), request_id, i, n)
+        pos, done, first = [0] * n, [False] * n, True
+        while not all(done):
+            await asyncio.sleep(0)
+            ecos = []
+            for j in range(n):
+                if done[j]:
+                    continue
+                script = self.scripts[j % len(self.scripts)]
+                new = script[pos[j]:pos[j] + self.chunk][:max(p.max_tokens - pos[j], 0)]
+                pos[j] += len(new)
+                finish = None
+                if self.eos in new and not p.ignore_eos:
+                    new, finish = new[:new.index(self.eos) + 1], FinishReason.STOP
+                elif pos[j] >= min(len(script), p.max_tokens):
+                    finish = FinishReason.LENGTH
+                lps = self._rows(new, p.logprobs, -0.25) if p.logprobs is not None else None
+                plps = self._rows(ids[1:], 0, -0.5) if first and p.prompt_logprobs is not None else None
+                ecos.append(EngineCoreOutput(kids[j], new, new_logprobs=lps, new_prompt_logprobs=plps,
+                                             finish_reason=finish,
+                                             stop_reason=self.eos if finish == FinishReason.STOP else None))
+                done[j] = finish is not None
+            first = False
+            res = op.process_outputs(ecos)
+            for kid in res.reqs_to_abort:  # a stop string ended it
+                done[kids.index(kid)] = True
+            for out in res.request_outputs:
+                yield out
+
+
 def post_then_disconnect(app, path: str, body: dict) -> list[dict]:
     """POST `body` to `path` straight through the ASGI app, with a client that disconnects 0.3 s later; returns
     the ASGI messages the app sent. (TestClient cannot disconnect mid-request.)"""
@@ -186,6 +244,20 @@ def make_client(smollm2_tokenizer):
     yield make
     for c in clients:
         c.close()
+
+
+@pytest.fixture
+def detok_client(make_client, smollm2_tokenizer):
+    """(texts, chunk=1, **FrontendConfig kwargs) -> an `openai.OpenAI` client on a server whose engine writes each
+    text (one per choice, cycled; EOS after it) through the real OutputProcessor, `chunk` tokens per step."""
+    import openai
+
+    def make(texts: list[str], chunk: int = 1, tokenizer: Any = None, **frontend_kwargs):
+        tok = tokenizer or smollm2_tokenizer
+        scripts = [tok.encode(t, add_special_tokens=False) + [2] for t in texts]
+        c, _ = make_client(DetokEngine(tok, scripts, chunk=chunk), **frontend_kwargs)
+        return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=c, max_retries=0)
+    return make
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator, Optional
 
+from tokenmill.engine.detokenizer import DecodeWindow, make_decode_fn
 from tokenmill.engine.protocol import EngineDeadError
 from tokenmill.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                    CompletionResponseChoice, CompletionResponseStreamChoice,
@@ -13,6 +14,62 @@ from tokenmill.entrypoints.openai.serving_engine import (OpenAIServing, Primed, 
 from tokenmill.outputs import Logprob, RequestOutput
 
 Prompt = tuple[Optional[str], list[int]]  # (text, or None for token-id prompts; token ids)
+
+
+class TextOffsets:
+    """`text_offset` of one choice: where each token's text starts in the choice's returned text, token by token
+    across stream chunks.
+
+    The tokens are decoded as the output was (a window seeded with the prompt's last tokens, the request's special
+    token settings), so each offset is where that token's own text starts, and the byte pieces of a multi-byte
+    character (byte-level BPE pieces of a CJK character or an emoji, `<0xE4>` byte-fallback tokens) point at that
+    character, instead of moving the offsets on by the length of each piece's lone "\ufffd" (which left later
+    offsets past their tokens, and streamed offsets out of order). With echo the prompt's tokens come first, at
+    offsets into the prompt text.
+    """
+
+    def __init__(self, tokenizer: Any, request: CompletionRequest, prompt: Prompt, prompt_text_len: int | None):
+        self._tokenizer = tokenizer
+        self._request = request
+        self._prompt_ids = prompt[1]
+        self._pos = 0
+        self._held = 0  # characters decoded but held back in the window (they precede an incomplete character)
+        self._echo_len = prompt_text_len  # None: no echo; else the echoed prompt's length (its tokens come first)
+        self._window: DecodeWindow | None = None
+
+    def _decode_fn(self, skip_special_tokens: bool, spaces_between_special_tokens: bool):
+        return make_decode_fn(self._tokenizer, skip_special_tokens, spaces_between_special_tokens)
+
+    def _walk(self, window: DecodeWindow, ids: list[int], limit: int | None) -> list[int]:
+        out = []
+        for tid in ids:
+            at = self._pos + self._held
+            out.append(at if limit is None else min(at, limit))
+            piece = window.step(tid)
+            self._pos += len(piece)
+            # Text before an incomplete character is held back with it; the next token starts after that text.
+            self._held = 0 if piece else len(window.pending())
+        return out
+
+    def prompt(self) -> list[int]:
+        """Offsets of the echoed prompt's tokens (the prompt text is the prompt as given, special tokens and all)."""
+        if self._tokenizer is None or self._echo_len is None:
+            return [0] * len(self._prompt_ids)
+        window = DecodeWindow(self._decode_fn(False, True), [])
+        offsets = self._walk(window, self._prompt_ids, self._echo_len)
+        self._pos, self._held = self._echo_len, 0
+        return offsets
+
+    def generated(self, ids: list[int], text_len: int | None = None) -> list[int]:
+        """Offsets of the next generated tokens (after `prompt()` with echo); `text_len` (the choice's whole text, once known) caps them, for
+        tokens whose text a stop string cut off."""
+        if self._tokenizer is None:
+            return [self._pos] * len(ids)
+        if self._window is None:
+            r = self._request
+            self._window = DecodeWindow(self._decode_fn(r.skip_special_tokens, r.spaces_between_special_tokens),
+                                        self._prompt_ids)
+        return self._walk(self._window, ids, text_len)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -91,14 +148,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # ----- logprobs -----
     def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None] | None,
-                            num: int, initial_offset: int, as_ids: bool) -> CompletionLogProbs:
+                            num: int, offsets: list[int], as_ids: bool) -> CompletionLogProbs:
         """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs (the chosen token plus the top `num`, as
-        token text -> logprob) and text_offset (where each token starts in the returned text)."""
+        token text -> logprob) and text_offset (where each token starts in the returned text: `offsets`, from
+        TextOffsets)."""
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         top: list[dict[str, float] | None] = []
-        offsets: list[int] = []
-        last_len = 0
         for i, tid in enumerate(token_ids):
             step = logprobs[i] if logprobs is not None and i < len(logprobs) else None
             if step is None:
@@ -112,9 +168,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 top.append({self.token_str(t, lp, as_ids): max(lp.logprob, -9999.0)
                             for j, (t, lp) in enumerate(step.items()) if num < 0 or j <= num})
             tokens.append(token)
-            offsets.append(initial_offset if not offsets else offsets[-1] + last_len)
-            last_len = len(token)
-        return CompletionLogProbs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens,
+        return CompletionLogProbs(text_offset=list(offsets), token_logprobs=token_logprobs, tokens=tokens,
                                   top_logprobs=top)
 
     # ----- one-shot -----
@@ -134,14 +188,20 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.max_tokens == 0:  # echo only
                     text, ids, lps = "", [], []
                 completion_tokens += len(ids)
+                offsets: list[int] = []
                 if request.echo:
-                    text = self._prompt_text(prompts[pi]) + text
+                    prompt_text = self._prompt_text(prompts[pi])
+                    text = prompt_text + text
                     if request.logprobs is not None:
+                        where = TextOffsets(self.tokenizer, request, prompts[pi], len(prompt_text))
+                        offsets = where.prompt() + where.generated(ids, len(text))
                         ids = pids + ids
                         lps = list(res.prompt_logprobs or [None] * len(pids)) + list(lps or [])
+                elif request.logprobs is not None:
+                    offsets = TextOffsets(self.tokenizer, request, prompts[pi], None).generated(ids, len(text))
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self.completion_logprobs(ids, lps, request.logprobs, 0, as_ids)
+                    logprobs = self.completion_logprobs(ids, lps, request.logprobs, offsets, as_ids)
                 choice = CompletionResponseChoice(index=pi * request.n + out.index, text=text, logprobs=logprobs,
                                                   finish_reason=out.finish_reason, stop_reason=out.stop_reason)
                 if request.prompt_logprobs is not None:
@@ -171,6 +231,7 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage, continuous = self.usage_flags(request)
         as_ids = self.return_as_ids(request)
         texts = [""] * num_choices
+        where: list[TextOffsets | None] = [None] * num_choices
         try:
             async for pi, res in merge_async_iterators(*streams):
                 pids = prompts[pi][1]
@@ -185,9 +246,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         delta_text, ids, lps = "", [], []
                     new_ids = ids
                     first = not echoed[i]
+                    offsets: list[int] = []
+                    if first and request.logprobs is not None:
+                        prompt_text_len = len(self._prompt_text(prompts[pi])) if request.echo else None
+                        where[i] = TextOffsets(self.tokenizer, request, prompts[pi], prompt_text_len)
                     if request.echo and first:
                         delta_text = self._prompt_text(prompts[pi]) + delta_text
                         if request.logprobs is not None:
+                            offsets = where[i].prompt()
                             ids = pids + ids
                             lps = list(prompt_lps[pi] or [None] * len(pids)) + list(lps or [])
                     echoed[i] = True
@@ -195,7 +261,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     logprobs = None
                     if request.logprobs is not None:
-                        logprobs = self.completion_logprobs(ids, lps, request.logprobs, text_len[i], as_ids)
+                        total = text_len[i] + len(delta_text) if out.finish_reason is not None else None
+                        offsets += where[i].generated(new_ids, total)
+                        logprobs = self.completion_logprobs(ids, lps, request.logprobs, offsets, as_ids)
                     text_len[i] += len(delta_text)
                     tokens_out[i] += len(new_ids)
                     texts[i] += delta_text
