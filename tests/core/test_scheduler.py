@@ -167,6 +167,18 @@ def test_eos_stop_reason_is_none():
     assert o.finish_reason == FinishReason.STOP and o.stop_reason is None
 
 
+@pytest.mark.parametrize("ignore_eos,want", [(False, None), (True, 7)])
+def test_eos_named_in_stop_token_ids(ignore_eos, want):
+    """vLLM checks EOS before stop_token_ids: EOS listed in both stops with stop_reason None; with ignore_eos only
+    stop_token_ids can stop on it, and stop_reason is its id."""
+    s = make_scheduler()
+    sp = SamplingParams(max_tokens=10, stop_token_ids=[7], ignore_eos=ignore_eos)
+    sp.update_from_tokenizer(eos_token_id=7, bad_words_ids=None)
+    s.add_request(EngineCoreRequest("a", [1, 2, 3], sp, 0.0))
+    o = run_all(s)["a"]
+    assert o.finish_reason == FinishReason.STOP and o.stop_reason == want
+
+
 def test_max_model_len_caps_length():
     s = make_scheduler(max_model_len=12)
     s.add_request(req("a", 10, max_tokens=100))

@@ -417,8 +417,9 @@ class Scheduler:
         if req.num_output_tokens >= params.min_tokens:
             if last in params.all_stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = None if last == params._eos_token_id and last not in params.stop_token_ids \
-                    else last
+                # vLLM checks EOS first: it stops with stop_reason None even when stop_token_ids names it too
+                # (unless ignore_eos, when only stop_token_ids can stop on it).
+                req.stop_reason = None if last == params._eos_token_id and not params.ignore_eos else last
                 return True
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
