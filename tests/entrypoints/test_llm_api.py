@@ -63,3 +63,17 @@ def test_collective_rpc_and_apply_model(llm):
     assert isinstance(n, int) and n > 0
     [cls] = llm.apply_model(lambda model: isinstance(model, torch.nn.Module))
     assert cls is True
+
+
+def test_use_tqdm_may_be_the_progress_bar_factory(llm):
+    """vLLM: use_tqdm takes a callable that makes the bar (a tqdm subclass, functools.partial(tqdm, ...))."""
+    made = []
+
+    def factory(*args, **kwargs):
+        from tqdm import tqdm
+        bar = tqdm(*args, disable=True, **kwargs)
+        made.append(bar)
+        return bar
+    outs = llm.generate(["a", "b"], GREEDY, use_tqdm=factory)
+    assert len(outs) == 2 and len(made) == 1 and made[0].n == 2
+    assert len(llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=factory)) == 1 and len(made) == 2

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -90,10 +90,12 @@ class LLM:
 
     # ----- generation -----
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 use_tqdm: bool | Callable[..., Any] = True, priority: list[int] | None = None,
                  lora_request: Any = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. prompts: a str, a dict, a list of token ids, or a list of
-        those. lora_request: one LoRARequest for every prompt, or a list with one (or None) per prompt."""
+        those. lora_request: one LoRARequest for every prompt, or a list with one (or None) per prompt. use_tqdm:
+        show a progress bar; a callable (e.g. a tqdm subclass or functools.partial(tqdm, ...)) makes it, as in
+        vLLM."""
         prompt_list = self._as_prompt_list(prompts)
         params = self._params_for(prompt_list, sampling_params)
         if priority is not None and len(priority) != len(prompt_list):
@@ -104,7 +106,8 @@ class LLM:
         return self._run(prompt_list, params, priority, use_tqdm, loras)
 
     def chat(self, messages: Conversation | list[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool | Callable[..., Any] = True,
              chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
@@ -176,7 +179,7 @@ class LLM:
         return sp
 
     def _run(self, prompts: list, params: list[SamplingParams], priority: list[int] | None,
-             use_tqdm: bool, loras: list | None = None) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., Any], loras: list | None = None) -> list[RequestOutput]:
         from tokenmill.entrypoints import best_of
         engine = self.llm_engine
         ids = []
@@ -200,7 +203,8 @@ class LLM:
             engine.abort_request(ids)  # leave nothing half-added behind
             raise
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
         in_toks = out_toks = 0
         try:
             while engine.has_unfinished_requests():
