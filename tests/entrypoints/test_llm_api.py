@@ -70,8 +70,10 @@ def test_use_tqdm_may_be_the_progress_bar_factory(llm):
     made = []
 
     def factory(*args, **kwargs):
+        import io
+
         from tqdm import tqdm
-        bar = tqdm(*args, disable=True, **kwargs)
+        bar = tqdm(*args, file=io.StringIO(), **kwargs)
         made.append(bar)
         return bar
     outs = llm.generate(["a", "b"], GREEDY, use_tqdm=factory)
