@@ -94,3 +94,15 @@ def test_output_kind_error_names_the_field():
     assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind=7)
+
+
+def test_tiny_positive_temperature_is_raised_to_vllms_floor(tm_log):
+    """vLLM raises 0 < temperature < 0.01 to 0.01 (with a warning) before deciding greedy vs sampled: 1e-6 samples
+    at 0.01, 0 stays greedy."""
+    from tokenmill.sampling_params import SamplingType
+    for t in (1e-6, 0.005):
+        p = SamplingParams(temperature=t)
+        assert p.temperature == 0.01 and p.sampling_type == SamplingType.RANDOM
+    assert "raised to 0.01" in tm_log.text
+    assert SamplingParams(temperature=0).sampling_type == SamplingType.GREEDY
+    assert SamplingParams(temperature=0.5).temperature == 0.5

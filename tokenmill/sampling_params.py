@@ -14,12 +14,17 @@ from typing import Any
 
 import msgspec
 
+from tokenmill.logger import init_logger
 from tokenmill.structured.params import GuidedDecodingParams, StructuredOutputsParams, as_structured_outputs
 
 __all__ = ["BeamSearchParams", "GuidedDecodingParams", "RequestOutputKind", "SamplingParams", "SamplingType",
            "StructuredOutputsParams"]
 
+logger = init_logger(__name__)
+
 _GREEDY_EPS = 1e-5
+# vLLM raises a positive temperature below this to it (logits / tiny t overflow to inf and NaN).
+_MIN_TEMPERATURE = 0.01
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -107,6 +112,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
         if isinstance(self.prompt_logprobs, bool):
             self.prompt_logprobs = 1 if self.prompt_logprobs else None
         self._verify()
+        if 0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which may overflow to inf / NaN; raised to %s (as vLLM "
+                           "does).", self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
+            self.temperature = _MIN_TEMPERATURE
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters cannot change the argmax, so turn them off (vLLM does the same).
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
