@@ -5,6 +5,8 @@ so each request trims the row to its own N here, in the front end, where the wor
 """
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from tokenmill.core.messages import LogprobsLists
@@ -38,6 +40,86 @@ class TokenTextCache:
                 text = ""
             self._cache[token_id] = text
         return text
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character a byte-level BPE vocabulary writes for each
+    byte -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _decoder_types(state: Any) -> set[str]:
+    """The decoder types in a `tokenizers` decoder's JSON state (a Sequence's members included)."""
+    if isinstance(state, dict):
+        found = {state["type"]} if isinstance(state.get("type"), str) else set()
+        for member in state.get("decoders") or []:
+            found |= _decoder_types(member)
+        return found
+    return set()
+
+
+class TokenBytes:
+    """Token id -> the token's own UTF-8 bytes: the `bytes` of chat logprobs, which OpenAI defines so that the
+    pieces of a character split across tokens concatenate to it.
+
+    A token whose text (`decode([id])`) is whole is that text's bytes. One that holds only part of a character
+    decodes to U+FFFD (so vLLM reports the bytes of U+FFFD, EF BF BD, for every such piece); its real bytes come
+    from the vocabulary entry: a `<0xE4>` byte-fallback token is that byte, a byte-level BPE entry maps back
+    through the byte-level alphabet. Anything else keeps the bytes of its text. Memoized like TokenTextCache.
+    """
+
+    def __init__(self, tokenizer: Any):
+        backend = backend_tokenizer_of(tokenizer)
+        self._byte_level: dict[str, int] | None = None
+        if backend is not None:
+            self._id_to_token = backend.id_to_token
+            try:
+                types = _decoder_types(json.loads(backend.decoder.__getstate__()))
+            except (AttributeError, TypeError, ValueError):
+                types = set()
+            if "ByteLevel" in types:
+                self._byte_level = _byte_level_chars()
+        else:
+            convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+            self._id_to_token = convert if convert is not None else (lambda tid: None)
+        self._cache: dict[int, list[int]] = {}
+
+    def __call__(self, token_id: int, text: str) -> list[int]:
+        if "\ufffd" not in text:
+            return list(text.encode("utf-8"))
+        cached = self._cache.get(token_id)
+        if cached is None:
+            cached = self._cache[token_id] = self._raw(token_id) or list(text.encode("utf-8"))
+        return cached
+
+    def _raw(self, token_id: int) -> list[int] | None:
+        try:
+            piece = self._id_to_token(token_id)
+        except (IndexError, KeyError, ValueError, TypeError, OverflowError):
+            return None
+        if not isinstance(piece, str) or not piece:
+            return None
+        m = _BYTE_TOKEN.fullmatch(piece)
+        if m is not None:
+            return [int(m.group(1), 16)]
+        if self._byte_level is not None:
+            try:
+                return [self._byte_level[c] for c in piece]
+            except KeyError:
+                return None
+        return None
 
 
 def make_logprob_dicts(lists: LogprobsLists, num_logprobs: int,

@@ -180,10 +180,10 @@ class OpenAIServingChat(OpenAIServing):
                 for t, lp in ranked:
                     s = self.token_str(t, lp, as_ids)
                     top.append(ChatCompletionLogProb(token=s, logprob=max(lp.logprob, -9999.0),
-                                                     bytes=list(s.encode("utf-8", errors="replace"))))
+                                                     bytes=self.token_bytes(t, s, as_ids)))
             content.append(ChatCompletionLogProbsContent(
                 token=token, logprob=max(chosen.logprob, -9999.0) if chosen is not None else -9999.0,
-                bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=top))
+                bytes=self.token_bytes(tid, token, as_ids), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
 
     def _echo_text(self, request: ChatCompletionRequest, role: str) -> str:

@@ -149,6 +149,7 @@ class OpenAIServing:
         self.max_logprobs: int = getattr(mc, "max_logprobs", 20)
         self.vocab_size: int | None = getattr(mc, "vocab_size", None)
         self.tokenizer = engine.tokenizer
+        self._token_bytes: Any = None  # TokenBytes, built on the first chat logprobs
         self.fingerprint: str = models.fingerprint
         self.default_sampling_params = _as_dict(engine.get_default_sampling_params())
         from tokenmill.structured import StructuredOutputsConfig
@@ -325,6 +326,16 @@ class OpenAIServing:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int, token: str, as_ids: bool) -> list[int]:
+        """The chat logprobs' `bytes` of a token shown as `token` (see TokenBytes; with token ids shown, the bytes
+        of that text)."""
+        if as_ids or self.tokenizer is None:
+            return list(token.encode("utf-8", errors="replace"))
+        if self._token_bytes is None:
+            from tokenmill.engine.logprobs import TokenBytes
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes(token_id, token)
 
     def return_as_ids(self, request: Any) -> bool:
         v = getattr(request, "return_tokens_as_token_ids", None)
