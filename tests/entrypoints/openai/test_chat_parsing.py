@@ -186,3 +186,36 @@ def test_required_tool_calls_whole_and_streamed(make_client, scripted):
     assert whole == [("get_weather", {"city": 'Pa}ris "[x]"', "days": 3}), ("get_weather", {"city": "Oslo {"})]
     assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == whole
     assert all(calls[i]["id"] for i in calls) and content == ""
+
+
+@pytest.fixture(scope="module")
+def special_tags_tokenizer(smollm2_tokenizer):
+    """<tool_call> / </tool_call> as SPECIAL tokens, as some Hermes-format models' tokenizers mark them."""
+    import copy
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    return tok
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_hermes_sees_tool_call_tags_that_are_special_tokens(detok_client, special_tags_tokenizer, chunk):
+    """Like vLLM's hermes parser, a request with tools is detokenized with skip_special_tokens off, else the tags
+    vanish before the parser sees them and the call comes back as content. Chinese and escaped quotes included."""
+    text = '查一下。<tool_call>\n{"name": "get_weather", "arguments": {"city": "北京 \\"朝阳\\""}}\n</tool_call>'
+    oai = detok_client([text], chunk=chunk, tokenizer=special_tags_tokenizer, enable_auto_tool_choice=True,
+                       tool_call_parser="hermes")
+    kw = dict(model="fake-model", messages=MSGS, tools=TOOLS)
+    one = oai.chat.completions.create(**kw).choices[0]
+    assert one.finish_reason == "tool_calls" and one.message.content == "查一下。"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in one.message.tool_calls] == [
+        ("get_weather", {"city": '北京 "朝阳"'})]
+    content, args, names, finish = "", "", [], None
+    for chunk_ in oai.chat.completions.create(stream=True, **kw):
+        for ch in chunk_.choices:
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                names += [tc.function.name] if tc.function.name else []
+                args += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert (content, names, args, finish) == ("查一下。", ["get_weather"], one.message.tool_calls[0].function.arguments,
+                                              "tool_calls")

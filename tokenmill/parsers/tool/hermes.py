@@ -196,6 +196,9 @@ class HermesToolParser(TaggedBlockToolParser):
     """
 
     openers = {TOOL_CALL_START: TOOL_CALL_END}
+    # Some Hermes-format tokenizers mark <tool_call> / </tool_call> special: skipped, the calls would come back as
+    # content. vLLM's hermes parser turns skip_special_tokens off for requests with tools as well.
+    needs_special_tokens = True
 
     def parse_block(self, open_tag: str, body: str, tools: list[dict] | None) -> list[ToolCall]:
         try:
