@@ -219,3 +219,39 @@ def test_hermes_sees_tool_call_tags_that_are_special_tokens(detok_client, specia
             finish = ch.finish_reason or finish
     assert (content, names, args, finish) == ("查一下。", ["get_weather"], one.message.tool_calls[0].function.arguments,
                                               "tool_calls")
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_after_reasoning(make_client, think_tokenizer, parser, choice):
+    """tool_choice "required" / a named function with --reasoning-parser: the reasoning is reasoning (streamed as
+    such) and only the answer after it is the call, as in vLLM; the grammar starts after the end of reasoning."""
+    import openai
+
+    from tests.entrypoints.openai.conftest import DetokEngine
+    args = '{"city": "北京 \\"朝阳\\"", "days": 3}'
+    answer = f'[{{"name": "get_weather", "parameters": {args}}}]' if choice == "required" else args
+    text = f"<think>先想一想：用户问天气。</think>\n\n{answer}"
+    engine = DetokEngine(think_tokenizer, [think_tokenizer.encode(text) + [2]])
+    http, _ = make_client(engine, reasoning_parser=parser)
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    kw = dict(model="fake-model", messages=MSGS, tools=TOOLS, tool_choice=choice)
+    one = oai.chat.completions.create(**kw).choices[0]
+    assert engine.calls[-1][1]._grammar_after_token_id == think_tokenizer.convert_tokens_to_ids("</think>")
+    reasoning, content, calls, finish = "", "", {}, None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, ["", ""])
+                entry[0] += tc.function.name or ""
+                entry[1] += tc.function.arguments or ""
+            finish = ch.finish_reason or finish
+    want_finish = "tool_calls" if choice == "required" else "stop"
+    assert one.finish_reason == finish == want_finish
+    assert one.message.model_extra["reasoning_content"] == reasoning == "先想一想：用户问天气。"
+    assert not one.message.content and content == ""
+    whole = [(t.function.name, json.loads(t.function.arguments)) for t in one.message.tool_calls]
+    assert whole == [("get_weather", {"city": '北京 "朝阳"', "days": 3})]
+    assert [(calls[i][0], json.loads(calls[i][1])) for i in sorted(calls)] == whole

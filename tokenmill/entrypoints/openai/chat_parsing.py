@@ -137,36 +137,51 @@ class _ArrayItems:
 
 class ForcedToolStream:
     """Streaming for forced tool calls: a named call streams its arguments as they come; "required" (a JSON
-    list of calls) emits each call, whole, as soon as its list item is complete. Same feed/finish contract as
-    ChoiceStream."""
+    list of calls) emits each call, whole, as soon as its list item is complete. With a reasoning stream the
+    output's reasoning part streams as reasoning first and only the answer is the call(s), as in vLLM (the grammar
+    starts after the end of reasoning too). Same feed/finish contract as ChoiceStream."""
 
-    def __init__(self, name: str | None) -> None:
+    def __init__(self, name: str | None, reasoning: ReasoningStream | None = None,
+                 include_reasoning: bool = True) -> None:
         self.name, self.id, self.started = name, make_tool_call_id(), False
         self.items, self.count = _ArrayItems(), 0
+        self.reasoning, self.include_reasoning = reasoning, include_reasoning
         self.tools_called = True
 
-    def feed(self, delta_text: str) -> StreamPiece:
+    def _calls(self, text: str, final: bool) -> StreamPiece:
         if self.name is None:
             entries = []
-            for item in self.items.feed(delta_text):
+            for item in self.items.feed(text):
                 for call in parse_required_calls(f"[{item}]"):
                     entries.append({"index": self.count, "id": call["id"], "type": "function",
                                     "function": call["function"]})
                     self.count += 1
-            return StreamPiece(tool_calls=entries) if entries else StreamPiece()
-        entry: dict[str, Any] = {"index": 0, "function": {"arguments": delta_text}}
+            return StreamPiece(tool_calls=entries)
+        if not text and (self.started or not final):
+            return StreamPiece()  # the call starts with its first argument text (or, if there is none, at the end)
+        entry: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
         if not self.started:
             self.started = True
             entry.update(id=self.id, type="function")
             entry["function"]["name"] = self.name
-        elif not delta_text:
-            return StreamPiece()
         return StreamPiece(tool_calls=[entry])
 
+    def feed(self, delta_text: str) -> StreamPiece:
+        if self.reasoning is None:
+            return self._calls(delta_text, final=False)
+        d = self.reasoning.feed(delta_text)
+        piece = self._calls(d.content, final=False)
+        piece.reasoning = d.reasoning if self.include_reasoning else ""
+        return piece
+
     def finish(self) -> StreamPiece:
-        if self.name is not None:
-            return self.feed("") if not self.started else StreamPiece()
-        return StreamPiece()   # every complete call went out as its item closed; a cut-short item is dropped
+        # A "required" item cut short is dropped: every complete call went out as its item closed.
+        if self.reasoning is None:
+            return self._calls("", final=True)
+        d = self.reasoning.finish()
+        piece = self._calls(d.content, final=True)
+        piece.reasoning = d.reasoning if self.include_reasoning else ""
+        return piece
 
 
 def parse_required_calls(text: str) -> list[dict[str, Any]]:
@@ -202,13 +217,14 @@ class RequestParsing:
         return self.reasoning is not None or self.tools is not None or self.forced is not None
 
     def parse(self, text: str) -> ParsedChoice:
-        if self.forced is not None:
-            name = self.forced[1]
-            calls = [tool_call_json(ToolCall(name=name, arguments=text))] if name else parse_required_calls(text)
-            return ParsedChoice(content=None, reasoning=None, tool_calls=calls[:self.max_calls])
         reasoning, content = (None, text)
         if self.reasoning is not None:
             reasoning, content = self.reasoning.extract(text, self.opens, self.enabled)
+        if self.forced is not None:
+            name, answer = self.forced[1], content or ""
+            calls = [tool_call_json(ToolCall(name=name, arguments=answer))] if name else parse_required_calls(answer)
+            return ParsedChoice(content=None, reasoning=reasoning if self.include_reasoning else None,
+                                tool_calls=calls[:self.max_calls])
         calls: list[dict[str, Any]] = []
         if self.tools is not None and content:
             got = self.tools.extract(content, self.request_tools)
@@ -219,9 +235,9 @@ class RequestParsing:
                             tool_calls=calls)
 
     def new_stream(self) -> ChoiceStream | ForcedToolStream:
-        if self.forced is not None:
-            return ForcedToolStream(self.forced[1])
         r = self.reasoning.new_stream(self.opens, self.enabled) if self.reasoning is not None else None
+        if self.forced is not None:
+            return ForcedToolStream(self.forced[1], r, self.include_reasoning)
         t = self.tools.new_stream(self.request_tools) if self.tools is not None else None
         return ChoiceStream(r, t, self.include_reasoning, self.max_calls)
 
@@ -249,5 +265,5 @@ class ChatParsing:
         use_tools = self.tools is not None and bool(tools) and tool_choice in (None, "auto")
         opens = self.reasoning.prompt_opens_reasoning(prompt_text) if self.reasoning is not None else False
         enabled = template_kwargs.get("enable_thinking", True) is not False
-        return RequestParsing(None if forced else self.reasoning, self.tools if use_tools else None, tools, opens,
+        return RequestParsing(self.reasoning, self.tools if use_tools else None, tools, opens,
                               enabled, include_reasoning, forced, max_calls)
