@@ -163,8 +163,8 @@ def test_fp8_weights_with_row_scales(config):
 @pytest.mark.parametrize("config", [c for c in CPU_CONFIGS if c.use_dot], ids=[i for c, i in
                                                                          zip(CPU_CONFIGS, CPU_IDS) if c.use_dot])
 def test_fp8_weights_with_bf16_activations_beyond_fp16_range(config):
-    """The dot path takes fp8 weights and bf16 x in fp16: activations far past fp16's largest value (65504), and
-    tiny ones, must come through as in float64."""
+    """bf16 activations far past fp16's largest value (65504), and tiny ones, come through an fp8 weight's dot path
+    as in float64 (a guard for any narrower dot: an fp16 one overflowed here on an H100)."""
     gen = torch.Generator(device=DEV).manual_seed(80)
     m, n, k = 3, 40, 96
     x = torch.randn(m, k, generator=gen, device=DEV) * 3e5
@@ -371,7 +371,7 @@ const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SILU_MUL=False, NO
              XPRE=True, PDL=False, W_SCALE=True, BLOCK_SCALE=False, BN_SCALE=128, BK_SCALE=128)
 for use_dot, out_silu, blocks in ((True, False, False), (False, True, False), (True, True, True)):
     c = {**const, "USE_DOT": use_dot, "OUT_SILU": out_silu, "NORM": not out_silu, "HAS_RES": not out_silu,
-         "BLOCK_M": 16 if use_dot else 1, "F16_DOT": use_dot, "W_SCALE": not blocks, "BLOCK_SCALE": blocks}
+         "BLOCK_M": 16 if use_dot else 1, "W_SCALE": not blocks, "BLOCK_SCALE": blocks}
     s = {**sig, **{k: "constexpr" for k in c}}
     src = ASTSource(fn=_gemv_kernel, signature=s, constexprs=c)
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
@@ -379,7 +379,7 @@ for use_dot, out_silu, blocks in ((True, False, False), (False, True, False), (T
 
 
 def test_the_fp8_weight_path_compiles_for_sm90():
-    """The interpreter accepts code the compiler rejects: the fp8-weight variants (fp16 dot with the norm prologue
-    and split-K; FMA with the SiLU epilogue; block scales with the SiLU epilogue) compiled for an H100/H200 target,
+    """The interpreter accepts code the compiler rejects: the fp8-weight variants (dot with the norm prologue and
+    split-K; FMA with the SiLU epilogue; block scales with the SiLU epilogue) compiled for an H100/H200 target,
     in a process without the interpreter."""
     assert compile_for_sm90(_COMPILE_FP8).count("ttgir") == 3

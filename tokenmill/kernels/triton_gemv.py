@@ -54,11 +54,6 @@ _ACTS = (None, "silu_mul")
 # Triton's CPU interpreter (3.9) multiplies bf16 dot operands as their raw 16-bit patterns; it gets fp32 operands
 # (exact for bf16/fp16 values) instead. Compiled kernels never take that branch.
 _INTERPRETED = envs.TRITON_INTERPRET
-# An fp8 weight with bf16 activations is dotted in fp16 (F16_DOT): e4m3 widens to fp16 in one instruction per pair
-# and to bf16 in four, which held the fp8 GEMV well below the memory's speed. x goes in scaled by 2^-8 (exact, a
-# power of two) so that |x| up to 1.6e7 stays inside fp16's range; bf16 values with |x| >= 2^-6 keep every bit,
-# smaller ones an absolute precision of 2^-17, far below the product's own rounding. The kernels spell the scale
-# and its inverse (2^8, applied to the fp32 partial sums) as literals.
 
 
 # M, N and split_k never decide vector widths (K and k_per_split do), so they do not key separate compiles.
@@ -71,7 +66,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr = False,
     ACC2D: tl.constexpr = False, OUT_SILU: tl.constexpr = False, XPRE: tl.constexpr = False,
-    PDL: tl.constexpr = False, wsc_ptr=0, W_SCALE: tl.constexpr = False, F16_DOT: tl.constexpr = False,
+    PDL: tl.constexpr = False, wsc_ptr=0, W_SCALE: tl.constexpr = False,
     bsc_cols=0, BLOCK_SCALE: tl.constexpr = False, BN_SCALE: tl.constexpr = 128, BK_SCALE: tl.constexpr = 128,
 ):
     pid_n = tl.program_id(0)
@@ -120,7 +115,7 @@ def _gemv_kernel(
                              SILU_MUL, NORM, HAS_RES, EVEN_K)
     bs = _block_scales(wsc_ptr, n_safe, k_start, bsc_cols, BLOCK_SCALE, BN_SCALE, BK_SCALE)
     acc, ss = _gemv_step(acc, ss, w, k_start + offs_k, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K,
-                         xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32, ACC2D, F16_DOT,
+                         xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32, ACC2D,
                          bs, BLOCK_SCALE)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
@@ -142,13 +137,11 @@ def _gemv_kernel(
         bs = _block_scales(wsc_ptr, n_safe, k0, bsc_cols, BLOCK_SCALE, BN_SCALE, BK_SCALE)
         acc, ss = _gemv_step(acc, ss, w, kk, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K,
                              xdt, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RES, USE_DOT, EVEN_K, DOT_F32, ACC2D,
-                             F16_DOT, bs, BLOCK_SCALE)
+                             bs, BLOCK_SCALE)
     if USE_DOT or ACC2D:
         part = acc
     else:
         part = tl.sum(acc, axis=1)
-    if F16_DOT:
-        part = part * 256.0
     ssum = tl.sum(ss, axis=1)
     y_mask = m_mask[:, None] & (offs_n < N)[None, :]
     if not SPLIT:
@@ -234,7 +227,7 @@ def _load_x(kk, x_rows, r_rows, nw_ptr, m_mask, K, BLOCK_M: tl.constexpr, BLOCK_
 def _gemv_step(acc, ss, w, kk, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K, xdt,
                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
                HAS_RES: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-               ACC2D: tl.constexpr, F16_DOT: tl.constexpr = False, bs=0.0, BLOCK_SCALE: tl.constexpr = False):
+               ACC2D: tl.constexpr, bs=0.0, BLOCK_SCALE: tl.constexpr = False):
     """One BLOCK_K step: the prologue on x's columns kk (loaded by _load_x), then acc += x_tile @ w_tile."""
     if SILU_MUL:
         gate = xa.to(tl.float32)
@@ -257,15 +250,11 @@ def _gemv_step(acc, ss, w, kk, xa, xb, xc, ro_rows, m_mask, ro_m, offs_m, K, xdt
     if USE_DOT:
         if BLOCK_SCALE:
             # Each column's scale for this K step's block (the host keeps a step inside one block).
-            if F16_DOT:
-                d = tl.dot((xin.to(tl.float32) * 0.00390625).to(tl.float16), w.to(tl.float16))
-            elif DOT_F32:
+            if DOT_F32:
                 d = tl.dot(xin.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 d = tl.dot(xin, w.to(xdt))
             acc += d * bs[None, :]
-        elif F16_DOT:
-            acc += tl.dot((xin.to(tl.float32) * 0.00390625).to(tl.float16), w.to(tl.float16))
         elif DOT_F32:
             acc += tl.dot(xin.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -501,7 +490,6 @@ def _launch(x2, weight, bias, y2, norm_weight, r2, ro2, m, n, k, eps, cfg: GemvC
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, DOT_F32=_INTERPRETED, PREFETCH=cfg.prefetch,
         ACC2D=cfg.acc2d, OUT_SILU=out_silu, XPRE=cfg.xprefetch,
         wsc_ptr=weight_scale if weight_scale is not None else y2, W_SCALE=weight_scale is not None and block is None,
-        F16_DOT=weight_scale is not None and cfg.use_dot and x2.dtype == torch.bfloat16,
         bsc_cols=weight_scale.shape[1] if block is not None else 0, BLOCK_SCALE=block is not None,
         BN_SCALE=block[0] if block is not None else 128, BK_SCALE=block[1] if block is not None else 128,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x2.device, "gemv"),
