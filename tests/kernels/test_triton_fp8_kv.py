@@ -116,6 +116,20 @@ KERNEL_CASES = [
 ]
 
 
+def both_kernels_err(md, cache, q, k, v, hq, hkv, d, scale, k_scale, v_scale) -> float:
+    """Relative error against the float64 reference of the prefill kernel's rows (query_len > 1) and the split
+    decode kernel's (query_len 1), both reading the fp8 cache the reference filled, in q's dtype."""
+    ref_out, ref_cache = reference(md, cache, q, k, v, hq, hkv, d, scale, k_scale, v_scale)
+    t = md.num_actual_tokens
+    out = torch.full((t, hq, d), float("nan"), dtype=q.dtype, device=DEV)
+    qv = q.view(t, hq, d)
+    prefill_attention(qv, ref_cache[0], ref_cache[1], out, md.query_start_loc, md.seq_lens, md.block_table, scale,
+                      num_tokens=t, skip_single=True, k_scale=k_scale, v_scale=v_scale)
+    decode_attention(qv, ref_cache[0], ref_cache[1], out, md.query_start_loc, md.seq_lens, md.block_table, scale,
+                     num_splits=2, block_n=16, k_scale=k_scale, v_scale=v_scale)
+    return rel_err(out.view(t, -1), ref_out)
+
+
 @pytest.mark.parametrize("case", range(len(KERNEL_CASES)))
 def test_prefill_and_decode_kernels_read_fp8_with_scales(case):
     """Both kernels on a cache the reference filled (arbitrary scales): prefill rows from the prefill kernel,
@@ -126,15 +140,7 @@ def test_prefill_and_decode_kernels_read_fp8_with_scales(case):
     k_scale, v_scale = scalar(0.37), scalar(2.9)
     cache = fp8_cache(base, fp8, k_scale, v_scale)
     scale = d ** -0.5
-    ref_out, ref_cache = reference(md, cache, q, k, v, hq, hkv, d, scale, k_scale, v_scale)
-    t = md.num_actual_tokens
-    out = torch.full((t, hq, d), float("nan"), device=DEV)
-    qv = q.view(t, hq, d)
-    prefill_attention(qv, ref_cache[0], ref_cache[1], out, md.query_start_loc, md.seq_lens, md.block_table, scale,
-                      num_tokens=t, skip_single=True, k_scale=k_scale, v_scale=v_scale)
-    decode_attention(qv, ref_cache[0], ref_cache[1], out, md.query_start_loc, md.seq_lens, md.block_table, scale,
-                     num_splits=2, block_n=16, k_scale=k_scale, v_scale=v_scale)
-    assert rel_err(out.view(t, -1), ref_out) < TOL[torch.float32]
+    assert both_kernels_err(md, cache, q, k, v, hq, hkv, d, scale, k_scale, v_scale) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("fp8", FP8)
@@ -147,15 +153,7 @@ def test_kernels_dot_fp8_in_fp16_for_16_bit_queries(fp8):
     k_scale, v_scale = scalar(0.8), scalar(1.9)
     cache = fp8_cache(base, fp8, k_scale, v_scale)
     scale = 2e-5
-    ref_out, ref_cache = reference(md, cache, q, k, v, hq, hkv, d, scale, k_scale, v_scale)
-    t = md.num_actual_tokens
-    out = torch.full((t, hq, d), float("nan"), dtype=torch.bfloat16, device=DEV)
-    qv = q.view(t, hq, d)
-    prefill_attention(qv, ref_cache[0], ref_cache[1], out, md.query_start_loc, md.seq_lens, md.block_table, scale,
-                      num_tokens=t, skip_single=True, k_scale=k_scale, v_scale=v_scale)
-    decode_attention(qv, ref_cache[0], ref_cache[1], out, md.query_start_loc, md.seq_lens, md.block_table, scale,
-                     num_splits=2, block_n=16, k_scale=k_scale, v_scale=v_scale)
-    assert rel_err(out.view(t, -1), ref_out) < TOL[torch.bfloat16]
+    assert both_kernels_err(md, cache, q, k, v, hq, hkv, d, scale, k_scale, v_scale) < TOL[torch.bfloat16]
 
 
 def test_scales_change_the_result():
