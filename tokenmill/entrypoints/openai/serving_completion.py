@@ -37,9 +37,6 @@ class TextOffsets:
         self._echo_len = prompt_text_len  # None: no echo; else the echoed prompt's length (its tokens come first)
         self._window: DecodeWindow | None = None
 
-    def _decode_fn(self, skip_special_tokens: bool, spaces_between_special_tokens: bool):
-        return make_decode_fn(self._tokenizer, skip_special_tokens, spaces_between_special_tokens)
-
     def _walk(self, window: DecodeWindow, ids: list[int], limit: int | None) -> list[int]:
         out = []
         for tid in ids:
@@ -55,20 +52,21 @@ class TextOffsets:
         """Offsets of the echoed prompt's tokens (the prompt text is the prompt as given, special tokens and all)."""
         if self._tokenizer is None or self._echo_len is None:
             return [0] * len(self._prompt_ids)
-        window = DecodeWindow(self._decode_fn(False, True), [])
+        window = DecodeWindow(make_decode_fn(self._tokenizer, False, True), [])
         offsets = self._walk(window, self._prompt_ids, self._echo_len)
         self._pos, self._held = self._echo_len, 0
         return offsets
 
     def generated(self, ids: list[int], text_len: int | None = None) -> list[int]:
-        """Offsets of the next generated tokens (after `prompt()` with echo); `text_len` (the choice's whole text, once known) caps them, for
-        tokens whose text a stop string cut off."""
+        """Offsets of the next generated tokens (after `prompt()` with echo); `text_len` (the choice's whole text,
+        once known) caps them, for tokens whose text a stop string cut off."""
         if self._tokenizer is None:
             return [self._pos] * len(ids)
         if self._window is None:
             r = self._request
-            self._window = DecodeWindow(self._decode_fn(r.skip_special_tokens, r.spaces_between_special_tokens),
-                                        self._prompt_ids)
+            self._window = DecodeWindow(
+                make_decode_fn(self._tokenizer, r.skip_special_tokens, r.spaces_between_special_tokens),
+                self._prompt_ids)
         return self._walk(self._window, ids, text_len)
 
 
