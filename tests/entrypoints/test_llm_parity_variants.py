@@ -59,3 +59,27 @@ def test_phi3_longrope_matches_hf(tiny_model_factory):
         assert c.token_ids == ref_ids, ids.shape
         for pos, tid in enumerate(c.token_ids):
             assert abs(c.logprobs[pos][tid].logprob - ref_lps[pos][tid].item()) < 1e-4
+
+
+def test_dynamic_ntk_within_pretraining_length_matches_hf(tiny_model_factory):
+    """Dynamic NTK scaling with max_model_len (256) past the pretraining length (64): HF runs plain RoPE for a
+    sequence within 64 positions, so must tokenmill (it used the table stretched for 256 for every request). A
+    prompt past 64 reads the stretched table (vLLM's; HF restretches per step) and never shares cached blocks with
+    the short ones."""
+    import transformers as tf
+    d = tiny_model_factory("llama_dynamic_64")
+    hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    llm = LLM(d, max_model_len=256, num_gpu_blocks_override=64, block_size=8)
+    gen = torch.Generator().manual_seed(5)
+    short = [torch.randint(3, 40000, (1, n), generator=gen) for n in (3, 30, 50)]
+    long = torch.cat([short[2], torch.randint(3, 40000, (1, 40), generator=gen)], dim=1)  # 90 > 64, same start
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": ids[0].tolist()} for ids in (*short, long)], sp, use_tqdm=False)
+    for out, ids in zip(outs, short):
+        ref_ids, ref_lps = _hf_greedy(hf, ids)
+        c = out.outputs[0]
+        assert c.token_ids == ref_ids, ids.shape
+        for pos, tid in enumerate(c.token_ids):
+            assert abs(c.logprobs[pos][tid].logprob - ref_lps[pos][tid].item()) < 1e-4
+    assert len(outs[3].outputs[0].token_ids) == 8
+

@@ -16,7 +16,7 @@ from tokenmill.core.shadow_drafts import ShadowDrafts
 
 
 def _long_rope_prompt_len(config: TokenmillConfig) -> int | None:
-    """LongRoPE models read a second RoPE table for prompts longer than this (layers/rotary.py): their cached
+    """LongRoPE and dynamic-NTK models read a second RoPE table for prompts longer than this (layers/rotary.py): their cached
     blocks are not interchangeable with shorter prompts' ones."""
     hf_config = getattr(config.model_config, "hf_config", None)
     if hf_config is None:

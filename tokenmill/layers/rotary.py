@@ -25,19 +25,20 @@ def compute_inv_freq(hf_config, head_dim: int, max_model_len: int) -> tuple[torc
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"Unsupported rope type {rope_type!r}; supported: default, "
                          f"{', '.join(ROPE_INIT_FUNCTIONS)}.")
-    fn = ROPE_INIT_FUNCTIONS[rope_type]
-    if rope_type == "dynamic" and max_model_len > hf_config.max_position_embeddings:
-        # HF rescales per call with the live length; a paged cache needs one table, so scale for the longest.
-        inv_freq, scaling = fn(hf_config, torch.device("cpu"), seq_len=max_model_len)
-    else:
-        inv_freq, scaling = fn(hf_config, torch.device("cpu"))
+    # Dynamic NTK: the plain frequencies, HF's within max_position_embeddings (longer prompts read the table of
+    # `long_inv_freq`, see transformers_utils.config.longrope_switch).
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv_freq.float(), float(scaling), rotary_dim
 
 
 def long_inv_freq(hf_config, max_model_len: int) -> torch.Tensor:
-    """The LongRoPE inverse frequencies with the long factors (see transformers_utils.config.longrope_switch)."""
+    """The inverse frequencies of prompts past the pretraining length (see transformers_utils.config.longrope_switch):
+    LongRoPE's long factors, or dynamic NTK's base stretched for max_model_len."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, torch.device("cpu"), seq_len=max_model_len)
+
+    from tokenmill.transformers_utils.config import get_rope_params
+    rope_type = get_rope_params(hf_config)["rope_type"]
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), seq_len=max_model_len)
     return inv_freq.float()
 
 

@@ -77,7 +77,7 @@ class DraftModelProposer(Proposer):
         self.model = load_model(_DraftEngineConfig(self.mc, self.load_config), self.device, backend_cls)
         if getattr(self.model, "rope_long_switch", None) is not None:
             raise ValueError(f"--speculative-config: the draft {self.mc.architecture} switches RoPE tables by "
-                             "prompt length (LongRoPE), which a draft model does not support yet.")
+                             "prompt length (LongRoPE or dynamic NTK scaling), which a draft model does not support yet.")
         text = self.mc.get_text_config()
         self.num_layers = text.num_hidden_layers
         self.num_kv_heads = kv_heads_per_rank(getattr(text, "num_key_value_heads", None) or text.num_attention_heads,

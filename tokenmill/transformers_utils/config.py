@@ -235,20 +235,28 @@ def get_rope_params(config, layer_type: str | None = None) -> dict[str, Any]:
 
 
 def longrope_switch(hf_config, max_model_len: int) -> int | None:
-    """For LongRoPE, the pretraining length past which HF uses the long factors, when max_model_len exceeds it;
-    None otherwise (one table, the short factors, is then exact).
+    """For LongRoPE and dynamic NTK scaling, the pretraining length past which HF switches to other inverse
+    frequencies, when max_model_len exceeds it; None otherwise (one table is then exact).
 
-    HF picks the factors per sequence: short while it is no longer than that length, long beyond (recomputing its
-    cache when it crosses). tokenmill keeps both tables, stacked; a request whose prompt is longer than the
-    pretraining length reads the long half (`RotaryEmbedding.long_offset` added to its positions, see the model
-    runner), every other request the short half. That is exactly HF for both, except for a sequence that crosses the
-    length while it generates (HF recomputes it with the long factors; here it keeps the short ones). The scheduler
-    reads it too: the two kinds of prompts cannot share cached blocks."""
+    HF picks the frequencies per forward from the sequence's length: LongRoPE the short factors while it is no longer
+    than `original_max_position_embeddings`, the long ones beyond; dynamic NTK the plain RoPE up to
+    `max_position_embeddings` and a base stretched for the current length beyond (recomputing every step). tokenmill
+    keeps two tables, stacked; a request whose prompt is longer than the switch length reads the second half
+    (`RotaryEmbedding.long_offset` added to its positions, see the model runner), every other request the first.
+    That is exactly HF for every sequence that stays within the pretraining length, and for LongRoPE prompts longer
+    than it; a sequence that crosses the length while it generates keeps its first table (HF recomputes), and
+    dynamic NTK's second table is stretched once for max_model_len (vLLM's choice) where HF stretches for the current
+    length. The scheduler reads it too: the two kinds of prompts cannot share cached blocks."""
     params = get_rope_params(hf_config)
-    if params.get("rope_type") != "longrope":
+    rope_type = params.get("rope_type")
+    if rope_type == "longrope":
+        original = int(params.get("original_max_position_embeddings")
+                       or getattr(hf_config, "original_max_position_embeddings", None)
+                       or hf_config.max_position_embeddings)
+    elif rope_type == "dynamic":  # HF's dynamic NTK measures against max_position_embeddings only
+        original = int(_text_config(hf_config).max_position_embeddings)
+    else:
         return None
-    original = int(params.get("original_max_position_embeddings")
-                   or getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
     return original if max_model_len > original else None
 
 
