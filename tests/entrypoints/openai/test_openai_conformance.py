@@ -240,3 +240,24 @@ def test_tokenize_errors_name_the_field_of_the_form_sent(client):
         assert assert_error(client.post("/tokenize", json=body), 400, param)["message"] == message
     assert client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["count"] > 0
     assert client.get("/openapi.json").json()["paths"]["/tokenize"]
+
+
+@pytest.mark.parametrize("tools, choice, param", [
+    ([{"type": "function"}], "required", "tools"),
+    ([{"type": "function", "function": {}}], "required", "tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "none", "tools"),
+    ([{"type": "custom", "custom": {"name": "f"}}], "none", "tools"),
+    (TOOLS, {"type": "function"}, "tool_choice"),
+    (TOOLS, {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}, "tool_choice"),
+    (TOOLS, "bogus", "tool_choice"),
+])
+def test_malformed_tools_and_tool_choice_are_400s(make_client, tools, choice, param):
+    """vLLM's models refuse these shapes; a nameless tool was forced into calls with no name (200, empty calls)."""
+    c, _ = make_client()
+    r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": tools, "tool_choice": choice,
+                                             "max_tokens": 2})
+    assert_error(r, 400, param)
+    # a tool without "type" means a function, as in vLLM
+    r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [{"function": TOOLS[0]["function"]}],
+                                             "tool_choice": "required", "max_tokens": 30})
+    assert r.status_code == 200, r.text

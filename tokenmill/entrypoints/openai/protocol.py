@@ -352,6 +352,36 @@ class CompletionStreamResponse(OpenAIBaseModel):
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's values
 
 
+def _check_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any) -> None:
+    """The shapes vLLM's pydantic models enforce: each tool {"type": "function" (the default), "function": {"name":
+    str, "description"?: str, "parameters"?: object}}; a dict tool_choice {"type": "function", "function": {"name":
+    str}}. A missing "type" is filled in. (Without this a nameless tool was forced into calls with no name.)"""
+    for i, tool in enumerate(tools or ()):
+        where = f"tools[{i}]"
+        tool.setdefault("type", "function")
+        if tool["type"] != "function":
+            raise FieldError(f"{where}.type must be \"function\"; got {tool['type']!r}.", "tools")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise FieldError(f"{where}.function must be an object with a \"name\"; got {fn!r}.", "tools")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise FieldError(f"{where}.function.name must be a non-empty string; got {fn.get('name')!r}.", "tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise FieldError(f"{where}.function.parameters must be a JSON Schema object; got "
+                             f"{fn['parameters']!r}.", "tools")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise FieldError(f"{where}.function.description must be a string.", "tools")
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        ok = tool_choice.get("type", "function") == "function" and isinstance(fn, dict) \
+            and isinstance(fn.get("name"), str)
+    else:
+        ok = tool_choice in (None, "none", "auto", "required")
+    if not ok:
+        raise FieldError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                         f'{{"name": ...}}}}; got {tool_choice!r}.', "tool_choice")
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]]
     max_tokens: Optional[int] = Field(None, description="Deprecated by OpenAI in favour of max_completion_tokens.")
@@ -376,8 +406,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        if not (self.tool_choice in (None, "none", "auto", "required") or isinstance(self.tool_choice, dict)):
-            bad.append(f"tool_choice {self.tool_choice!r}")
         bad += [name for name in ("functions", "function_call") if getattr(self, name) is not None]
         return bad
 
@@ -404,6 +432,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.add_generation_prompt and self.continue_final_message:
             raise FieldError("Cannot set both continue_final_message and add_generation_prompt to true.",
                              "continue_final_message")
+        _check_tools(self.tools, self.tool_choice)
         if "tool_choice" not in self.model_fields_set and self.tools:
             # OpenAI's (and vLLM's) default once tools are given: a server that cannot parse calls then says so
             # (a 400 naming the flags) instead of returning the model's raw call text as content. An explicit
