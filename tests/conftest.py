@@ -90,6 +90,8 @@ def _make_config(arch: str, vocab_size: int, bos: int, eos: int):
                                            "long_factor": [1.5 + 0.2 * i for i in range(half)]})
     if arch == "qwen2_untied":
         return tf.Qwen2Config(**common, tie_word_embeddings=False)
+    if arch == "llama_partial":  # HF's Llama ignores partial_rotary_factor with the default RoPE: whole heads rotate
+        return tf.LlamaConfig(**common, partial_rotary_factor=0.5)
     if arch == "llama_dynamic_64":  # dynamic NTK with a pretraining length (64) below max_model_len
         return tf.LlamaConfig(**dict(common, max_position_embeddings=64),
                               rope_scaling={"rope_type": "dynamic", "factor": 4.0})

@@ -10,7 +10,7 @@ PROMPTS = ["Once upon a time", "1, 2, 3, 4,", "The meaning of life is " * 12]
 
 
 @pytest.mark.parametrize("arch", ["mistral", "llama_bias", "llama_linear", "llama_dynamic", "llama_yarn",
-                                  "qwen2_untied", "phi3"])
+                                  "qwen2_untied", "phi3", "llama_partial"])
 def test_variant_matches_hf(tiny_model_factory, arch):
     import transformers as tf
     d = tiny_model_factory(arch)
@@ -83,3 +83,15 @@ def test_dynamic_ntk_within_pretraining_length_matches_hf(tiny_model_factory):
             assert abs(c.logprobs[pos][tid].logprob - ref_lps[pos][tid].item()) < 1e-4
     assert len(outs[3].outputs[0].token_ids) == 8
 
+
+def test_partial_rotary_with_scaled_rope_is_refused_for_llama():
+    """HF's Llama rotates whole heads; with a non-default RoPE its tables follow partial_rotary_factor and the
+    shapes disagree (HF fails). tokenmill names the key instead of running something else."""
+    import transformers as tf
+
+    from tokenmill.layers.rotary import compute_inv_freq
+    cfg = tf.LlamaConfig(hidden_size=64, num_attention_heads=4, partial_rotary_factor=0.5,
+                         rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        compute_inv_freq(cfg, 16, 256, partial_rotary=False)
+    assert compute_inv_freq(cfg, 16, 256, partial_rotary=True)[2] == 8  # Phi-3 / Qwen3.5 honour it

@@ -9,13 +9,24 @@ import torch
 from torch import nn
 
 
-def compute_inv_freq(hf_config, head_dim: int, max_model_len: int) -> tuple[torch.Tensor, float, int]:
+def compute_inv_freq(hf_config, head_dim: int, max_model_len: int,
+                     partial_rotary: bool = True) -> tuple[torch.Tensor, float, int]:
     """Returns (inv_freq [rotary_dim / 2], attention scaling applied to cos/sin, rotary_dim). For LongRoPE these are
-    the short factors; `long_inv_freq` gives the long ones."""
+    the short factors; `long_inv_freq` gives the long ones.
+
+    partial_rotary: whether the architecture rotates only `partial_rotary_factor` of each head (HF's Phi-3 and
+    Qwen3.5 do). HF's Llama, Mistral, Qwen2, Qwen3 and Gemma rotate the whole head whatever the config says with
+    the default RoPE, and fail with any other type; tokenmill does the same and refuses the latter."""
     from tokenmill.transformers_utils.config import get_rope_params
     params = get_rope_params(hf_config)
     rope_type = params.get("rope_type", "default")
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0
+    if not partial_rotary and partial != 1.0:
+        if rope_type != "default":
+            raise ValueError(f"partial_rotary_factor={partial} with rope type {rope_type!r} is not supported for "
+                             f"{type(hf_config).__name__} (HF transformers rotates the whole head for this "
+                             "architecture and cannot run this combination).")
+        partial = 1.0  # as HF: the default RoPE of these architectures reads no partial_rotary_factor
     rotary_dim = int(head_dim * partial)
     if rope_type == "default":
         base = float(params["rope_theta"])

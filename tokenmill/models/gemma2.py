@@ -188,7 +188,7 @@ class GemmaCausalLMBase(nn.Module):
 
     @staticmethod
     def make_rotary_for(cfg, max_model_len: int):
-        rotary = make_rotary(cfg, max_model_len)
+        rotary = make_rotary(cfg, max_model_len, partial_rotary=False)  # HF's Gemma 2 rotates whole heads
         return lambda i: rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

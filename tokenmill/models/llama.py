@@ -23,11 +23,12 @@ from tokenmill.models.weight_mapping import LLAMA_STACKED, WeightMapping, load_w
 from tokenmill.transformers_utils.config import longrope_switch
 
 
-def make_rotary(cfg, max_model_len: int) -> RotaryEmbedding:
+def make_rotary(cfg, max_model_len: int, partial_rotary: bool = True) -> RotaryEmbedding:
     """The model's one RoPE table, shared by every layer (a table per layer cost, e.g., ~0.5 GB at 32k positions for
-    32 layers). With LongRoPE past the pretraining length it also holds the long table (see longrope_switch)."""
+    32 layers). With LongRoPE or dynamic NTK past the pretraining length it also holds the long table (see
+    longrope_switch). partial_rotary: whether the architecture honours partial_rotary_factor (compute_inv_freq)."""
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    inv_freq, scaling, rotary_dim = compute_inv_freq(cfg, head_dim, max_model_len)
+    inv_freq, scaling, rotary_dim = compute_inv_freq(cfg, head_dim, max_model_len, partial_rotary)
     max_pos = max(max_model_len, getattr(cfg, "max_position_embeddings", max_model_len))
     switch = longrope_switch(cfg, max_model_len)
     long = long_inv_freq(cfg, max_model_len) if switch is not None else None
@@ -130,14 +131,15 @@ class LlamaModel(nn.Module):
     other than the last returns its own."""
 
     def __init__(self, cfg, max_model_len: int, backend_cls: type, biases: tuple[bool, bool],
-                 qk_norm: bool, quant_config: QuantizationConfig | None = None, prefix: str = "model") -> None:
+                 qk_norm: bool, quant_config: QuantizationConfig | None = None, prefix: str = "model",
+                 partial_rotary: bool = False) -> None:
         super().__init__()
         pp = get_parallel_state()
         self.is_first, self.is_last = pp.pp_rank == 0, pp.pp_rank == pp.pp_size - 1
         self.start, self.end = pp_layer_range(cfg.num_hidden_layers, pp.pp_rank, pp.pp_size)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first \
             else PPMissingLayer()
-        self.rotary = rotary = make_rotary(cfg, max_model_len)
+        self.rotary = rotary = make_rotary(cfg, max_model_len, partial_rotary)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, rotary, backend_cls, biases, qk_norm, quant_config, f"{prefix}.layers.{i}")
             if self.start <= i < self.end
@@ -173,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. `forward` returns final hidden states; `compute_logits` projects selected rows."""
 
     qk_norm = False
+    partial_rotary = False  # HF's Llama / Mistral / Qwen2 / Qwen3 rotate whole heads (layers/rotary.py)
     weight_mapping = WeightMapping(stacked=LLAMA_STACKED, skipped=(r"rotary_emb\.inv_freq$",))
 
     def __init__(self, hf_config, max_model_len: int, backend_cls: type,
@@ -180,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.model = LlamaModel(hf_config, max_model_len, backend_cls, self.attention_biases(hf_config),
-                                self.qk_norm, quant_config)
+                                self.qk_norm, quant_config, partial_rotary=self.partial_rotary)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         # LongRoPE with two tables: (prompt length past which a request uses the long one, its position offset).
         rope = self.model.rotary
@@ -238,4 +241,5 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     the checkpoint (`qkv_proj`, `gate_up_proj`, split by the layers' loaders), partial rotary and LongRoPE scaling
     from the config, no biases."""
 
+    partial_rotary = True
     weight_mapping = WeightMapping(skipped=(r"rotary_emb\.inv_freq$",))
