@@ -46,6 +46,9 @@ def _config(arch: str, vocab: int, bos: int, eos: int):
                                                                    "rope_theta": 10000.0}})
     if arch == "gemma3":
         return text
+    if arch == "gemma3_capped":  # HF's Gemma 3 reads attn_logit_softcapping but never applies it
+        return tf.Gemma3TextConfig(**gemma, num_hidden_layers=2, sliding_window_pattern=2,
+                                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                    image_size=32, patch_size=8)
     return tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
@@ -188,3 +191,18 @@ def test_sliding_layers_hold_only_the_window(reference):
             # the loop looks, so the most seen is the 108 tokens before it.
             assert n == -(-108 // 4)
     assert kv.num_free_blocks() == kv.num_blocks
+
+
+def test_gemma3_ignores_attn_logit_softcapping_as_hf_does(make_model):
+    """A Gemma 3 config that sets attn_logit_softcapping: HF's Gemma 3 attention never caps scores (only Gemma 2's
+    does), so tokenmill must not either (it capped them, off from HF by up to 0.2 in logprob). Final-logit capping
+    still applies."""
+    d, hf = make_model("gemma3_capped")
+    outs = llm_for(d).generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        ref = hf_logprobs(hf, out.prompt_token_ids + c.token_ids)
+        n = len(out.prompt_token_ids)
+        for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert tid == int(ref[n - 1 + i].argmax())
+            assert abs(lp[tid].logprob - ref[n - 1 + i][tid].item()) < 1e-4

@@ -71,7 +71,7 @@ class GemmaAttention(nn.Module):
     layers, scores soft-capped when the config says so) -> o_proj."""
 
     def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, backend_cls: type, qk_norm: bool,
-                 quant_config: QuantizationConfig | None, prefix: str) -> None:
+                 quant_config: QuantizationConfig | None, prefix: str, attn_soft_cap: float | None) -> None:
         super().__init__()
         total_heads = cfg.num_attention_heads
         total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
@@ -92,7 +92,7 @@ class GemmaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.head_dim, self.num_kv_heads,
                               float(cfg.query_pre_attn_scalar) ** -0.5, backend_cls,
                               sliding_window=layer_sliding_windows(cfg)[layer_idx],
-                              logits_soft_cap=getattr(cfg, "attn_logit_softcapping", None))
+                              logits_soft_cap=attn_soft_cap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -109,10 +109,10 @@ class GemmaDecoderLayer(nn.Module):
     add rides in the next norm."""
 
     def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, backend_cls: type, qk_norm: bool,
-                 quant_config: QuantizationConfig | None, prefix: str) -> None:
+                 quant_config: QuantizationConfig | None, prefix: str, attn_soft_cap: float | None) -> None:
         super().__init__()
         self.self_attn = GemmaAttention(cfg, layer_idx, rotary_emb, backend_cls, qk_norm, quant_config,
-                                        f"{prefix}.self_attn")
+                                        f"{prefix}.self_attn", attn_soft_cap)
         self.mlp = GemmaMLP(cfg, quant_config, f"{prefix}.mlp")
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
@@ -131,10 +131,12 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
-    """The decoder stack (pipeline stages as models/llama.LlamaModel). `rotary_for(i)` gives layer i's RoPE table."""
+    """The decoder stack (pipeline stages as models/llama.LlamaModel). `rotary_for(i)` gives layer i's RoPE table;
+    attention scores are soft-capped at `attn_soft_cap` when it is set."""
 
     def __init__(self, cfg, rotary_for, backend_cls: type, qk_norm: bool,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "model") -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "model",
+                 attn_soft_cap: float | None = None) -> None:
         super().__init__()
         pp = get_parallel_state()
         self.is_first, self.is_last = pp.pp_rank == 0, pp.pp_rank == pp.pp_size - 1
@@ -143,7 +145,8 @@ class GemmaModel(nn.Module):
             else PPMissingLayer()
         self.embed_scale = float(cfg.hidden_size) ** 0.5
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(cfg, i, rotary_for(i), backend_cls, qk_norm, quant_config, f"{prefix}.layers.{i}")
+            GemmaDecoderLayer(cfg, i, rotary_for(i), backend_cls, qk_norm, quant_config, f"{prefix}.layers.{i}",
+                              attn_soft_cap)
             if self.start <= i < self.end else PPMissingLayer() for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else PPMissingLayer()
         self._own_layers = tuple(self.layers[self.start:self.end])
@@ -168,6 +171,8 @@ class GemmaCausalLMBase(nn.Module):
     """Decoder + tied LM head, final logits soft-capped when the config says so."""
 
     qk_norm = False
+    # HF's Gemma 2 caps attention scores at attn_logit_softcapping; HF's Gemma 3 reads the key but never applies it.
+    attn_softcapping = True
     weight_mapping = WeightMapping(stacked=LLAMA_STACKED, skipped=(r"rotary_emb\.inv_freq$",))
 
     def __init__(self, hf_config, max_model_len: int, backend_cls: type,
@@ -175,8 +180,9 @@ class GemmaCausalLMBase(nn.Module):
         super().__init__()
         cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.config = cfg
+        cap = (getattr(cfg, "attn_logit_softcapping", None) or None) if self.attn_softcapping else None
         self.model = GemmaModel(cfg, self.make_rotary_for(cfg, max_model_len), backend_cls, self.qk_norm,
-                                quant_config)
+                                quant_config, attn_soft_cap=cap)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None) or None
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         if not self.model.is_last:

@@ -1,7 +1,8 @@
 """Gemma 3 text: Gemma 2's layer (models/gemma2.py) with per-head (1 + w) q/k norms, a RoPE table per layer kind
 (the local base, typically 10k, on sliding-window layers; the global base and its scaling on full-attention ones),
 `layer_types` / `sliding_window_pattern` choosing the kind of each layer (five local to one global in the released
-checkpoints), and soft-capping only where the config sets it.
+checkpoints), and final-logit soft-capping only where the config sets it (attn_logit_softcapping is ignored, as HF
+transformers' Gemma 3 ignores it).
 
 `Gemma3ForConditionalGeneration` checkpoints run their text path: the language model's weights load under the
 text model's names, the vision tower and projector are skipped with one log line (no image input yet).
@@ -38,6 +39,7 @@ def _rotary_of_kind(cfg, layer_type: str, head_dim: int, max_model_len: int) -> 
 
 class Gemma3ForCausalLM(GemmaCausalLMBase):
     qk_norm = True
+    attn_softcapping = False  # as HF's Gemma 3 (the released configs set attn_logit_softcapping null anyway)
 
     @staticmethod
     def make_rotary_for(cfg, max_model_len: int):
