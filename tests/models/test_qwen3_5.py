@@ -26,7 +26,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, l
 TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
-def _text_config(vocab: int, bos: int, eos: int):
+# LongRoPE on the gated attention's rotary quarter (8 dims: 4 factors), pretraining length 64.
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+            "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [1.5, 1.7, 1.9, 2.1],
+            "original_max_position_embeddings": 64}
+
+
+def _text_config(vocab: int, bos: int, eos: int, rope_parameters: dict | None = None):
     import transformers as tf
     return tf.Qwen3_5TextConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4, layer_types=TYPES,
@@ -34,8 +40,9 @@ def _text_config(vocab: int, bos: int, eos: int):
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=bos, eos_token_id=eos,
         pad_token_id=eos, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                            "mrope_interleaved": True})
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +55,10 @@ def make_model(tmp_path_factory, smollm2_tokenizer):
         if arch in built:
             return built[arch]
         tok = smollm2_tokenizer
-        text = _text_config(len(tok), tok.bos_token_id or 0, tok.eos_token_id)
+        text = _text_config(len(tok), tok.bos_token_id or 0, tok.eos_token_id,
+                            LONGROPE if arch == "causal_longrope" else None)
         torch.manual_seed(1234)
-        if arch == "causal":
+        if arch.startswith("causal"):
             hf = tf.Qwen3_5ForCausalLM(text)
         else:
             vision = tf.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
@@ -167,3 +175,19 @@ def test_prefix_cache_hits_resume_from_state_checkpoints(reference):
     b = llm.generate(pair[1:], GREEDY, use_tqdm=False)
     assert tokens(a + b) == tokens(miss)
     assert b[0].num_cached_tokens == 128
+
+
+def test_longrope_prompts_past_the_pretraining_length_use_the_long_factors(make_model):
+    """LongRoPE on Qwen3.5: HF uses the long factors for a prompt longer than the pretraining length (64), the
+    short ones within it; tokenmill kept the short ones for every prompt."""
+    d, hf = make_model("causal_longrope")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 40000, (n,), generator=gen).tolist() for n in (20, 90)]
+    outs = llm_for(d).generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        ref = hf_logprobs(hf, out.prompt_token_ids + c.token_ids)
+        n = len(out.prompt_token_ids)
+        for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert tid == int(ref[n - 1 + i].argmax()), (n, i)
+            assert abs(lp[tid].logprob - ref[n - 1 + i][tid].item()) < 1e-4, (n, i)

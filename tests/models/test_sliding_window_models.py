@@ -40,6 +40,10 @@ def _config(arch: str, vocab: int, bos: int, eos: int):
                  hidden_activation="gelu_pytorch_tanh", pad_token_id=eos)
     if arch == "gemma2":
         return tf.Gemma2Config(**gemma, num_hidden_layers=3, attn_logit_softcapping=4.0, final_logit_softcapping=3.0)
+    if arch == "gemma2_longrope":  # LongRoPE, pretraining length 24 (8 factors for head_dim 16)
+        return tf.Gemma2Config(**gemma, num_hidden_layers=2, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.5 + 0.2 * i for i in range(8)]})
     text = tf.Gemma3TextConfig(**gemma, num_hidden_layers=3, sliding_window_pattern=2,
                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                                                 "full_attention": {"rope_type": "linear", "factor": 2.0,
@@ -206,3 +210,19 @@ def test_gemma3_ignores_attn_logit_softcapping_as_hf_does(make_model):
         for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
             assert tid == int(ref[n - 1 + i].argmax())
             assert abs(lp[tid].logprob - ref[n - 1 + i][tid].item()) < 1e-4
+
+
+def test_gemma2_longrope_prompts_past_the_pretraining_length_use_the_long_factors(make_model):
+    """HF uses LongRoPE's long factors for a prompt longer than the pretraining length (24 here), the short ones
+    within it; Gemma 2 kept the short ones for every prompt."""
+    d, hf = make_model("gemma2_longrope")
+    outs = llm_for(d).generate(["Hello, my name is", PROMPTS[3]], GREEDY, use_tqdm=False)
+    assert len(outs[0].prompt_token_ids) + MAX_TOKENS <= 24 < len(outs[1].prompt_token_ids)
+    for out in outs:
+        c = out.outputs[0]
+        ref = hf_logprobs(hf, out.prompt_token_ids + c.token_ids)
+        n = len(out.prompt_token_ids)
+        for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert tid == int(ref[n - 1 + i].argmax()), (n, i)
+            assert abs(lp[tid].logprob - ref[n - 1 + i][tid].item()) < 1e-4, (n, i)
+

@@ -22,7 +22,7 @@ from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.models.llama import make_rotary
+from tokenmill.models.llama import make_rotary, rope_long_switch
 from tokenmill.models.weight_mapping import LLAMA_STACKED, WeightMapping, load_weights
 
 
@@ -181,8 +181,11 @@ class GemmaCausalLMBase(nn.Module):
         cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.config = cfg
         cap = (getattr(cfg, "attn_logit_softcapping", None) or None) if self.attn_softcapping else None
-        self.model = GemmaModel(cfg, self.make_rotary_for(cfg, max_model_len), backend_cls, self.qk_norm,
-                                quant_config, attn_soft_cap=cap)
+        rotary_for = self.make_rotary_for(cfg, max_model_len)
+        # LongRoPE / dynamic NTK past the pretraining length: Gemma 2's one table holds both halves (Gemma 3's
+        # per-kind tables never do).
+        self.rope_long_switch = rope_long_switch(rotary_for(0))
+        self.model = GemmaModel(cfg, rotary_for, backend_cls, self.qk_norm, quant_config, attn_soft_cap=cap)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None) or None
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         if not self.model.is_last:

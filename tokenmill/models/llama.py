@@ -36,6 +36,12 @@ def make_rotary(cfg, max_model_len: int, partial_rotary: bool = True) -> RotaryE
                            long_prompt_len=switch)
 
 
+def rope_long_switch(rope: RotaryEmbedding) -> tuple[int, int] | None:
+    """What a model exposes as `rope_long_switch` for the model runner: with LongRoPE or dynamic NTK's two tables,
+    (prompt length past which a request reads the second one, its position offset); else None."""
+    return None if rope.long_prompt_len is None else (rope.long_prompt_len, rope.long_offset)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, backend_cls: type,
                  biases: tuple[bool, bool], qk_norm: bool, quant_config: QuantizationConfig | None,
@@ -185,9 +191,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, max_model_len, backend_cls, self.attention_biases(hf_config),
                                 self.qk_norm, quant_config, partial_rotary=self.partial_rotary)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        # LongRoPE with two tables: (prompt length past which a request uses the long one, its position offset).
-        rope = self.model.rotary
-        self.rope_long_switch = None if rope.long_prompt_len is None else (rope.long_prompt_len, rope.long_offset)
+        self.rope_long_switch = rope_long_switch(self.model.rotary)
         if not self.model.is_last:
             self.lm_head = PPMissingLayer()
         elif self.tie_word_embeddings and self.model.is_first:

@@ -26,7 +26,7 @@ from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.logger import init_logger
 from tokenmill.models.gemma2 import GemmaRMSNorm
-from tokenmill.models.llama import make_rotary
+from tokenmill.models.llama import make_rotary, rope_long_switch
 from tokenmill.models.weight_mapping import LLAMA_STACKED, WeightMapping, load_weights
 
 logger = init_logger(__name__)
@@ -133,6 +133,7 @@ class Qwen3_5ForCausalLM(nn.Module):
             raise ValueError("Qwen3.5 (hybrid Gated DeltaNet) with pipeline_parallel_size > 1 is not supported yet.")
         self.kinds = layer_kinds(cfg)
         rotary = make_rotary(cfg, max_model_len)
+        self.rope_long_switch = rope_long_switch(rotary)  # LongRoPE / dynamic NTK past the pretraining length
         self.model = nn.Module()
         self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(
