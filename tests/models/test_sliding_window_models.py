@@ -226,3 +226,18 @@ def test_gemma2_longrope_prompts_past_the_pretraining_length_use_the_long_factor
             assert tid == int(ref[n - 1 + i].argmax()), (n, i)
             assert abs(lp[tid].logprob - ref[n - 1 + i][tid].item()) < 1e-4, (n, i)
 
+
+def test_gemma3_longrope_past_the_pretraining_length_is_refused():
+    """Gemma 3's per-kind RoPE tables hold one set of factors: LongRoPE is refused past its pretraining length."""
+    import transformers as tf
+
+    from tokenmill.models.gemma3 import _rotary_of_kind
+    cfg = tf.Gemma3TextConfig(hidden_size=64, num_attention_heads=4, head_dim=16, num_hidden_layers=2,
+                              max_position_embeddings=256, rope_parameters={
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                  "full_attention": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                     "original_max_position_embeddings": 64,
+                                                     "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+    with pytest.raises(ValueError, match="max_model_len <= 64"):
+        _rotary_of_kind(cfg, "full_attention", 16, 128)
+    assert _rotary_of_kind(cfg, "full_attention", 16, 64).long_prompt_len is None

@@ -32,6 +32,12 @@ def _rotary_of_kind(cfg, layer_type: str, head_dim: int, max_model_len: int) -> 
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"Unsupported rope type {rope_type!r} for Gemma 3 {layer_type} layers.")
+        original = params.get("original_max_position_embeddings") or cfg.max_position_embeddings
+        if rope_type == "longrope" and max_model_len > original:
+            # HF switches to the long factors past the pretraining length; these per-kind tables hold one set.
+            raise ValueError(f"Gemma 3 with LongRoPE on its {layer_type} layers (rope_parameters) is supported only "
+                             f"up to its pretraining length: set max_model_len <= {original} (got {max_model_len}).")
+        # Dynamic NTK: the plain frequencies, HF's within max_position_embeddings.
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"), layer_type=layer_type)
     max_pos = max(max_model_len, getattr(cfg, "max_position_embeddings", max_model_len))
     return RotaryEmbedding(inv_freq.float(), head_dim, head_dim, max_pos, float(scaling))
