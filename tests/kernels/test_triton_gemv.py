@@ -164,18 +164,29 @@ def test_fp8_weights_with_row_scales(config):
                                                                          zip(CPU_CONFIGS, CPU_IDS) if c.use_dot])
 def test_fp8_weights_with_bf16_activations_beyond_fp16_range(config):
     """bf16 activations far past fp16's largest value (65504), and tiny ones, come through an fp8 weight's dot path
-    as in float64 (a guard for any narrower dot: an fp16 one overflowed here on an H100)."""
+    as in float64, with per-row and with block scales (a guard for the fp16 dot: one with a literal pre-scale
+    overflowed here on an H100, the compiler having moved the scale after the narrowing)."""
     gen = torch.Generator(device=DEV).manual_seed(80)
     m, n, k = 3, 40, 96
     x = torch.randn(m, k, generator=gen, device=DEV) * 3e5
     x[:, ::5] *= 1e-9
+    x[1] *= 1e28                    # a row past fp16's range by 38 orders of magnitude
+    x[2] *= 1e-33                   # a row below fp16's smallest subnormal (6e-8) by 30
     x = x.to(torch.bfloat16)
     w = (torch.randn(n, k, generator=gen, device=DEV) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
     w_scale = torch.rand(n, generator=gen, device=DEV) + 0.5
     ref = x.double() @ (w.double() * w_scale.double()[:, None]).T
     y = gemv(x, w, weight_scale=w_scale, config=config)
     assert y.float().isfinite().all()
-    assert rel_err(y, ref) < 1e-2
+    for row in range(m):
+        assert rel_err(y[row], ref[row]) < 1e-2, row
+    # Block scales (the fp16 dot with a power-of-two scale per row and K step).
+    b_scale = torch.rand(n // 8, k // 32, generator=gen, device=DEV) + 0.5
+    ref = x.double() @ (w.double() * b_scale.double().repeat_interleave(8, 0).repeat_interleave(32, 1)).T
+    y = gemv(x, w, weight_scale=b_scale, block=(8, 32), config=config)
+    assert y.float().isfinite().all()
+    for row in range(m):
+        assert rel_err(y[row], ref[row]) < 1e-2, row
 
 
 @pytest.mark.parametrize("config", CPU_CONFIGS, ids=CPU_IDS)
@@ -368,10 +379,10 @@ sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", b_ptr="*bf16", y_ptr="*bf16", nw_ptr
            stride_rom="i32", wsc_ptr="*fp32", bsc_cols="i32")
 const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SILU_MUL=False, NORM=True, HAS_RES=True,
              HAS_BIAS=False, USE_DOT=True, EVEN_K=True, DOT_F32=False, PREFETCH=True, ACC2D=False, OUT_SILU=False,
-             XPRE=True, PDL=False, W_SCALE=True, BLOCK_SCALE=False, BN_SCALE=128, BK_SCALE=128)
+             XPRE=True, PDL=False, W_SCALE=True, BLOCK_SCALE=False, BN_SCALE=128, BK_SCALE=128, F16_DOT=True)
 for use_dot, out_silu, blocks in ((True, False, False), (False, True, False), (True, True, True)):
     c = {**const, "USE_DOT": use_dot, "OUT_SILU": out_silu, "NORM": not out_silu, "HAS_RES": not out_silu,
-         "BLOCK_M": 16 if use_dot else 1, "W_SCALE": not blocks, "BLOCK_SCALE": blocks}
+         "BLOCK_M": 16 if use_dot else 1, "W_SCALE": not blocks, "BLOCK_SCALE": blocks, "F16_DOT": blocks}
     s = {**sig, **{k: "constexpr" for k in c}}
     src = ASTSource(fn=_gemv_kernel, signature=s, constexprs=c)
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
