@@ -25,7 +25,9 @@ def make_parser(prog: str = "tokenmill bench throughput") -> argparse.ArgumentPa
     return p
 
 
-def run_tokenmill(prompts, out_lens, engine_kwargs, sampling: dict, detokenize: bool) -> float:
+def run_tokenmill(prompts, out_lens, engine_kwargs, sampling: dict, detokenize: bool) -> tuple[float, int]:
+    """Seconds for the whole batch, and how many times a request was preempted (its KV freed and recomputed):
+    the figure that tells a throughput lost to an oversubscribed KV pool from one lost elsewhere."""
     from tokenmill import LLM, SamplingParams
     llm = LLM(**engine_kwargs)
     detok = detokenize and llm.get_tokenizer() is not None
@@ -37,7 +39,8 @@ def run_tokenmill(prompts, out_lens, engine_kwargs, sampling: dict, detokenize: 
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != sum(out_lens):
         raise RuntimeError(f"expected {sum(out_lens)} output tokens, got {produced}")
-    return elapsed
+    preemptions = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    return elapsed, preemptions
 
 
 # The engine flags the HF baseline uses (which weights, in which dtype; the seed of its sampling); any other engine
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.backend == "hf":
         elapsed, n_out = run_hf(prompts, out_lens, engine_kwargs, args.hf_max_batch_size, sampling)
     else:
-        elapsed = run_tokenmill(prompts, out_lens, engine_kwargs, sampling, not args.disable_detokenize)
+        elapsed, preemptions = run_tokenmill(prompts, out_lens, engine_kwargs, sampling, not args.disable_detokenize)
     result = {"backend": args.backend, **sampling, "elapsed_time": elapsed, "num_requests": len(prompts),
               "total_input_tokens": n_in, "total_output_tokens": n_out,
               "requests_per_second": len(prompts) / elapsed, "tokens_per_second": (n_in + n_out) / elapsed,
@@ -112,6 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total "
           f"tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {n_in}\nTotal num output tokens:  {n_out}")
+    if args.backend != "hf":
+        result["num_preemptions"] = preemptions
+        print(f"Preemptions: {preemptions}")
     from tokenmill.metrics.step_timing import TIMER
     if TIMER.enabled:
         print(TIMER.report())

@@ -8,6 +8,7 @@ from tokenmill.config.engine_args import create_engine_config
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
+from tokenmill.metrics.reader import Counter, Gauge
 from tokenmill.metrics.spec_decode import SpecDecodingTotals
 from tokenmill.metrics.step_timing import TIMER
 from tokenmill.outputs import RequestOutput
@@ -123,9 +124,17 @@ class LLMEngine:
         return self.engine_core.reset_prefix_cache()
 
     def get_metrics(self) -> list:
-        """The speculative-decoding counters (vllm:spec_decode_*) since the engine started; [] without
-        speculation (the other metrics are served by the API server's Prometheus endpoint)."""
-        if self.spec_totals is None:
-            return []
-        return self.spec_totals.metrics({"model_name": self.config.model_config.served_model_name[0],
-                                         "engine": "0"})
+        """vLLM's offline metric records since the engine started: preemptions, the latest step's running /
+        waiting requests and KV cache usage, and with speculation the vllm:spec_decode_* counters (the API server's
+        Prometheus endpoint serves the full set)."""
+        labels = {"model_name": self.config.model_config.served_model_name[0], "engine": "0"}
+        stats = self.last_stats
+        records: list = []
+        if stats is not None:
+            records += [Counter("vllm:num_preemptions", dict(labels), stats.num_preemptions),
+                        Gauge("vllm:num_requests_running", dict(labels), stats.num_running_reqs),
+                        Gauge("vllm:num_requests_waiting", dict(labels), stats.num_waiting_reqs),
+                        Gauge("vllm:kv_cache_usage_perc", dict(labels), stats.kv_cache_usage)]
+        if self.spec_totals is not None:
+            records += self.spec_totals.metrics(labels)
+        return records

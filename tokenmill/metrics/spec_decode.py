@@ -1,30 +1,13 @@
 """Speculative-decoding counters as vLLM names them, for Prometheus, the periodic log and `LLM.get_metrics()`."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from tokenmill.core.messages import SpecDecodingStats
+from tokenmill.metrics.reader import Counter, Vector
 
 NUM_DRAFTS = "vllm:spec_decode_num_drafts"
 NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
 NUM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-@dataclass
-class Counter:
-    """vLLM's offline metric record of a counter (`LLM.get_metrics()`)."""
-    name: str
-    labels: dict[str, str]
-    value: int
-
-
-@dataclass
-class Vector:
-    """vLLM's offline metric record of a labelled counter family indexed by position."""
-    name: str
-    labels: dict[str, str]
-    values: list[int] = field(default_factory=list)
 
 
 class SpecDecodingTotals:
