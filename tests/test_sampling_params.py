@@ -67,6 +67,19 @@ def test_best_of_is_at_least_n_and_survives_the_engine_trip():
     assert (p.n, p.best_of) == (2, 2)
 
 
+def test_n_and_best_of_are_capped_by_vllm_max_n_sequences():
+    """As vLLM's VLLM_MAX_N_SEQUENCES (default 16384): n=10**12 used to tie up the API server building sequences."""
+    from tokenmill import envs
+    assert SamplingParams(n=16384).n == 16384
+    for kw in (dict(n=16385), dict(n=10 ** 12), dict(best_of=16385)):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))} must be at most 16384 .VLLM_MAX_N_SEQUENCES"):
+            SamplingParams(**kw)
+    with envs.override(VLLM_MAX_N_SEQUENCES=4):
+        assert SamplingParams(n=2, best_of=4).best_of == 4
+        with pytest.raises(ValueError, match="at most 4"):
+            SamplingParams(n=5)
+
+
 def test_vllm_normalisation_of_seed_stop_ids_and_bad_words():
     """vLLM: seed -1 means unseeded; duplicate stop ids / bad words are dropped; an empty bad word is an error."""
     from tokenmill.sampling_params import SamplingType

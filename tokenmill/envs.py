@@ -121,6 +121,9 @@ _VARIABLES: dict[str, _Var] = {
     # prometheus_client's multiprocess directory; set by tokenmill when several API server processes share the
     # metrics (--api-server-count > 1).
     "PROMETHEUS_MULTIPROC_DIR": _str(),
+    # The most sequences one request may ask for (n, and best_of's candidates), as vLLM's variable of that name: a
+    # larger n is refused up front instead of tying up the server building that many sequences.
+    "VLLM_MAX_N_SEQUENCES": _Var(int, 16384),
     # vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: the routes answer 404).
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": _Var(bool, False),
     # Triton's CPU interpreter, as Triton reads it: the kernels take their interpreter-only branches.

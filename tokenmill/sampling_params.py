@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from tokenmill import envs
 from tokenmill.logger import init_logger
 from tokenmill.structured.params import GuidedDecodingParams, StructuredOutputsParams, as_structured_outputs
 
@@ -168,6 +169,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
                                          or self.best_of < self.n):
             raise bad("best_of", f"an integer >= n ({self.n}): the number of candidates the n results are picked "
                       "from", self.best_of)
+        most = envs.VLLM_MAX_N_SEQUENCES
+        for name in ("n", "best_of"):
+            if (getattr(self, name) or 0) > most:
+                raise bad(name, f"at most {most} (VLLM_MAX_N_SEQUENCES)", getattr(self, name))
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:

@@ -261,3 +261,15 @@ def test_malformed_tools_and_tool_choice_are_400s(make_client, tools, choice, pa
     r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [{"function": TOOLS[0]["function"]}],
                                              "tool_choice": "required", "max_tokens": 30})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "hi", "n": 10 ** 12}),
+    ("/v1/completions", {"prompt": "hi", "best_of": 10 ** 12}),
+    ("/v1/chat/completions", {"messages": MSGS, "n": 10 ** 12}),
+])
+def test_huge_n_is_a_400_not_a_hung_server(make_client, route, body):
+    c, engine = make_client()
+    param = "best_of" if "best_of" in body else "n"
+    err = assert_error(c.post(route, json={**body, "max_tokens": 1}), 400, param)
+    assert "VLLM_MAX_N_SEQUENCES" in err["message"] and not engine.calls
