@@ -23,6 +23,7 @@ def test_throughput_and_latency_run(tiny_model_factory, tmp_path, capsys):
     res = throughput.main(["--model", d, "--num-prompts", "6", "--input-len", "16", "--output-len", "5",
                            "--max-model-len", "128", "--output-json", str(out)])
     assert res["total_output_tokens"] == 30 and res["output_tokens_per_second"] > 0
+    assert res["num_preemptions"] == 0   # six short requests never outgrow the KV pool
     assert json.loads(out.read_text())["num_requests"] == 6
     assert "Throughput:" in capsys.readouterr().out
     lat = latency.main(["--model", d, "--batch-size", "2", "--input-len", "8", "--output-len", "4", "--num-iters", "2",
