@@ -93,8 +93,10 @@ class LLMEngine:
         return SamplingParams(**default_sampling_kwargs(self.generation_config))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0, lora_request: Any = None) -> None:
-        text, reqs = self.processor.process(request_id, prompt, params, arrival_time, priority, lora_request)
+                    arrival_time: float | None = None, priority: int = 0, lora_request: Any = None,
+                    tokenization_kwargs: dict[str, Any] | None = None) -> None:
+        text, reqs = self.processor.process(request_id, prompt, params, arrival_time, priority, lora_request,
+                                            tokenization_kwargs)
         self.engine_core.add_requests(reqs)
         for i, req in enumerate(reqs):
             self.output_processor.add_request(req, text, parent_id=request_id, index=i, n=len(reqs))

@@ -9,6 +9,30 @@ from tokenmill.core.messages import EngineCoreRequest
 from tokenmill.inputs import PromptType, TextPrompt, TokensPrompt
 from tokenmill.sampling_params import SamplingParams
 
+# The tokenizer-call arguments a request may set (vLLM's `tokenization_kwargs`); others are refused by name rather
+# than passed on, since transformers ignores keywords it does not know.
+TOKENIZATION_KWARGS = {"truncation": (bool,), "max_length": (int,), "add_special_tokens": (bool,)}
+
+
+def check_tokenization_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """`kwargs` checked (names and types), as a dict; raises ValueError naming the unknown or malformed ones."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"tokenization_kwargs must be a dict, got {type(kwargs).__name__}.")
+    unknown = sorted(k for k in kwargs if k not in TOKENIZATION_KWARGS)
+    if unknown:
+        raise ValueError(f"tokenization_kwargs: unknown key(s) {unknown}; tokenmill accepts "
+                         f"{sorted(TOKENIZATION_KWARGS)}.")
+    for key, value in kwargs.items():
+        if not isinstance(value, TOKENIZATION_KWARGS[key]) or (key == "max_length" and
+                                                                (isinstance(value, bool) or value < 1)):
+            want = "an integer >= 1" if key == "max_length" else "a bool"
+            raise ValueError(f"tokenization_kwargs[{key!r}] must be {want}, got {value!r}.")
+    if kwargs.get("truncation") and "max_length" not in kwargs:
+        raise ValueError("tokenization_kwargs: truncation=True needs max_length (the most prompt tokens to keep).")
+    return dict(kwargs)
+
 
 class Processor:
     """Tokenizes prompts and checks requests against the model (vocabulary, context length, logprob limits)."""
@@ -28,8 +52,11 @@ class Processor:
     # ----- prompts -----
     _PROMPT_KEYS = tuple(dict.fromkeys((*TextPrompt.__annotations__, *TokensPrompt.__annotations__)))
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Returns (prompt text or None, prompt token ids)."""
+    def tokenize_prompt(self, prompt: PromptType,
+                        tokenization_kwargs: dict[str, Any] | None = None) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, prompt token ids). tokenization_kwargs (check_tokenization_kwargs) go to the
+        tokenizer call for a text prompt; truncation keeps the prompt's end, as vLLM's generate does."""
+        tokenization_kwargs = check_tokenization_kwargs(tokenization_kwargs)
         if isinstance(prompt, dict):
             unknown = sorted(k for k in prompt if k not in self._PROMPT_KEYS)
             if unknown:
@@ -51,7 +78,7 @@ class Processor:
         if self.tokenizer is None:
             raise ValueError("skip_tokenizer_init=True: prompts must be given as token ids "
                              "({'prompt_token_ids': [...]}).")
-        return prompt, self.tokenizer.encode(prompt)
+        return prompt, self.tokenizer.encode(prompt, **tokenization_kwargs)
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         for t in ids:
@@ -124,7 +151,8 @@ class Processor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: float | None = None, priority: int = 0,
-                lora_request: Any = None) -> tuple[str | None, list[EngineCoreRequest]]:
+                lora_request: Any = None,
+                tokenization_kwargs: dict[str, Any] | None = None) -> tuple[str | None, list[EngineCoreRequest]]:
         """Returns the prompt text and one EngineCoreRequest per sample (n > 1 fans out into n children)."""
         if lora_request is not None:
             self.check_lora(lora_request)
@@ -133,7 +161,7 @@ class Processor:
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise ValueError("A request priority was given but scheduling_policy is 'fcfs'; use "
                              "scheduling_policy='priority'.")
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids = self.tokenize_prompt(prompt, tokenization_kwargs)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}.")

@@ -91,11 +91,15 @@ class LLM:
     # ----- generation -----
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool | Callable[..., Any] = True, priority: list[int] | None = None,
-                 lora_request: Any = None) -> list[RequestOutput]:
+                 lora_request: Any = None,
+                 tokenization_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. prompts: a str, a dict, a list of token ids, or a list of
         those. lora_request: one LoRARequest for every prompt, or a list with one (or None) per prompt. use_tqdm:
         show a progress bar; a callable (e.g. a tqdm subclass or functools.partial(tqdm, ...)) makes it, as in
-        vLLM."""
+        vLLM. tokenization_kwargs: arguments of the tokenizer call for text prompts (truncation, max_length,
+        add_special_tokens; engine/processor.py); truncation keeps a prompt's end, as in vLLM."""
+        from tokenmill.engine.processor import check_tokenization_kwargs
+        tokenization_kwargs = check_tokenization_kwargs(tokenization_kwargs)
         prompt_list = self._as_prompt_list(prompts)
         params = self._params_for(prompt_list, sampling_params)
         if priority is not None and len(priority) != len(prompt_list):
@@ -103,7 +107,7 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompt_list)
         if len(loras) != len(prompt_list):
             raise ValueError(f"lora_request has {len(loras)} entries for {len(prompt_list)} prompts.")
-        return self._run(prompt_list, params, priority, use_tqdm, loras)
+        return self._run(prompt_list, params, priority, use_tqdm, loras, tokenization_kwargs)
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -111,9 +115,12 @@ class LLM:
              chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-             lora_request: Any = None) -> list[RequestOutput]:
+             lora_request: Any = None, tokenization_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Render each conversation with the chat template, then generate. Accepts one conversation or a list;
-        lora_request as in generate()."""
+        lora_request and tokenization_kwargs as in generate() (the rendered text adds no special tokens unless
+        tokenization_kwargs says add_special_tokens=True)."""
+        from tokenmill.engine.processor import check_tokenization_kwargs
+        encode_kwargs = {"add_special_tokens": False, **check_tokenization_kwargs(tokenization_kwargs)}
         if not isinstance(messages, (list, tuple)):
             raise ValueError("messages must be a conversation (a list of message dicts such as "
                              "{'role': 'user', 'content': '...'}) or a list of conversations, got "
@@ -133,7 +140,7 @@ class LLM:
                                continue_final_message=continue_final_message, tools=tools,
                                chat_template_kwargs=chat_template_kwargs)
             # The template already carries BOS and other special tokens.
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, **encode_kwargs)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Any, params: "BeamSearchParams", *, use_tqdm: bool = False,
@@ -179,7 +186,8 @@ class LLM:
         return sp
 
     def _run(self, prompts: list, params: list[SamplingParams], priority: list[int] | None,
-             use_tqdm: bool | Callable[..., Any], loras: list | None = None) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., Any], loras: list | None = None,
+             tokenization_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         from tokenmill.entrypoints import best_of
         engine = self.llm_engine
         ids = []
@@ -195,7 +203,8 @@ class LLM:
                     so.disable_additional_properties |= self.structured_outputs_config.disable_additional_properties
                 rid = str(next(self._counter))
                 engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0,
-                                   lora_request=loras[i] if loras else None)
+                                   lora_request=loras[i] if loras else None,
+                                   tokenization_kwargs=tokenization_kwargs)
                 ids.append(rid)
                 if pick is not None:
                     picks[rid] = pick

@@ -114,5 +114,9 @@ def load_tokenizer(model_config):
     mc = model_config
     if mc.skip_tokenizer_init:
         return None
-    return get_tokenizer(mc.resolved, tokenizer=mc.tokenizer, tokenizer_mode=mc.tokenizer_mode,
-                         trust_remote_code=mc.trust_remote_code, revision=mc.tokenizer_revision or mc.revision)
+    tok = get_tokenizer(mc.resolved, tokenizer=mc.tokenizer, tokenizer_mode=mc.tokenizer_mode,
+                        trust_remote_code=mc.trust_remote_code, revision=mc.tokenizer_revision or mc.revision)
+    # A generative model's prompt truncated (tokenization_kwargs truncation / max_length) keeps its end, as vLLM
+    # loads its tokenizer for the generate runner.
+    tok.truncation_side = "left"
+    return tok
