@@ -176,6 +176,20 @@ def test_required_tool_calls_stream_each_call_when_its_item_closes():
     assert [json.loads(c["function"]["arguments"]) for c in parse_required_calls(short)] == [
         {"city": 'Pa}ris "[x]"', "days": 3}]
     assert len(ForcedToolStream(None).feed(short).tool_calls) == 1
+    # Cut inside the second call's arguments: that call comes too, with the raw arguments generated so far.
+    at = REQUIRED_OUT.index("Oslo") + 2
+    whole = parse_required_calls(REQUIRED_OUT[:at])
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole[1:]] == [
+        ("get_weather", '{"city": "Os')]
+    st = ForcedToolStream(None)
+    streamed = st.feed(REQUIRED_OUT[:at]).tool_calls + st.finish().tool_calls
+    assert [c["index"] for c in streamed] == [0, 1]
+    assert [c["function"] for c in streamed] == [c["function"] for c in whole]
+    # Cut before the parameters begin: no call to return yet; cut just before the item's last brace: the call is
+    # whole and its arguments parse.
+    assert parse_required_calls(REQUIRED_OUT[:at - 20])[1:] == []
+    last = parse_required_calls(REQUIRED_OUT[:-2])[1]["function"]
+    assert json.loads(last["arguments"]) == {"city": "Oslo {"}
 
 
 def test_required_tool_calls_whole_and_streamed(make_client, scripted):
@@ -186,6 +200,40 @@ def test_required_tool_calls_whole_and_streamed(make_client, scripted):
     assert whole == [("get_weather", {"city": 'Pa}ris "[x]"', "days": 3}), ("get_weather", {"city": "Oslo {"})]
     assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == whole
     assert all(calls[i]["id"] for i in calls) and content == ""
+
+
+@pytest.mark.parametrize("choice, answer", [
+    ("required", '[{"name":"get_weather","parameters":{"city":"Paris","days":3}}]'),
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city":"Paris","days":3}')])
+def test_forced_tool_call_cut_by_max_tokens_returns_what_was_generated(detok_client, smollm2_tokenizer, choice,
+                                                                       answer):
+    """A forced call cut off by max_tokens comes back as OpenAI returns it: the call with its incomplete
+    arguments and finish_reason "length" (it was no content, tool_calls [] for "required"); streamed alike."""
+    oai = detok_client([answer])
+    kw = dict(model="fake-model", messages=MSGS, tools=TOOLS, tool_choice=choice)
+    cut = answer.index("Paris") + 3
+    max_tokens = len(smollm2_tokenizer.encode(answer[:cut], add_special_tokens=False))
+    one = oai.chat.completions.create(max_tokens=max_tokens, **kw).choices[0]
+    assert one.finish_reason == "length" and not one.message.content
+    (tc,) = one.message.tool_calls
+    text = smollm2_tokenizer.decode(smollm2_tokenizer.encode(answer, add_special_tokens=False)[:max_tokens])
+    want_args = text[text.index('"parameters":') + len('"parameters":'):] if choice == "required" else text
+    assert tc.function.name == "get_weather" and tc.id and tc.function.arguments == want_args
+    assert want_args.startswith('{"city":"Pa') and not want_args.endswith("}")
+    name, args, ids, finish = "", "", set(), None
+    for chunk in oai.chat.completions.create(stream=True, max_tokens=max_tokens, **kw):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                assert d.index == 0
+                ids |= {d.id} if d.id else set()
+                name += d.function.name or ""
+                args += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert (name, args, finish, len(ids)) == ("get_weather", want_args, "length", 1)
+    # Not cut: the complete call, finish_reason as before.
+    done = oai.chat.completions.create(max_tokens=100, **kw).choices[0]
+    assert done.finish_reason == ("tool_calls" if choice == "required" else "stop")
+    assert json.loads(done.message.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +135,35 @@ class _ArrayItems:
                 self.depth -= 1
         return done
 
+    @property
+    def open_item(self) -> str | None:
+        """The text of the top-level object still open (cut short), or None."""
+        return self.text[self.start:] if self.start >= 0 else None
+
+
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(.*)', re.DOTALL)
+
+
+def truncated_required_call(item: str | None) -> dict[str, Any] | None:
+    """A "required" list item cut short (max_tokens, a stop string) -> the tool_calls entry of what was generated:
+    its name and the raw, possibly incomplete, parameters text as the arguments, as vLLM streams such a call and
+    OpenAI returns it. None until the name is complete and the parameters have begun (nothing to call yet)."""
+    if not item:
+        return None
+    with contextlib.suppress(ValueError):  # only the item's closing brace is missing
+        obj = json.loads(item + "}")
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and "parameters" in obj:
+            return tool_call_json(ToolCall(name=obj["name"], arguments=json.dumps(obj["parameters"],
+                                                                                 ensure_ascii=False)))
+    m = _CALL_HEAD.match(item)
+    if m is None:
+        return None
+    try:
+        name = json.loads(m.group(1))
+    except ValueError:
+        return None
+    return tool_call_json(ToolCall(name=name, arguments=m.group(2)))
+
 
 class ForcedToolStream:
     """Streaming for forced tool calls: a named call streams its arguments as they come; "required" (a JSON
@@ -174,31 +204,44 @@ class ForcedToolStream:
         piece.reasoning = d.reasoning if self.include_reasoning else ""
         return piece
 
+    def _cut_call(self, piece: StreamPiece) -> StreamPiece:
+        # Every complete "required" call went out as its item closed; one cut short (max_tokens) goes out now with
+        # what was generated of it, as parse_required_calls returns it.
+        if self.name is None:
+            call = truncated_required_call(self.items.open_item)
+            if call is not None:
+                piece.tool_calls.append({"index": self.count, "id": call["id"], "type": "function",
+                                         "function": call["function"]})
+                self.count += 1
+        return piece
+
     def finish(self) -> StreamPiece:
-        # A "required" item cut short is dropped: every complete call went out as its item closed.
         if self.reasoning is None:
-            return self._calls("", final=True)
+            return self._cut_call(self._calls("", final=True))
         d = self.reasoning.finish()
-        piece = self._calls(d.content, final=True)
+        piece = self._cut_call(self._calls(d.content, final=True))
         piece.reasoning = d.reasoning if self.include_reasoning else ""
         return piece
 
 
 def parse_required_calls(text: str) -> list[dict[str, Any]]:
     """The JSON list a "required" tool choice produced -> tool_calls entries. Output cut short (max_tokens) keeps
-    its complete items, as streaming does."""
+    its complete items and the call it was cut in (name and partial arguments text), as streaming does."""
+    cut = None
     try:
         items = json.loads(text)
     except ValueError:
-        items = []
-        for item in _ArrayItems().feed(text):
+        items, scan = [], _ArrayItems()
+        for item in scan.feed(text):
             with contextlib.suppress(ValueError):
                 items.append(json.loads(item))
+        cut = truncated_required_call(scan.open_item)
     if not isinstance(items, list):
         return []
-    return [tool_call_json(ToolCall(name=i["name"], arguments=json.dumps(i.get("parameters", {}),
-                                                                       ensure_ascii=False)))
-            for i in items if isinstance(i, dict) and "name" in i]
+    calls = [tool_call_json(ToolCall(name=i["name"], arguments=json.dumps(i.get("parameters", {}),
+                                                                        ensure_ascii=False)))
+             for i in items if isinstance(i, dict) and "name" in i]
+    return calls + [cut] if cut is not None else calls
 
 
 class RequestParsing:
