@@ -126,6 +126,14 @@ _VARIABLES: dict[str, _Var] = {
     "VLLM_MAX_N_SEQUENCES": _Var(int, 16384),
     # vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: the routes answer 404).
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": _Var(bool, False),
+    # vLLM's torch-profiler variables: LLM.start_profile() / stop_profile() write one trace per worker to
+    # VLLM_TORCH_PROFILER_DIR (unset: profiling is off and start_profile() says so); the others choose what the
+    # traces record (tokenmill/worker/profiler.py).
+    "VLLM_TORCH_PROFILER_DIR": _str(),
+    "VLLM_TORCH_PROFILER_RECORD_SHAPES": _Var(bool, False),
+    "VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY": _Var(bool, False),
+    "VLLM_TORCH_PROFILER_WITH_STACK": _Var(bool, True),
+    "VLLM_TORCH_PROFILER_WITH_FLOPS": _Var(bool, False),
     # Triton's CPU interpreter, as Triton reads it: the kernels take their interpreter-only branches.
     "TRITON_INTERPRET": _Var(bool, False, lenient=True),
     # Where Triton keeps compiled kernels (None: its default, ~/.triton/cache); `tokenmill bench profile` counts the

@@ -81,6 +81,7 @@ class EngineCore:
         self.max_batches_in_flight = 0  # the most batches ever in flight at once (observability, tests)
         self.last_scheduled: SchedulerOutput | None = None  # the latest batch (slow-step diagnostics)
         self._loras_seen: set[tuple[int, str]] = set()  # adapters the workers were asked to prefetch
+        self._profiling = False  # the workers' torch profilers are running (start_profile)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(request)
@@ -214,3 +215,19 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    # ----- torch profiler (worker/profiler.py); checked here: a worker raising inside a collective call would stop
+    # a multi-process engine -----
+    def start_profile(self) -> None:
+        from tokenmill.worker.profiler import profiler_dir
+        profiler_dir()
+        if self._profiling:
+            raise RuntimeError("The profiler is already running; call stop_profile() first.")
+        self.executor.collective_rpc("start_profile")
+        self._profiling = True
+
+    def stop_profile(self) -> None:
+        if not self._profiling:
+            raise RuntimeError("The profiler is not running; call start_profile() first.")
+        self._profiling = False
+        self.executor.collective_rpc("stop_profile")

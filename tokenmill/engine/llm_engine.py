@@ -125,6 +125,19 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def _core_method(self, name: str):
+        method = getattr(self.engine_core, name, None)
+        if method is None:
+            raise ValueError(f"{name}() is not supported with data parallelism (data_parallel_size > 1) by tokenmill "
+                             "yet.")
+        return method
+
+    def start_profile(self) -> None:
+        self._core_method("start_profile")()
+
+    def stop_profile(self) -> None:
+        self._core_method("stop_profile")()
+
     def get_metrics(self) -> list:
         """vLLM's offline metric records since the engine started: preemptions, the latest step's running /
         waiting requests and KV cache usage, and with speculation the vllm:spec_decode_* counters (the API server's

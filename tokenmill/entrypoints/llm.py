@@ -84,6 +84,16 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """Start the torch profiler on every worker (vLLM's): traces go to VLLM_TORCH_PROFILER_DIR, which must be
+        set (RuntimeError otherwise); VLLM_TORCH_PROFILER_RECORD_SHAPES / _WITH_STACK / _WITH_PROFILE_MEMORY /
+        _WITH_FLOPS choose what they record."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop the profiler started by start_profile(); each worker writes its trace (rank<N>.*.pt.trace.json.gz)."""
+        self.llm_engine.stop_profile()
+
     def get_metrics(self) -> list:
         """vLLM's offline metrics records (name, labels, value / values): the speculative-decoding counters."""
         return self.llm_engine.get_metrics()

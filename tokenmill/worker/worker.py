@@ -82,6 +82,8 @@ class Worker:
                 ps.tp_fast_all_reduce = enable_symmetric_all_reduce(ps.tp_group, ps.tp_cpu_group, self.device)
         torch.manual_seed(config.model_config.seed)
         self.runner = ModelRunner(config, self.device)
+        from tokenmill.worker.profiler import WorkerProfiler
+        self.profiler = WorkerProfiler(rank, self.device)
         ps = self.parallel_state
         self.pp = ps.pp_size > 1
         self.broadcast_output = self.pp and pc.distributed_executor_backend == "external_launcher"
@@ -241,6 +243,12 @@ class Worker:
             return BroadcastOutput(self.parallel_state, out if self.rank == output_rank(self.parallel_state)
                                    else None)
         return handle
+
+    def start_profile(self) -> None:
+        self.profiler.start()
+
+    def stop_profile(self) -> None:
+        self.profiler.stop()
 
     def close(self) -> None:
         """Release the result socket (sends still queued there get a second to leave)."""
