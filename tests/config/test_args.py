@@ -198,11 +198,15 @@ def test_not_yet_supported_flags_fail_clearly(capsys):
     for cmd, said in (("--enable-tower-connector-lora", "`enable_tower_connector_lora=True` "
                        "(--enable-tower-connector-lora)"),
                       ("""--kv-transfer-config '{"kv_connector": "x"}'""", "(--kv-transfer-config)"),
-                      ("--enable-sleep-mode", "(--enable-sleep-mode)"),
                       ("--specialize-active-lora", "`specialize_active_lora=True` (--specialize-active-lora)"),
                       ("--kv-offloading-size 10", "(--kv-offloading-size)"),
                       ("--limit-mm-per-prompt.image 10", "(--limit-mm-per-prompt)")):
         assert f"{said} is not supported yet by tokenmill" in fails(cmd, capsys), cmd
+
+
+def test_enable_sleep_mode_is_a_flag():
+    """Sleep mode (LLM.sleep / wake_up, worker/sleep.py) is a ModelConfig field now, as in vLLM."""
+    assert parse("--enable-sleep-mode")[0] == {"enable_sleep_mode": True}
 
 
 def test_vllm_compilation_flags_parse():

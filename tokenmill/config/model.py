@@ -82,6 +82,8 @@ class ModelConfig:
                    "FlashAttention backend may choose) is not a feature of tokenmill's attention backends, as vLLM's "
                    "other backends ignore this flag too.")
     enable_prompt_embeds: bool = config_field(False, help="Accept prompt embeddings (not supported yet).")
+    enable_sleep_mode: bool = config_field(
+        False, help="Let the engine sleep and release device memory (LLM.sleep / wake_up; worker/sleep.py).")
     # vLLM's MultiModalConfig options. vLLM reads them only for a multimodal model; every model tokenmill runs is
     # text-only (models/registry.py), so their values are checked and change nothing, as in vLLM for such a model.
     mm_processor_cache_type: str = config_field(

@@ -66,7 +66,6 @@ NOT_YET_SUPPORTED: dict[str, NotYetSupported] = {
     "config_format": _n("str", "auto", "Format of the model config (auto, hf, mistral).", ok=("hf",)),
     "hf_token": _n("str", None, "Hugging Face token for remote files (tokenmill never downloads).", ok=(False,)),
     "pooler_config": _n("json", None, "Pooling settings for embedding models."),
-    "enable_sleep_mode": _n("bool", False, "Let the engine sleep and release GPU memory."),
     "model_impl": _n("str", "auto", "Model implementation (auto, vllm, transformers, terratorch).", ok=("vllm",)),
     "override_attention_dtype": _n("str", None, "Dtype override for attention."),
     "logits_processors": _n("list", None, "Custom logits processor classes."),

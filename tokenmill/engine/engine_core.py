@@ -82,8 +82,10 @@ class EngineCore:
         self.last_scheduled: SchedulerOutput | None = None  # the latest batch (slow-step diagnostics)
         self._loras_seen: set[tuple[int, str]] = set()  # adapters the workers were asked to prefetch
         self._profiling = False  # the workers' torch profilers are running (start_profile)
+        self.sleeping: set[str] = set()  # the workers' parts asleep (worker/sleep.py): "weights", "kv_cache"
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_awake()
         self.scheduler.add_request(request)
         self._prefetch_lora(request)
 
@@ -96,6 +98,7 @@ class EngineCore:
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """The n sequences of one user request (the data-parallel stand-in keeps them on one engine)."""
+        self._check_awake()
         for request in requests:
             self.scheduler.add_request(request)
             self._prefetch_lora(request)
@@ -215,6 +218,56 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    # ----- sleep mode (worker/sleep.py); checked here, before the workers are asked -----
+    def _check_enabled(self, what: str) -> None:
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError(f"{what} needs sleep mode: start the engine with enable_sleep_mode=True "
+                             "(--enable-sleep-mode), as in vLLM.")
+
+    def _check_awake(self) -> None:
+        if self.sleeping:
+            raise RuntimeError(f"The engine is sleeping ({' and '.join(sorted(self.sleeping))} released): call "
+                               "wake_up() before generating.")
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: weights to host memory, KV cache discarded; level 2: both discarded. The prefix cache is
+        reset (its blocks are gone). Requests must have finished."""
+        self._check_enabled("sleep()")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (weights kept in host memory) or 2 (weights discarded), got "
+                             f"{level!r}.")
+        if self.sleeping:
+            logger.warning("sleep(): the engine is already sleeping (%s).", ", ".join(sorted(self.sleeping)))
+            return
+        if self.has_unfinished_requests():
+            raise RuntimeError("sleep() with requests still running: let them finish or abort them first.")
+        self.executor.collective_rpc("sleep", level)
+        self.sleeping = {"weights", "kv_cache"}
+        if not self.scheduler.reset_prefix_cache():
+            logger.warning("sleep(): the prefix cache could not be reset (blocks still in use).")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the parts named in tags ("weights", "kv_cache"; None: both). After level 2 the weights come
+        back uninitialised: load or sync them before generating."""
+        from tokenmill.worker.sleep import PARTS
+        self._check_enabled("wake_up()")
+        if isinstance(tags, str):
+            tags = [tags]
+        wanted = list(PARTS) if tags is None else list(tags)
+        unknown = sorted({str(t) for t in wanted} - set(PARTS))
+        if unknown:
+            raise ValueError(f"wake_up(tags=...): unknown tag(s) {unknown}; the parts are {list(PARTS)}.")
+        if not self.sleeping:
+            logger.warning("wake_up(): the engine is not sleeping.")
+            return
+        wanted = [t for t in PARTS if t in wanted and t in self.sleeping]
+        if wanted:
+            self.executor.collective_rpc("wake_up", wanted)
+            self.sleeping -= set(wanted)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping)
 
     # ----- torch profiler (worker/profiler.py); checked here: a worker raising inside a collective call would stop
     # a multi-process engine -----

@@ -132,6 +132,15 @@ class LLMEngine:
                              "yet.")
         return method
 
+    def sleep(self, level: int = 1) -> None:
+        self._core_method("sleep")(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._core_method("wake_up")(tags)
+
+    def is_sleeping(self) -> bool:
+        return self._core_method("is_sleeping")()
+
     def start_profile(self) -> None:
         self._core_method("start_profile")()
 

@@ -84,6 +84,21 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    # ----- sleep mode (vLLM's; tokenmill/worker/sleep.py): needs LLM(..., enable_sleep_mode=True) -----
+    def sleep(self, level: int = 1) -> None:
+        """Release the device memory of the weights and the KV cache between uses (RL rollouts): level 1 keeps the
+        weights in host memory, level 2 discards them (load or sync them after waking). The KV cache and the
+        prefix cache are discarded at both levels. Generating while asleep is a RuntimeError."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: tags ["weights"] or ["kv_cache"] wake one part (None: both)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while any part sleeps."""
+        return self.llm_engine.is_sleeping()
+
     def start_profile(self) -> None:
         """Start the torch profiler on every worker (vLLM's): traces go to VLLM_TORCH_PROFILER_DIR, which must be
         set (RuntimeError otherwise); VLLM_TORCH_PROFILER_RECORD_SHAPES / _WITH_STACK / _WITH_PROFILE_MEMORY /

@@ -76,6 +76,13 @@ class Proposer:
     def profile_run(self, num_tokens: int) -> None:
         pass
 
+    def release_kv_cache(self) -> None:
+        """Drop a drafter's KV cache and the graphs that point into it (sleep mode); initialize_kv_cache makes
+        them again."""
+        for name in ("kv_caches", "graphs"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+
 
 class NgramProposer(Proposer):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from prompt_lookup_max

@@ -200,6 +200,17 @@ class ModelRunner:
                                                if recurrent is None else None, layer_group=layer_group)
             self.cuda_graphs.capture()
 
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache, the recurrent state and everything that points into them (the CUDA graphs, the
+        drafter's cache, the last step's handles); `initialize_kv_cache` builds them again. No request may be
+        running."""
+        self.cuda_graphs = None
+        self.kv_caches = []
+        self.state_cache = None
+        self._step = self._last_output = self._prev_sampled = None
+        if self.proposer is not None:
+            self.proposer.release_kv_cache()
+
     def cuda_graph_output_bytes(self) -> int:
         """Device memory the CUDA graphs will keep for their logits, one buffer all of them share (allocated after
         the KV cache is sized)."""

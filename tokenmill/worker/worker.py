@@ -84,6 +84,9 @@ class Worker:
         self.runner = ModelRunner(config, self.device)
         from tokenmill.worker.profiler import WorkerProfiler
         self.profiler = WorkerProfiler(rank, self.device)
+        from tokenmill.worker.sleep import SleepState
+        self._num_blocks: int | tuple[int, ...] | None = None
+        self.sleep_state = SleepState(self.runner, lambda: self.runner.initialize_kv_cache(self._num_blocks))
         ps = self.parallel_state
         self.pp = ps.pp_size > 1
         self.broadcast_output = self.pp and pc.distributed_executor_backend == "external_launcher"
@@ -218,6 +221,16 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        self._num_blocks = num_blocks  # sleep mode builds the same cache again on waking
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the weights' and the KV cache's device memory (worker/sleep.py); no request may be running."""
+        self.sleep_state.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of the parts named ("weights", "kv_cache"; None: both)."""
+        from tokenmill.worker.sleep import PARTS
+        self.sleep_state.wake_up(list(PARTS if tags is None else tags))
 
     def prefetch_lora(self, lora) -> None:
         """Start reading a LoRA adapter into the host cache in the background (see lora/manager.py)."""
