@@ -235,8 +235,15 @@ def test_text_formats_reach_sampling_params(make_client):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools[0].parameters"),
+    # tools without tool_choice mean "auto", which needs --enable-auto-tool-choice --tool-call-parser (as on chat)
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
@@ -247,7 +254,9 @@ def test_text_formats_reach_sampling_params(make_client):
     ({"input": [{"role": "user", "content": [
         {"type": "input_text", "text": "what is this?"},
         {"type": "input_image", "image_url": "https://example.com/a.png"}]}]}, "input[0].content[1].type"),
-    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": "42"}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "output": "42"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f"}]}, "input[0].arguments"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": []}, "input"),
 ])
@@ -287,3 +296,102 @@ def test_disconnect_aborts(smollm2_tokenizer):
     for i, stream in enumerate((False, True)):
         post_then_disconnect(app, "/v1/responses", {"input": "a b c", "max_output_tokens": 100, "stream": stream})
         assert len(engine.aborted) == i + 1 and not engine.running
+
+
+# ----- function tools -----
+FN_TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+def _events(stream) -> tuple[list, dict]:
+    """The SDK's events (sequence numbers checked) and, per function_call item id, its concatenated deltas."""
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas: dict[str, str] = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            deltas[e.item_id] = deltas.get(e.item_id, "") + e.delta
+    return events, deltas
+
+
+def test_auto_tool_call_through_the_servers_parser(detok_client):
+    """tools + the server's --tool-call-parser: the text is a message item, the call a function_call item, whole
+    and streamed (output_item.added, function_call_arguments.delta / .done, output_item.done) alike."""
+    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    oai = detok_client([text], enable_auto_tool_choice=True, tool_call_parser="hermes")
+    r = oai.responses.create(model="fake-model", input="Weather in Paris?", tools=FN_TOOLS)
+    assert r.status == "completed" and [o.type for o in r.output] == ["message", "function_call"]
+    assert r.output[0].content[0].text == "Sure." and r.tools[0].name == "get_weather"
+    call = r.output[1]
+    assert (call.name, json.loads(call.arguments), call.status) == ("get_weather", {"city": "Paris"}, "completed")
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    events, deltas = _events(oai.responses.create(model="fake-model", input="Weather in Paris?", tools=FN_TOOLS,
+                                                  stream=True))
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == ["message", "function_call"] and added[1].name == "get_weather"
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == deltas[done.item_id] == call.arguments and done.output_index == 1
+    final = events[-1]
+    assert final.type == "response.completed"
+    assert [(o.type, getattr(o, "arguments", None)) for o in final.response.output] == [
+        ("message", None), ("function_call", call.arguments)]
+    kinds = [e.type for e in events]
+    assert kinds.index("response.function_call_arguments.done") < len(kinds) - 2
+    assert kinds[-2] == "response.output_item.done"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_forced_tool_choice_uses_the_call_grammar(make_client, smollm2_tokenizer, choice):
+    from tests.entrypoints.openai.conftest import DetokEngine
+    answer = '{"city":"Paris"}' if isinstance(choice, dict) else '[{"name":"get_weather","parameters":{"city":"Paris"}}]'
+    engine = DetokEngine(smollm2_tokenizer, [smollm2_tokenizer.encode(answer, add_special_tokens=False) + [2]])
+    c, _ = make_client(engine)
+    oai = sdk(c)
+    r = oai.responses.create(model="fake-model", input="Weather?", tools=FN_TOOLS, tool_choice=choice)
+    assert engine.calls[-1][1].structured_outputs.json is not None  # the chat route's forced-call grammar
+    assert [(o.type, o.name, json.loads(o.arguments)) for o in r.output] == [
+        ("function_call", "get_weather", {"city": "Paris"})]
+    assert r.status == "completed"
+    assert (r.tool_choice if isinstance(choice, str) else r.tool_choice.model_dump(exclude_none=True)) == choice
+    events, deltas = _events(oai.responses.create(model="fake-model", input="Weather?", tools=FN_TOOLS,
+                                                  tool_choice=choice, stream=True))
+    assert json.loads("".join(deltas.values())) == {"city": "Paris"}
+    assert events[-1].response.output[0].arguments == "".join(deltas.values())
+    # cut off by max_output_tokens: incomplete, with the call's partial arguments (as on chat)
+    r = oai.responses.create(model="fake-model", input="Weather?", tools=FN_TOOLS, tool_choice=choice,
+                             max_output_tokens=len(smollm2_tokenizer.encode(answer[:-4], add_special_tokens=False)))
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    (item,) = r.output
+    assert item.type == "function_call" and item.status == "incomplete" and item.arguments.startswith('{"city":"P')
+    assert not item.arguments.endswith("}")
+
+
+def test_tool_choice_none_and_function_call_output_round_trip(make_client, smollm2_tokenizer):
+    """A follow-up request sends the call and its result back: they render as the assistant's tool call and a tool
+    message (the call's name found by call_id)."""
+    from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
+    from tokenmill.entrypoints.openai.serving_responses import input_messages
+    req = ResponsesRequest(input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}',
+         "id": "fc_1", "status": "completed"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "22 C and sunny"}])
+    msgs = input_messages(req)
+    assert msgs[1:] == [
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me check."}], "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C and sunny", "name": "get_weather"}]
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.content or '' }}{% for t in m.tool_calls or [] %}"
+                "[{{ t.id }} {{ t.function.name }} {{ t.function.arguments.city }}]{% endfor %}"
+                "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}|{% endfor %}")
+    c, engine = make_client(StoppingEngine(smollm2_tokenizer), chat_template=template)
+    r = sdk(c).responses.create(model="fake-model", input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "22 C and sunny"}],
+        tools=FN_TOOLS, tool_choice="none")
+    assert r.status == "completed" and r.output[0].type == "message"
+    prompt = engine.calls[-1][0]["prompt"]
+    assert prompt == "user:Weather in Paris?|assistant:[call_1 get_weather Paris]|tool:22 C and sunny(call_1)|"

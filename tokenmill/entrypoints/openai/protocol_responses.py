@@ -1,4 +1,5 @@
-"""Request and response models of OpenAI's Responses API (POST /v1/responses), text generation only.
+"""Request and response models of OpenAI's Responses API (POST /v1/responses): text generation and function
+tools.
 
 Like the chat and completion models, unknown request fields are accepted and logged (see OpenAIBaseModel). The
 Responses fields that would change the result but that tokenmill cannot honour are declared, so that setting them is
@@ -33,15 +34,17 @@ class ResponsesRequest(OpenAIBaseModel):
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     seed: Optional[int] = Field(None, ge=_LONG_MIN, le=_LONG_MAX)  # a vLLM extra, as on the chat route
-    # Hints that change nothing here: no tools run, and the prefix cache works without a key.
+    # Function tools: the model's calls come back as function_call items (the server runs no tool).
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
+    # Hints that change nothing here: max_tool_calls bounds built-in tools (there are none), and the prefix cache
+    # works without a key.
     max_tool_calls: Optional[int] = None
     service_tier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     # Fields tokenmill cannot honour: setting them is a 400.
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
     previous_response_id: Optional[str] = None
     conversation: Optional[Union[str, dict[str, Any]]] = None
     background: Optional[bool] = None
@@ -62,11 +65,6 @@ class ResponsesRequest(OpenAIBaseModel):
         if self.background:
             bad.append(("background", "background responses must be stored to be fetched later, and tokenmill "
                                       "keeps no responses"))
-        if self.tools:
-            bad.append(("tools", "tools are not supported yet on /v1/responses (use /v1/chat/completions)"))
-        if self.tool_choice not in (None, "auto", "none"):
-            bad.append(("tool_choice", f"{self.tool_choice!r} needs tools, which /v1/responses does not support "
-                                       "yet"))
         for key, value in (self.reasoning or {}).items():
             if value is not None:
                 bad.append(("reasoning", f"reasoning.{key}={value!r} is not supported by tokenmill (the model "

@@ -7,11 +7,17 @@ Contract of `OpenAIServingResponses`:
   max_completion_tokens, text.format -> response_format, temperature, top_p, seed, user) and OpenAIServingChat runs
   it: chat template, generation-config defaults, structured outputs, reasoning parser and length checks are exactly
   the chat route's. Its errors come back with the Responses field names.
-- Nothing is stored. Fields that would change the result but cannot be honoured (tools, previous_response_id,
-  reasoning effort, background, non-text input items, ...) are a 400 naming the field, never ignored.
-- Output: a `reasoning` item when the server's reasoning parser split some off, then one assistant `message` with one
-  `output_text` part. A response cut short by the token limit is `incomplete` (reason max_output_tokens); its stream
-  ends with `response.incomplete`, as OpenAI's does, otherwise with `response.completed`.
+- Function tools (flat Responses shape) become chat tools and tool_choice the chat tool_choice, so calls are parsed
+  by the chat route's machinery: the server's --tool-call-parser for "auto", the forced-call grammar for "required"
+  or a named function. Input items `function_call` / `function_call_output` become the assistant's tool_calls and
+  `tool` messages, so a client can send a tool's result back.
+- Nothing is stored. Fields that would change the result but cannot be honoured (previous_response_id, reasoning
+  effort, background, non-function tools, non-text input items, ...) are a 400 naming the field, never ignored.
+- Output: a `reasoning` item when the server's reasoning parser split some off, then an assistant `message` with one
+  `output_text` part (when there is text, or nothing else), then one `function_call` item per call. A response cut
+  short by the token limit is `incomplete` (reason max_output_tokens) and so is its last item (a call cut short
+  keeps its partial arguments); its stream ends with `response.incomplete`, as OpenAI's does, otherwise with
+  `response.completed`.
 - Streaming turns each chat chunk into at most a few events (one JSON parse, one dump); the text is kept as pieces
   and joined once per item.
 """
@@ -44,37 +50,115 @@ def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(request.input, str):
         messages.append({"role": "user", "content": request.input})
         return messages
+    call_names: dict[str, str] = {}
     for i, item in enumerate(request.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        if kind == "function_call":
+            call = _function_call_input(item, where)
+            call_names[call["id"]] = call["function"]["name"]
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # one assistant turn: its text, then its calls
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ServingError(f"{where}.call_id must be the call_id of the function_call it answers.", 400,
+                                   f"{where}.call_id")
+            tool_msg = {"role": "tool", "tool_call_id": call_id,
+                        "content": _text_content(item.get("output"), f"{where}.output")}
+            if call_id in call_names:
+                tool_msg["name"] = call_names[call_id]
+            messages.append(tool_msg)
+            continue
         if kind != "message":
             raise ServingError(f"{where}: input items of type {kind!r} are not supported by tokenmill (only "
-                               "messages with text content).", 400, f"{where}.type")
+                               "messages with text content, function_call and function_call_output).", 400,
+                               f"{where}.type")
         role = item.get("role")
         if role not in _ROLES:
             raise ServingError(f"{where}.role must be one of user, system, developer, assistant; got {role!r}.",
                                400, f"{where}.role")
-        content = item.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                ptype = part.get("type") if isinstance(part, dict) else None
-                if ptype not in _TEXT_PARTS:
-                    raise ServingError(f"{where}.content[{j}]: content of type {ptype!r} is not supported by "
-                                       "tokenmill (text only: input_text, output_text).", 400,
-                                       f"{where}.content[{j}].type")
-                if not isinstance(part.get("text"), str):
-                    raise ServingError(f"{where}.content[{j}].text must be a string.", 400,
-                                       f"{where}.content[{j}].text")
-                parts.append({"type": "text", "text": part["text"]})
-            content = parts  # the chat template's content format decides how parts are joined, as for chat
-        elif not isinstance(content, str):
-            raise ServingError(f"{where}.content must be a string or a list of input_text parts.", 400,
-                               f"{where}.content")
-        messages.append({"role": _ROLES[role], "content": content})
+        messages.append({"role": _ROLES[role], "content": _text_content(item.get("content"), f"{where}.content")})
     if not messages:
         raise ServingError("input must contain at least one message.", 400, "input")
     return messages
+
+
+def _text_content(content: Any, where: str) -> str | list[dict[str, str]]:
+    """A string, or a list of input_text / output_text parts -> chat content (text parts)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ServingError(f"{where} must be a string or a list of input_text parts.", 400, where)
+    parts = []
+    for j, part in enumerate(content):
+        ptype = part.get("type") if isinstance(part, dict) else None
+        if ptype not in _TEXT_PARTS:
+            raise ServingError(f"{where}[{j}]: content of type {ptype!r} is not supported by tokenmill (text only: "
+                               "input_text, output_text).", 400, f"{where}[{j}].type")
+        if not isinstance(part.get("text"), str):
+            raise ServingError(f"{where}[{j}].text must be a string.", 400, f"{where}[{j}].text")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts  # the chat template's content format decides how parts are joined, as for chat
+
+
+def _function_call_input(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """An earlier function_call output item sent back -> a chat tool_calls entry (its call_id is the call's id)."""
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
+            raise ServingError(f"{where}.{key} must be a {'' if key == 'arguments' else 'non-empty '}string (a "
+                               "function_call item as the response returned it).", 400, f"{where}.{key}")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools ({"type": "function", "name", "description", "parameters", "strict"}, flat) -> the
+    chat route's tools; any other tool type is a 400 naming it."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise ServingError(f"{where}.type {kind!r} is not supported by tokenmill (only function tools: the "
+                               "server runs no built-in tools).", 400, f"{where}.type")
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            hint = (' (Responses tools are flat: {"type": "function", "name": ..., "parameters": ...}, not nested '
+                    'under "function" as in chat)') if "function" in tool else ""
+            raise ServingError(f"{where}.name must be a non-empty string{hint}.", 400, f"{where}.name")
+        fn: dict[str, Any] = {"name": name}
+        if tool.get("parameters") is not None:
+            if not isinstance(tool["parameters"], dict):
+                raise ServingError(f"{where}.parameters must be a JSON schema (an object).", 400,
+                                   f"{where}.parameters")
+            fn["parameters"] = tool["parameters"]
+        if tool.get("description") is not None:
+            if not isinstance(tool["description"], str):
+                raise ServingError(f"{where}.description must be a string.", 400, f"{where}.description")
+            fn["description"] = tool["description"]
+        if tool.get("strict") is not None:
+            fn["strict"] = tool["strict"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    """Responses tool_choice -> the chat route's ({"type": "function", "name": N} -> {"type": "function",
+    "function": {"name": N}})."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str) \
+            and choice["name"]:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ServingError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}; got '
+                       f"{choice!r}.", 400, "tool_choice")
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -123,15 +207,20 @@ def _usage(u: dict[str, Any] | None) -> dict[str, Any] | None:
             "output_tokens_details": {"reasoning_tokens": 0}}
 
 
-class _Item:
-    """One output item (a message, or the reasoning before it) and its text so far."""
-    __slots__ = ("kind", "id", "index", "pieces", "text")
+_ID_PREFIX = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_"}
 
-    def __init__(self, kind: str, suffix: str, index: int) -> None:
+
+class _Item:
+    """One output item (a message, the reasoning before it, or a function call) and its text (a call's arguments)
+    so far."""
+    __slots__ = ("kind", "id", "index", "pieces", "text", "name", "call_id")
+
+    def __init__(self, kind: str, suffix: str, index: int, name: str = "", call_id: str = "") -> None:
         self.kind, self.index = kind, index
-        self.id = ("msg_" if kind == "message" else "rs_") + suffix
+        self.id = _ID_PREFIX[kind] + suffix + (f"_{index}" if kind == "function_call" else "")
         self.pieces: list[str] = []
         self.text = ""
+        self.name, self.call_id = name, call_id
 
     def part(self, text: str) -> dict[str, Any]:
         if self.kind == "message":
@@ -139,6 +228,9 @@ class _Item:
         return {"type": "reasoning_text", "text": text}
 
     def json(self, status: str, content: bool = True) -> dict[str, Any]:
+        if self.kind == "function_call":
+            return {"type": "function_call", "id": self.id, "call_id": self.call_id, "name": self.name,
+                    "arguments": self.text if content else "", "status": status}
         parts = [self.part(self.text)] if content else []
         if self.kind == "message":
             return {"type": "message", "id": self.id, "status": status, "role": "assistant", "content": parts}
@@ -158,12 +250,17 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     def open(self, item: _Item) -> list[str]:
+        added = self("response.output_item.added", {"output_index": item.index,
+                                                     "item": item.json("in_progress", content=False)})
+        if item.kind == "function_call":
+            return [added]
         ref = {"item_id": item.id, "output_index": item.index, "content_index": 0}
-        return [self("response.output_item.added", {"output_index": item.index,
-                                                     "item": item.json("in_progress", content=False)}),
-                self("response.content_part.added", {**ref, "part": item.part("")})]
+        return [added, self("response.content_part.added", {**ref, "part": item.part("")})]
 
     def delta(self, item: _Item, text: str) -> str:
+        if item.kind == "function_call":
+            return self("response.function_call_arguments.delta", {"item_id": item.id, "output_index": item.index,
+                                                                   "delta": text})
         if item.kind == "message":
             return self("response.output_text.delta", {"item_id": item.id, "output_index": item.index,
                                                        "content_index": 0, "delta": text, "logprobs": []})
@@ -172,6 +269,10 @@ class _Events:
 
     def close(self, item: _Item, status: str) -> list[str]:
         item.text = "".join(item.pieces)
+        if item.kind == "function_call":
+            return [self("response.function_call_arguments.done", {"item_id": item.id, "output_index": item.index,
+                                                                   "name": item.name, "arguments": item.text}),
+                    self("response.output_item.done", {"output_index": item.index, "item": item.json(status)})]
         ref = {"item_id": item.id, "output_index": item.index, "content_index": 0}
         done = {**ref, "text": item.text, "logprobs": []} if item.kind == "message" else {**ref, "text": item.text}
         kind = "response.output_text.done" if item.kind == "message" else "response.reasoning_text.done"
@@ -205,7 +306,10 @@ class OpenAIServingResponses:
             model=request.model, messages=input_messages(request), max_completion_tokens=request.max_output_tokens,
             temperature=request.temperature, top_p=request.top_p, seed=request.seed,
             user=request.user or request.safety_identifier, response_format=response_format(request.text),
-            stream=request.stream)
+            stream=request.stream, tools=chat_tools(request.tools), tool_choice=chat_tool_choice(request.tool_choice),
+            parallel_tool_calls=request.parallel_tool_calls)
+        if not request.tools and fields["tool_choice"] in ("auto", "none"):
+            del fields["tool_choice"]  # no tools to choose from: nothing to parse, as before tools were supported
         if request.stream:
             fields["stream_options"] = {"include_usage": True}  # the final usage chunk fills response.usage
         try:
@@ -228,7 +332,7 @@ class OpenAIServingResponses:
             temperature=request.temperature if request.temperature is not None else defaults.get("temperature", 1.0),
             top_p=request.top_p if request.top_p is not None else defaults.get("top_p", 1.0),
             max_output_tokens=request.max_output_tokens, text=request.text or {"format": {"type": "text"}},
-            user=request.user)
+            user=request.user, tools=request.tools or [])
 
     def _from_chat(self, request: ResponsesRequest, res: ChatCompletionResponse) -> ResponsesResponse:
         choice = res.choices[0]
@@ -238,9 +342,13 @@ class OpenAIServingResponses:
         if choice.message.reasoning:
             items.append(_Item("reasoning", suffix, 0))
             items[-1].text = choice.message.reasoning
-        if choice.message.content or not items:
+        calls = choice.message.tool_calls or []
+        if choice.message.content or not (items or calls):
             items.append(_Item("message", suffix, len(items)))
             items[-1].text = choice.message.content or ""
+        for call in calls:
+            items.append(_Item("function_call", suffix, len(items), call["function"]["name"], call["id"]))
+            items[-1].text = call["function"]["arguments"]
         output = [item.json("completed") for item in items[:-1]] + [items[-1].json(status)]
         return self._response(request, suffix, res.created, output, status, _usage(res.usage.model_dump()))
 
@@ -250,6 +358,7 @@ class OpenAIServingResponses:
         created = int(time.time())
         suffix: str | None = None
         items: list[_Item] = []
+        calls: dict[int, _Item] = {}  # the chat stream's tool call index -> its item
         finish_reason = usage = error = None
         try:
             async for chunk in chunks:
@@ -281,6 +390,21 @@ class OpenAIServingResponses:
                                 yield e
                         items[-1].pieces.append(text)
                         yield event.delta(items[-1], text)
+                    for call in delta.get("tool_calls") or ():
+                        if call.get("id") is not None or call["index"] not in calls:  # a new call
+                            if items:
+                                for e in event.close(items[-1], "completed"):
+                                    yield e
+                            fn = call.get("function") or {}
+                            items.append(_Item("function_call", suffix, len(items), fn.get("name") or "",
+                                               call.get("id") or ""))
+                            calls[call["index"]] = items[-1]
+                            for e in event.open(items[-1]):
+                                yield e
+                        text = (call.get("function") or {}).get("arguments")
+                        if text:
+                            calls[call["index"]].pieces.append(text)
+                            yield event.delta(calls[call["index"]], text)
                     finish_reason = choice.get("finish_reason") or finish_reason
         finally:
             await chunks.aclose()
