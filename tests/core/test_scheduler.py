@@ -91,6 +91,32 @@ def test_preemption_then_everything_finishes_and_blocks_return():
     assert all(b.ref_cnt == 0 for b in s.kv.pool.blocks)
 
 
+@pytest.mark.parametrize("kw", [{"ignore_eos": True}, {"min_tokens": 10}])
+def test_requests_of_certain_length_are_admitted_only_as_the_pool_holds_them(kw):
+    """Outputs certain to run to their length (ignore_eos with no stop, or min_tokens) keep blocks free for their
+    growth: a request joins only when the running ones' remaining growth and its own fit the free blocks, so the
+    same batch that preempts above runs without a preemption, each request holding at most 4 blocks of the 8."""
+    s = make_scheduler(num_blocks=8, block_size=4, max_tokens_step=64, max_model_len=32)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 6, max_tokens=10, first=i * 50, **kw))
+    most_running = 0
+    while s.has_unfinished_requests():
+        fake_step(s)
+        most_running = max(most_running, len(s.running))
+    assert s.make_stats().num_preemptions == 0
+    assert most_running == 2 and s.kv.num_free_blocks() == 8
+
+
+def test_a_stop_condition_makes_the_length_uncertain():
+    """With a stop token the output may end at any step: such requests join as vLLM admits them (blocks for what
+    they compute now), and a pool too small for their growth preempts."""
+    s = make_scheduler(num_blocks=8, block_size=4, max_tokens_step=64, max_model_len=32)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 6, max_tokens=10, first=i * 50, ignore_eos=True, stop_token_ids=[3]))
+    run_all(s)
+    assert s.make_stats().num_preemptions > 0
+
+
 def test_abort_anywhere_frees_blocks():
     s = make_scheduler()
     s.add_request(req("a", 10, max_tokens=50))

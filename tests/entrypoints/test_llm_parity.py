@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models.oracle import NEVER_STOP
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = [
@@ -79,8 +80,9 @@ def test_batch_one_equals_batch_all(pair):
 
 
 def test_prompt_logprobs_under_preemption_and_one_token_prompt(tiny_model_factory):
-    """A KV pool too small for the batch preempts requests after their prefill; recomputing scores their prompts
-    again, which must not repeat the prompt logprobs already reported. A one-token prompt reports [None]."""
+    """A KV pool too small for the batch preempts requests after their prefill (outputs that may stop early);
+    recomputing scores their prompts again, which must not repeat the prompt logprobs already reported. A one-token
+    prompt reports [None]."""
     import transformers as tf
     d = tiny_model_factory("llama")
     hf = tf.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -88,7 +90,8 @@ def test_prompt_logprobs_under_preemption_and_one_token_prompt(tiny_model_factor
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 40000, (n,), generator=gen).tolist() for n in (40, 33, 50, 17, 64, 1)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=2),
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=2,
+                                       stop=[NEVER_STOP]),
                         use_tqdm=False)
     assert llm.llm_engine.last_stats.num_preemptions > 0
     for ids, out in zip(prompts, outs):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.oracle import hf_logprobs, tokens
+from tests.models.oracle import NEVER_STOP, hf_logprobs, tokens
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = [
@@ -23,6 +23,7 @@ PROMPTS = [
 ]
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+MAY_STOP = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1, stop=[NEVER_STOP])
 TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
@@ -116,7 +117,7 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(reference):
     want = tokens(outs)
     # 16-token steps split the long prompts; 32 blocks of 4 tokens hold too little for all five at once.
     llm = llm_for(d, max_num_batched_tokens=16, num_gpu_blocks_override=32, max_num_seqs=5, max_model_len=128)
-    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    assert tokens(llm.generate(PROMPTS, MAY_STOP, use_tqdm=False)) == want
     assert llm.llm_engine.last_stats.num_preemptions > 0
     sched = llm.llm_engine.engine_core.scheduler
     assert not sched.has_unfinished_requests() and sched.kv.num_free_blocks() == sched.kv.num_blocks

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.oracle import hf_logprobs, tokens
+from tests.models.oracle import NEVER_STOP, hf_logprobs, tokens
 from tokenmill import LLM, SamplingParams
 
 WINDOW = 6
@@ -23,6 +23,7 @@ PROMPTS = [
 ]
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+MAY_STOP = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1, stop=[NEVER_STOP])
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-5)
@@ -147,9 +148,9 @@ def test_chunked_prefill_prefix_hits_and_preemption_give_the_same_tokens(referen
     tight = 10 if arch == "mistral" else 20
     llm = llm_for(d, max_num_batched_tokens=8, enable_prefix_caching=True, num_gpu_blocks_override=tight,
                   max_num_seqs=5, max_model_len=64)
-    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    assert tokens(llm.generate(PROMPTS, MAY_STOP, use_tqdm=False)) == want
     assert llm.llm_engine.last_stats.num_preemptions > 0
-    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    assert tokens(llm.generate(PROMPTS, MAY_STOP, use_tqdm=False)) == want
     # A prompt run alone twice: the second run hits the cache (with a window, only the blocks inside the window
     # of the prompt's end must still be cached) and computes the same tokens.
     one = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

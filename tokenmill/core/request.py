@@ -77,6 +77,13 @@ class Request:
         if limit is None:
             limit = max(room, 1) if room is not None else 2**31
         self.max_tokens = limit
+        # A length known ahead: with ignore_eos and nothing else that could stop it, the prompt and all of
+        # max_tokens; with min_tokens, the prompt and those. The scheduler keeps KV blocks free for the running
+        # requests' growth to it. 0 (nothing kept) when the output may end at any step, as vLLM admits everything.
+        sp = sampling_params
+        certain = limit if (sp.ignore_eos and not sp.stop and not sp.stop_token_ids
+                            and sp.structured_outputs is None) else min(sp.min_tokens, limit)
+        self.certain_len = self.num_prompt_tokens + certain if certain > 0 else 0
         self.grammar = None        # structured outputs: the matcher, once its grammar compiled
         self.grammar_future = None
         # Where the constrained part of the output starts (after a reasoning block); None = not yet known.

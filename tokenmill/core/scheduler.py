@@ -31,7 +31,10 @@ class Scheduler:
     Every request has `num_computed_tokens` catching up with `num_tokens`; a step gives each scheduled request a
     share of `max_num_batched_tokens`. Running requests go first (in order); when blocks run out the lowest-ranked
     running request is preempted (its blocks freed, recomputed later). Waiting requests are admitted while budget,
-    `max_num_seqs` and blocks allow; a prompt that does not fit the budget is chunked across steps.
+    `max_num_seqs` and blocks allow; a prompt that does not fit the budget is chunked across steps. Requests whose
+    length is known ahead (ignore_eos without a stop condition, or min_tokens) keep blocks free for that growth: one
+    joins only while the free blocks cover its own and the running ones' certain growth, so a `max_num_seqs` above
+    what the pool holds does not turn into preemptions and recomputation.
 
     Under pipeline parallelism (pp > 1) several batches are in flight at once, so a batch is built from the
     requests that are not waiting for a sample: one whose sampled token is in flight is not scheduled again until
@@ -184,6 +187,7 @@ class Scheduler:
             i += 1
 
         deferred: list[Request] = []  # waiting for their grammar to compile, or for an adapter slot
+        growth = None  # blocks the running requests will certainly still take; computed if a request may join
         loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None} \
             if self.max_loras is not None else set()
         while (not preempted_any and len(self.waiting) and budget > 0
@@ -211,6 +215,15 @@ class Scheduler:
                 break
             if not self.chunked_prefill and num_hit + n < req.num_tokens:
                 break  # the whole prompt must fit in one step
+            if self.running:
+                if growth is None:
+                    growth = sum(self._certain_growth(r, r.num_computed_tokens) for r in self.running)
+                own = self._certain_growth(req, num_hit)
+                if own + growth > self.kv.num_free_blocks():
+                    # Admitting it would preempt a running request later, and recomputing that one costs more
+                    # than waiting for blocks to come free.
+                    break
+                growth += own
             new_block_ids = self.kv.allocate_slots(req, n, hits, num_lookahead_tokens=self._lookahead(num_hit + n))
             if new_block_ids is None:
                 break
@@ -313,6 +326,18 @@ class Scheduler:
         if 0 < self.long_prefill_threshold < n:
             n = self.long_prefill_threshold
         return min(n, budget, self.max_model_len - num_computed)
+
+    def _certain_growth(self, req: Request, num_computed: int) -> int:
+        """Blocks `req` will certainly still allocate beyond those for its first num_computed tokens: up to its
+        min_tokens, or with ignore_eos and no stop condition its max_tokens (Request.certain_len); 0 for a request
+        whose output may end at any step."""
+        if not req.certain_len:
+            return 0
+        end = min(max(req.certain_len, req.num_tokens), self.max_model_len)
+        if end <= num_computed:
+            return 0
+        step = self.max_num_batched_tokens
+        return self.kv.max_blocks_per_request(end, step) - self.kv.max_blocks_per_request(num_computed, step)
 
     def _pick_victim(self) -> Request:
         # Under pp, never a request whose sample is in flight; the one being scheduled always qualifies.
