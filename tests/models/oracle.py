@@ -18,3 +18,15 @@ def tokens(outs) -> list[list[int]]:
 # A stop string no tiny random model writes. It makes an output's length uncertain, so the scheduler admits such
 # requests as vLLM does (blocks for what they compute now, none kept for their growth) and a tight pool preempts.
 NEVER_STOP = "\x00\x01 never \x02"
+
+
+def assert_greedy_matches_hf(hf, outs, tol: float = 1e-4) -> None:
+    """Each output's tokens are HF's argmax at every position (teacher-forced on prompt + output) and their
+    logprobs are within tol of HF's."""
+    for out in outs:
+        c = out.outputs[0]
+        ref = hf_logprobs(hf, out.prompt_token_ids + c.token_ids)
+        n = len(out.prompt_token_ids)
+        for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert tid == int(ref[n - 1 + i].argmax()), (n, i)
+            assert abs(lp[tid].logprob - ref[n - 1 + i][tid].item()) < tol, (n, i)

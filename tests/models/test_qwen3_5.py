@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.oracle import NEVER_STOP, hf_logprobs, tokens
+from tests.models.oracle import NEVER_STOP, assert_greedy_matches_hf, hf_logprobs, tokens
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = [
@@ -185,10 +185,4 @@ def test_longrope_prompts_past_the_pretraining_length_use_the_long_factors(make_
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 40000, (n,), generator=gen).tolist() for n in (20, 90)]
     outs = llm_for(d).generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    for out in outs:
-        c = out.outputs[0]
-        ref = hf_logprobs(hf, out.prompt_token_ids + c.token_ids)
-        n = len(out.prompt_token_ids)
-        for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
-            assert tid == int(ref[n - 1 + i].argmax()), (n, i)
-            assert abs(lp[tid].logprob - ref[n - 1 + i][tid].item()) < 1e-4, (n, i)
+    assert_greedy_matches_hf(hf, outs)

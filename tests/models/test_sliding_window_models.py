@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.oracle import NEVER_STOP, hf_logprobs, tokens
+from tests.models.oracle import NEVER_STOP, assert_greedy_matches_hf, hf_logprobs, tokens
 from tokenmill import LLM, SamplingParams
 
 WINDOW = 6
@@ -219,13 +219,7 @@ def test_gemma2_longrope_prompts_past_the_pretraining_length_use_the_long_factor
     d, hf = make_model("gemma2_longrope")
     outs = llm_for(d).generate(["Hello, my name is", PROMPTS[3]], GREEDY, use_tqdm=False)
     assert len(outs[0].prompt_token_ids) + MAX_TOKENS <= 24 < len(outs[1].prompt_token_ids)
-    for out in outs:
-        c = out.outputs[0]
-        ref = hf_logprobs(hf, out.prompt_token_ids + c.token_ids)
-        n = len(out.prompt_token_ids)
-        for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
-            assert tid == int(ref[n - 1 + i].argmax()), (n, i)
-            assert abs(lp[tid].logprob - ref[n - 1 + i][tid].item()) < 1e-4, (n, i)
+    assert_greedy_matches_hf(hf, outs)
 
 
 def test_gemma3_longrope_past_the_pretraining_length_is_refused():
