@@ -40,7 +40,7 @@ else:
     print(f"serve {tag}: not ready after {time.time() - t0:.0f} s"); sys.exit(1)
 PY
   local ok=$?
-  grep -E "Engine ready|Loaded|KV cache:|Memory:|Traceback|Error" "$OUT/serve_$1.log" | cut -c1-400
+  grep -E "Server ready|Engine ready|Loaded|KV cache:|Memory:|Traceback|Error" "$OUT/serve_$1.log" | cut -c1-400
   [ $ok = 0 ] || { tail -5 "$OUT/serve_$1.log" | cut -c1-300; return 1; }
 }
 

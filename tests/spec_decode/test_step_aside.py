@@ -136,6 +136,24 @@ def test_unverified_drafts_that_would_not_pay_change_nothing():
     assert not gate.spec_mode and gate.switches == switches
 
 
+def test_a_speculative_window_without_drafts_predicts_no_gain_from_drafts_that_keep_nothing():
+    """Speculating, no lookup matched: the window timed would-be plain steps. Plain decoding chosen, its next
+    window runs 8% slower by noise; the drafts proposed since keep nothing (1.0 token a step): no reason to
+    speculate again."""
+    gate = SpeculationGate()
+    now = 0.0
+    for spec, cost in [(True, 1.0)] * (WINDOW + 1) + [(False, 0.95)] * (WINDOW + 1) + [(False, 1.08)] * WINDOW:
+        assert gate.speculating(1) == spec
+        now += cost
+        gate.observe(now, 1, 1, spec, counted=True, drafts=0)
+    assert not gate.spec_mode and gate._best[False].per_token == pytest.approx(1.08)
+    switches = gate.switches
+    gate.observe_shadow(1.0, 3.0, 100)
+    assert not gate.spec_mode and gate.switches == switches
+    gate.observe_shadow(1.5, 3.0, 100)   # drafts that would keep tokens: worth measuring again
+    assert gate.spec_mode
+
+
 def test_while_unverified_drafts_say_it_would_not_pay_speculation_is_not_timed_again():
     """Plain decoding settled, the drafts still proposed keep showing no gain: the periodic looks at speculation
     are put off (the interval doubling) until the longest interval, where its step time is measured again."""

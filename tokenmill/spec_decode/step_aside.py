@@ -128,6 +128,9 @@ class SpeculationGate:
             step = base + per_draft * drafts_per_step * spec.mean_batch
         else:
             step = spec_step
+        # Verifying drafts never makes a step cheaper than a plain one: a window that verified none (no lookup
+        # matched) measured a plain step, and its noise alone must not predict a gain.
+        step = max(step, base)
         predicted = step / (tokens_per_step * spec.mean_batch)
         self._shadow_says_plain = predicted >= plain.per_token * (1 - MARGIN)
         if not self._shadow_says_plain:
