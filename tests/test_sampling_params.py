@@ -119,3 +119,15 @@ def test_tiny_positive_temperature_is_raised_to_vllms_floor(tm_log):
     assert "raised to 0.01" in tm_log.text
     assert SamplingParams(temperature=0).sampling_type == SamplingType.GREEDY
     assert SamplingParams(temperature=0.5).temperature == 0.5
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(max_tokens=True), "max_tokens"), (dict(seed=True), "seed"), (dict(truncate_prompt_tokens=True),
+                                                                        "truncate_prompt_tokens"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"), (dict(allowed_token_ids=[5, False]), "allowed_token_ids"),
+])
+def test_a_bool_is_not_a_count_or_a_token_id(kw, field):
+    """True is an int to Python: as max_tokens, a seed or a token id it would silently mean 1 (or id 0 / 1)."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+    assert SamplingParams(logprobs=True).logprobs == 1  # the one flag-like count, as the OpenAI API has it

@@ -187,9 +187,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
             raise bad("top_k", "-1, 0 (both disable it) or a positive integer", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]", self.min_p)
-        if self.seed is not None and not isinstance(self.seed, int):
+        # bool is an int to Python, but True as a count or a token id is a mistake, not 1.
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", "an integer or None", self.seed)
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 (or None for as many as fit)", self.max_tokens)
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0", self.min_tokens)
@@ -200,20 +202,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
             if v is not None and (not isinstance(v, int) or v < -1):
                 raise bad(name, "None, -1 (whole vocabulary) or an integer >= 0", v)
         if self.truncate_prompt_tokens is not None and (
-                not isinstance(self.truncate_prompt_tokens, int)
+                isinstance(self.truncate_prompt_tokens, bool) or not isinstance(self.truncate_prompt_tokens, int)
                 or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
             raise bad("truncate_prompt_tokens", "None, -1 (max_model_len) or an integer >= 1",
                       self.truncate_prompt_tokens)
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "non-empty strings", self.stop)
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "non-negative integers", self.stop_token_ids)
         if self.stop and not self.detokenize:
             raise bad("stop", "empty when detokenize=False (stop strings need text)", self.stop)
         if self.allowed_token_ids is not None:
             if len(self.allowed_token_ids) == 0:
                 raise bad("allowed_token_ids", "a non-empty list of token ids", self.allowed_token_ids)
-            if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "non-negative integers", self.allowed_token_ids)
         if self.logit_bias and any(k < 0 for k in self.logit_bias):
             raise bad("logit_bias", "keyed by non-negative token ids", self.logit_bias)
