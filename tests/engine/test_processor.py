@@ -50,3 +50,25 @@ def test_children_of_n_survive_the_trip_to_the_engine_core(processor):
     # best_of > n is the entry points' job (LLM, the server): the engine says so instead of ignoring it
     with pytest.raises(ValueError, match="best_of"):
         processor.process("r", {"prompt_token_ids": [5]}, SamplingParams(n=1, best_of=3))
+
+
+def test_prompt_token_ids_of_numpy_or_torch_integers_are_accepted(processor):
+    import numpy as np
+    import torch
+    for given in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), (5, 6, 7), [np.int64(5), 6, np.int32(7)]):
+        _, [req] = processor.process("r", {"prompt_token_ids": given}, SamplingParams(max_tokens=2))
+        assert req.prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in req.prompt_token_ids)
+
+
+@pytest.mark.parametrize("ids,match", [
+    ("abc", "prompt_token_ids must be a list of integer token ids, got str"),
+    (5, "prompt_token_ids must be a list of integer token ids, got int"),
+    ([5, 1.0], r"prompt_token_ids\[1\] must be an integer token id, got 1.0 \(float\)"),
+    ([True], r"prompt_token_ids\[0\] must be an integer token id, got True \(bool\)"),
+    ([[5, 6]], r"prompt_token_ids\[0\] must be an integer token id"),
+    ([5, 100], r"Token id 100 is out of vocabulary \(valid ids are 0..99\)"),
+])
+def test_bad_prompt_token_ids_say_what_is_wrong(processor, ids, match):
+    """A wrong type is not reported as an id "out of vocabulary"."""
+    with pytest.raises(ValueError, match=match):
+        processor.process("r", {"prompt_token_ids": ids}, SamplingParams())

@@ -1,6 +1,7 @@
 """Turns user inputs (text or token ids + SamplingParams) into validated EngineCoreRequests."""
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Any
 
@@ -65,14 +66,14 @@ class Processor:
                 raise ValueError(f"Unsupported prompt dict key(s) {unknown}; a prompt dict takes "
                                  f"{list(self._PROMPT_KEYS)}.{hint}")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(list(prompt["prompt_token_ids"]))
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("A prompt dict needs a 'prompt' (text) or 'prompt_token_ids' key; got keys "
                                  f"{sorted(prompt)}.")
         if isinstance(prompt, (list, tuple)):
-            return None, self._check_ids(list(prompt))
+            return None, self._check_ids(prompt)
         if not isinstance(prompt, str):
             raise ValueError(f"A prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}.")
         if self.tokenizer is None:
@@ -80,11 +81,24 @@ class Processor:
                              "({'prompt_token_ids': [...]}).")
         return prompt, self.tokenizer.encode(prompt, **tokenization_kwargs)
 
-    def _check_ids(self, ids: list[int]) -> list[int]:
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+    def _check_ids(self, ids: Any) -> list[int]:
+        """The prompt's token ids as a new list of ints: a list or tuple, or a 1-D numpy array / torch tensor, of
+        integers (numpy integers too) within the vocabulary. Anything else is a ValueError naming
+        prompt_token_ids; an id outside the vocabulary, one naming the id."""
+        if not isinstance(ids, (list, tuple)) and hasattr(ids, "tolist") and not isinstance(ids, (str, bytes)):
+            ids = ids.tolist()  # numpy array, torch tensor
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of integer token ids, got {type(ids).__name__}.")
+        out = list(ids)
+        for i, t in enumerate(out):
+            if type(t) is not int:
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise ValueError(f"prompt_token_ids[{i}] must be an integer token id, got {t!r} "
+                                     f"({type(t).__name__}).")
+                out[i] = t = int(t)
+            if not 0 <= t < self.vocab_size:
                 raise ValueError(f"Token id {t!r} is out of vocabulary (valid ids are 0..{self.vocab_size - 1}).")
-        return ids
+        return out
 
     # ----- params -----
     def _check_params(self, params: SamplingParams) -> None:
