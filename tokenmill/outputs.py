@@ -27,6 +27,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    time_in_queue: float | None = None  # seconds from the engine core receiving it to its first scheduling
 
 
 @dataclass

@@ -281,3 +281,27 @@ def test_finished_requests_are_freed_without_a_garbage_collection(tokenizer, how
         assert gone() is None, "a reference cycle keeps the finished request alive"
     finally:
         gc.enable()
+
+
+def test_metrics_report_first_scheduling_and_queue_time(tokenizer):
+    """RequestMetrics.first_scheduled_time (wall clock) and time_in_queue come from the core's start record, whose
+    times are on the core's monotonic clock: moved onto the wall clock by the outputs' timestamp. With n > 1 the
+    earliest sequence counts. Without a record (log_stats or not) they stay None."""
+    import time
+
+    from tokenmill.core.messages import RequestStartStats
+    op = OutputProcessor(tokenizer)
+    add(op, tokenizer, n=2, max_tokens=2, output_kind=FINAL)
+    before = time.time()
+    op.process_outputs([EngineCoreOutput("0_req", [5], start_stats=RequestStartStats(497.0, 498.0)),
+                        EngineCoreOutput("1_req", [6], start_stats=RequestStartStats(497.0, 499.5))], 500.0)
+    [out] = op.process_outputs([EngineCoreOutput("0_req", [7], finish_reason=FinishReason.LENGTH),
+                                EngineCoreOutput("1_req", [8], finish_reason=FinishReason.LENGTH)], 501.0
+                               ).request_outputs
+    m = out.metrics
+    assert m.time_in_queue == 1.0
+    assert before - 2.0 <= m.first_scheduled_time <= time.time() - 2.0 and m.first_scheduled_time < m.first_token_time
+    op = OutputProcessor(tokenizer)
+    add(op, tokenizer)
+    [out] = op.process_outputs([EngineCoreOutput("req", [5], finish_reason=FinishReason.LENGTH)]).request_outputs
+    assert out.metrics.first_scheduled_time is None and out.metrics.time_in_queue is None

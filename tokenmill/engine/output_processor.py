@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from tokenmill.core.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, RequestStartStats
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.logprobs import LogprobsProcessor, TokenTextCache
 from tokenmill.metrics.stats import IterationStats, SeqStats
@@ -262,6 +262,8 @@ class OutputProcessor:
             if stats is not None:
                 stats.observe_output(seq.stats, eco, len(new_ids), len(parent.prompt_token_ids),
                                      parent.metrics.arrival_time)
+            if eco.start_stats is not None:
+                _observe_start(parent.metrics, eco.start_stats, now, engine_timestamp or time.monotonic())
             if new_ids:
                 metrics = parent.metrics
                 if metrics.first_token_time is None:
@@ -286,3 +288,12 @@ class OutputProcessor:
         for parent, seqs in changed.values():
             self._close(parent, seqs, now, request_outputs, stats)
         return OutputProcessorResult(request_outputs, reqs_to_abort, stats)
+
+
+def _observe_start(metrics: RequestMetrics, start: RequestStartStats, now: float, engine_ts: float) -> None:
+    """first_scheduled_time (wall clock: the core's monotonic time moved by its offset from `now`) and
+    time_in_queue, from the core's record of a sequence's start; with n > 1 the earliest sequence counts."""
+    scheduled = now - (engine_ts - start.scheduled_ts)
+    if metrics.first_scheduled_time is None or scheduled < metrics.first_scheduled_time:
+        metrics.first_scheduled_time = scheduled
+        metrics.time_in_queue = max(start.scheduled_ts - start.queued_ts, 0.0)
