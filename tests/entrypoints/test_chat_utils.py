@@ -48,3 +48,19 @@ def test_text_and_refusal_parts_join(smollm2_tokenizer):
             {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]
     assert render_chat(smollm2_tokenizer, msgs, chat_template=TEMPLATE, add_generation_prompt=False) == \
         "<user>a\nb\nc<assistant>no"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(chat_template_kwargs="enable_thinking"), "chat_template_kwargs must be a dict"),
+    (dict(chat_template_kwargs=[("a", 1)]), "chat_template_kwargs must be a dict"),
+    (dict(tools="get_weather"), "tools must be a list of tool definitions"),
+    (dict(tools=["get_weather"]), "tools must be a list of tool definitions"),
+    (dict(tools={"type": "function"}), "tools must be a list of tool definitions"),
+])
+def test_llm_chat_arguments_of_the_wrong_type_are_named(smollm2_tokenizer, kw, match):
+    """LLM.chat passes these straight in: without the check they failed inside dict() or transformers with a
+    message naming neither."""
+    with pytest.raises(ValueError, match=match):
+        render_chat(smollm2_tokenizer, [{"role": "user", "content": "x"}], **kw)
+    with pytest.raises(ValueError, match=r"messages\[1\]: each chat message needs a 'role'"):
+        render_chat(smollm2_tokenizer, [{"role": "user", "content": "x"}, {"content": "y"}])

@@ -73,11 +73,17 @@ def render_chat(tokenizer: Any, conversation: Conversation, *, chat_template: st
     template = load_chat_template(chat_template)
     if template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("The tokenizer has no chat template; pass chat_template (a file or a Jinja string).")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict of template variables, got "
+                         f"{type(chat_template_kwargs).__name__}.")
+    if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) or callable(t) for t in tools)):
+        raise ValueError("tools must be a list of tool definitions (dicts such as {'type': 'function', 'function': "
+                         f"{{'name': ..., 'parameters': {{...}}}}}}), got {tools!r:.80}.")
     fmt = "string" if content_format == "auto" else content_format
     msgs = []
     for i, m in enumerate(conversation):
         if not isinstance(m, dict) or "role" not in m:
-            raise ValueError(f"Each chat message needs a 'role'; got {m!r}.")
+            raise ValueError(f"messages[{i}]: each chat message needs a 'role'; got {m!r:.80}.")
         m = dict(m)
         if m.get("content") is None:
             # An assistant turn that only made tool calls has content null (or none at all); templates want text.
