@@ -273,3 +273,36 @@ def test_huge_n_is_a_400_not_a_hung_server(make_client, route, body):
     param = "best_of" if "best_of" in body else "n"
     err = assert_error(c.post(route, json={**body, "max_tokens": 1}), 400, param)
     assert "VLLM_MAX_N_SEQUENCES" in err["message"] and not engine.calls
+
+
+# ----- OpenAI chat fields: accepted no-ops vs 400s, and stored-object routes -----
+def test_openai_chat_hints_are_accepted_and_unhonourable_fields_are_400s(make_client, tm_log):
+    c, engine = make_client()
+    base = {"messages": MSGS, "max_tokens": 2}
+    hints = {"metadata": {"k": "v"}, "store": True, "service_tier": "auto", "user": "u1", "modalities": ["text"],
+             "prediction": {"type": "content", "content": "sunny"}, "prompt_cache_key": "k",
+             "safety_identifier": "s"}
+    r = c.post("/v1/chat/completions", json={**base, **hints})
+    assert r.status_code == 200, r.text
+    assert "ignored" not in tm_log.text
+    calls = len(engine.calls)
+    for field, value in (("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
+                         ("web_search_options", {}), ("verbosity", "low")):
+        err = assert_error(c.post("/v1/chat/completions", json={**base, field: value}), 400, field)
+        assert field in err["message"] and "not supported" in err["message"]
+    assert len(engine.calls) == calls
+
+
+def test_stored_chat_completions_and_responses_routes_are_clear_404s(client):
+    client_ = oai(client)
+    for call in (lambda: client_.chat.completions.retrieve("chatcmpl-1"),
+                 lambda: client_.chat.completions.delete("chatcmpl-1"),
+                 lambda: client_.chat.completions.update("chatcmpl-1", metadata={"a": "b"}),
+                 lambda: client_.chat.completions.list(),
+                 lambda: client_.chat.completions.messages.list("chatcmpl-1")):
+        with pytest.raises(openai.NotFoundError, match="stores no chat completions"):
+            call()
+    for call in (lambda: client_.responses.delete("resp_1"), lambda: client_.responses.input_items.list("resp_1")):
+        with pytest.raises(openai.NotFoundError, match="stores no"):
+            call()
+    assert client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1}).status_code == 200

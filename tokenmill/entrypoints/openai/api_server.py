@@ -321,7 +321,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
                            "but nothing is kept), so they cannot be retrieved or cancelled.", 404, "response_id",
                            "NotFoundError")
 
-    from tokenmill.entrypoints.openai.compat_routes import add_compat_routes
+    from tokenmill.entrypoints.openai.compat_routes import add_compat_routes, add_stored_object_routes
+    add_stored_object_routes(app)
     add_compat_routes(app, lambda raw, request: _serve_generation(raw, chat.create_chat_completion(request, raw)),
                       lambda raw, request: _serve_generation(raw, completion.create_completion(request, raw)))
 

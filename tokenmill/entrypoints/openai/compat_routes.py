@@ -46,3 +46,26 @@ def add_compat_routes(app: FastAPI, serve_chat: Handler, serve_completion: Handl
                            f"generative models only, through /v1/completions and /v1/chat/completions.", 400)
     for path in POOLING_ROUTES:
         app.add_api_route(path, pooling_unsupported, methods=["POST"], include_in_schema=False)
+
+
+def add_stored_object_routes(app: FastAPI) -> None:
+    """OpenAI's routes over stored chat completions and responses. tokenmill accepts `store` but keeps nothing, so
+    each one is a 404 saying so (not a bare "Not Found" or "Method Not Allowed" the client cannot act on)."""
+
+    async def stored_chat_completion(raw_request: Request) -> Response:
+        raise ServingError("tokenmill stores no chat completions (store and metadata are accepted but nothing is "
+                           "kept), so they cannot be listed, retrieved, updated or deleted.", 404, "completion_id",
+                           "NotFoundError")
+
+    async def stored_response(raw_request: Request) -> Response:
+        raise ServingError(f"Response `{raw_request.path_params['response_id']}` not found: tokenmill stores no "
+                           "responses (store is accepted but nothing is kept), so they cannot be retrieved, listed "
+                           "or deleted.", 404, "response_id", "NotFoundError")
+
+    for path, methods in (("/v1/chat/completions", ["GET"]), ("/v1/chat/completions/{completion_id}",
+                                                              ["GET", "POST", "DELETE"]),
+                          ("/v1/chat/completions/{completion_id}/messages", ["GET"])):
+        app.add_api_route(path, stored_chat_completion, methods=methods, include_in_schema=False)
+    for path, methods in (("/v1/responses/{response_id}", ["DELETE"]),
+                          ("/v1/responses/{response_id}/input_items", ["GET"])):
+        app.add_api_route(path, stored_response, methods=methods, include_in_schema=False)

@@ -402,11 +402,28 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     include_reasoning: bool = True
     reasoning_effort: Optional[str] = None
+    # OpenAI fields that change no output here, so they are accepted (not logged as ignored): metadata and store
+    # tag a stored completion (tokenmill stores none; fetching one is a clear 404), service_tier picks a billing
+    # tier, prediction only speeds up decoding, prompt_cache_key and safety_identifier are routing / abuse hints.
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prediction: Optional[dict[str, Any]] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    # OpenAI fields that would change the output but cannot be honoured: setting them is a 400 naming them.
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    verbosity: Optional[str] = None
     _tool_choice_defaulted: bool = PrivateAttr(default=False)
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        bad += [name for name in ("functions", "function_call") if getattr(self, name) is not None]
+        bad += [name for name in ("functions", "function_call", "audio", "web_search_options", "verbosity")
+                if getattr(self, name) is not None]
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            bad.append(f"modalities {self.modalities!r} (text output only)")
         return bad
 
     def template_kwargs(self) -> Optional[dict[str, Any]]:
