@@ -7,6 +7,9 @@ from typing import Any
 import torch
 
 from tokenmill.config.utils import check_choices, check_range, config_field, not_supported_yet
+from tokenmill.logger import init_logger
+
+logger = init_logger(__name__)
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 # --quantization values with a linear method (tokenmill/layers/quantization's registry; vLLM's aliases included).
@@ -98,6 +101,12 @@ class ModelConfig:
 
     def __post_init__(self, download_dir: str | None = None) -> None:
         check_choices(self)
+        if self.seed is None:
+            # vLLM V1 has no unseeded engine (every worker must sample alike): seed=None means its default, 0.
+            logger.info("seed=None: the engine's global seed is 0, as in vLLM (give an integer to change it).")
+            self.seed = 0
+        elif isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"Invalid value {self.seed!r} for `seed`: must be an integer.")
         self.max_model_len = parse_human_int(self.max_model_len, "max_model_len")
         check_range("max_model_len", self.max_model_len, 1)
         if self.max_logprobs < -1:
