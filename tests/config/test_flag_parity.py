@@ -39,6 +39,8 @@ def _refused_value(name: str):
     nys = NOT_YET_SUPPORTED[name]
     flag = "--" + name.replace("_", "-")
     if nys.kind == "bool":
+        if (not nys.default) in nys.accepted:
+            pytest.skip(f"{name}: both values describe what tokenmill does")
         return ([flag] if nys.default is not True else ["--no-" + flag[2:]]), nys.default is not True
     value = {"int": 7, "float": 1.5, "str": "x", "list": [7] if name == "numa_bind_nodes" else ["x"],
              "json": {"x": 1}}[nys.kind]

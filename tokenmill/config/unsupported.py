@@ -10,7 +10,7 @@ the same name takes the option over (the CLI then reads the field; remove the en
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from tokenmill.config.utils import not_supported_yet
 
@@ -25,6 +25,7 @@ class NotYetSupported:
     accepted: tuple = ()  # other values that describe what tokenmill does anyway
     frontend: bool = False  # an API-server flag, not an engine argument
     instead: str = ""  # an old vLLM flag: the current spelling to use instead (any value but the default refused)
+    accepts: Callable[[Any], bool] | None = None  # further accepted values, where a list cannot name them
 
 
 def _n(kind: str, default: Any, help: str, *aliases: str, ok: tuple = ()) -> NotYetSupported:
@@ -126,8 +127,10 @@ NOT_YET_SUPPORTED: dict[str, NotYetSupported] = {
     "offload_prefetch_step": _n("int", 1, "Layers prefetched ahead."),
     "offload_params": _n("list", [], "Parameters to prefetch-offload."),
     # multimodal and LoRA
-    "language_model_only": _n("bool", False, "Disable all multimodal inputs."),
-    "limit_mm_per_prompt": _n("json", {}, "Most multimodal items per prompt."),
+    # tokenmill serves the text part of multimodal checkpoints: turning their other modalities off is a no-op.
+    "language_model_only": _n("bool", False, "Disable all multimodal inputs.", ok=(True,)),
+    "limit_mm_per_prompt": NotYetSupported("json", {}, "Most multimodal items per prompt.",
+                                           accepts=lambda v: _no_mm_items(v)),
     "enable_mm_embeds": _n("bool", False, "Accept multimodal embeddings in requests."),
     "enable_tower_connector_lora": _n("bool", False, "LoRA on vision towers and connectors."),
     "default_mm_loras": _n("json", None, "LoRA per modality."),
@@ -201,7 +204,14 @@ NOT_YET_SUPPORTED: dict[str, NotYetSupported] = {
 def is_accepted(name: str, value: Any) -> bool:
     """Whether `value` for the not-yet-supported option `name` describes what tokenmill does anyway."""
     nys = NOT_YET_SUPPORTED[name]
-    return value == nys.default or value in nys.accepted or (nys.default is None and value in ({}, [], ""))
+    return (value == nys.default or value in nys.accepted or (nys.default is None and value in ({}, [], ""))
+            or (nys.accepts is not None and nys.accepts(value)))
+
+
+def _no_mm_items(value: Any) -> bool:
+    """limit_mm_per_prompt allowing no item of any modality ({"image": 0} or vLLM's {"image": {"count": 0}})."""
+    return isinstance(value, dict) and all(
+        v == 0 or (isinstance(v, dict) and v.get("count") == 0) for v in value.values())
 
 
 def check_not_yet_supported(name: str, value: Any) -> None:
