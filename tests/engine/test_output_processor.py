@@ -305,3 +305,16 @@ def test_metrics_report_first_scheduling_and_queue_time(tokenizer):
     add(op, tokenizer)
     [out] = op.process_outputs([EngineCoreOutput("req", [5], finish_reason=FinishReason.LENGTH)]).request_outputs
     assert out.metrics.first_scheduled_time is None and out.metrics.time_in_queue is None
+
+
+def test_output_names_the_lora_request_it_ran_under(tokenizer):
+    """RequestOutput.lora_request, as in vLLM: the adapter of the request (None without one)."""
+    from tokenmill.lora.request import LoRARequest
+    lora = LoRARequest("sql", 1, "/adapters/sql")
+    op = OutputProcessor(tokenizer)
+    ids = tokenizer.encode(PROMPT)
+    op.add_request(EngineCoreRequest("a", ids, SamplingParams(), 100.0, lora_request=lora), PROMPT, "a", 0, 1)
+    op.add_request(EngineCoreRequest("b", ids, SamplingParams(), 100.0), PROMPT, "b", 0, 1)
+    outs = op.process_outputs([EngineCoreOutput("a", [5], finish_reason=FinishReason.LENGTH),
+                               EngineCoreOutput("b", [5], finish_reason=FinishReason.LENGTH)]).request_outputs
+    assert {o.request_id: o.lora_request for o in outs} == {"a": lora, "b": None}

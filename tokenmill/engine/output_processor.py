@@ -69,7 +69,7 @@ class _Parent:
     """The user-visible request: n sequences sharing one prompt, one id, one output kind and one metrics record."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "output_kind", "n", "seqs", "num_finished", "queue",
-                 "metrics", "num_cached_tokens", "prompt_logprobs", "prompt_logprobs_sent")
+                 "metrics", "num_cached_tokens", "prompt_logprobs", "prompt_logprobs_sent", "lora_request")
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, parent_id: str, n: int, queue: Any):
         self.request_id = parent_id
@@ -84,6 +84,7 @@ class _Parent:
         self.num_cached_tokens = 0
         self.prompt_logprobs: PromptLogprobs | None = None
         self.prompt_logprobs_sent = False
+        self.lora_request = request.lora_request
 
     @property
     def finished(self) -> bool:
@@ -109,7 +110,7 @@ class _Parent:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, prompt_logprobs=prompt_logprobs,
                              outputs=outputs, finished=finished, metrics=dataclasses.replace(self.metrics),
-                             num_cached_tokens=self.num_cached_tokens)
+                             num_cached_tokens=self.num_cached_tokens, lora_request=self.lora_request)
 
 
 class OutputProcessor:
