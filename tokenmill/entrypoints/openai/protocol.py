@@ -420,8 +420,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        bad += [name for name in ("functions", "function_call", "audio", "web_search_options", "verbosity")
+        bad += [name for name in ("functions", "function_call", "audio", "web_search_options")
                 if getattr(self, name) is not None]
+        if self.verbosity not in (None, "medium"):  # OpenAI's default; as text.verbosity on /v1/responses
+            bad.append(f"verbosity {self.verbosity!r} (only 'medium')")
         if self.modalities is not None and set(self.modalities) - {"text"}:
             bad.append(f"modalities {self.modalities!r} (text output only)")
         return bad
