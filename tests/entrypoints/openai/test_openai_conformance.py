@@ -281,7 +281,7 @@ def test_openai_chat_hints_are_accepted_and_unhonourable_fields_are_400s(make_cl
     base = {"messages": MSGS, "max_tokens": 2}
     hints = {"metadata": {"k": "v"}, "store": True, "service_tier": "auto", "user": "u1", "modalities": ["text"],
              "prediction": {"type": "content", "content": "sunny"}, "prompt_cache_key": "k",
-             "safety_identifier": "s"}
+             "safety_identifier": "s", "verbosity": "medium"}
     r = c.post("/v1/chat/completions", json={**base, **hints})
     assert r.status_code == 200, r.text
     assert "ignored" not in tm_log.text
@@ -306,3 +306,20 @@ def test_stored_chat_completions_and_responses_routes_are_clear_404s(client):
         with pytest.raises(openai.NotFoundError, match="stores no"):
             call()
     assert client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1}).status_code == 200
+
+
+def test_priority_without_priority_scheduling_is_a_400_naming_priority(make_client, smollm2_tokenizer):
+    from types import SimpleNamespace
+
+    from tests.entrypoints.openai.conftest import FakeEngine
+    engine = FakeEngine(smollm2_tokenizer)
+    engine.config.scheduler_config = SimpleNamespace(scheduling_policy="fcfs")
+    c, _ = make_client(engine)
+    for path, body in (("/v1/completions", {"prompt": "a", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 1}),
+                       ("/v1/completions", {"prompt": "a", "max_tokens": 1, "use_beam_search": True, "n": 2})):
+        for stream in (False, True) if "use_beam_search" not in body else (False,):
+            err = assert_error(c.post(path, json={**body, "priority": 2, "stream": stream}), 400, "priority")
+            assert "--scheduling-policy priority" in err["message"]
+        assert c.post(path, json={**body, "priority": 0}).status_code == 200
+    assert not engine.calls or all(call[3] == 0 for call in engine.calls)

@@ -404,6 +404,7 @@ class OpenAIServing:
         """Beam search for one prompt (tokenmill/beam_search.py), as a stream of one final RequestOutput whose n
         outputs are the best beams. Each beam step is a one-token engine request of its own."""
         from tokenmill.beam_search import beam_search_async
+        self.check_priority(priority)
         from tokenmill.outputs import CompletionOutput
         processor = getattr(self.engine, "processor", None)
         eos = processor.eos_token_id if processor is not None else getattr(self.tokenizer, "eos_token_id", None)
@@ -430,10 +431,19 @@ class OpenAIServing:
 
         return self._tracked(engine_id, run())
 
+    def check_priority(self, priority: int) -> None:
+        """A non-zero priority needs --scheduling-policy priority (the engine would refuse it without naming it)."""
+        sched = getattr(getattr(self.engine, "config", None), "scheduler_config", None)
+        policy = getattr(sched, "scheduling_policy", "priority")
+        if priority != 0 and policy != "priority":
+            raise ServingError(f"priority={priority} needs the server started with --scheduling-policy priority "
+                               f"(this one schedules {policy!r}); leave priority at 0.", 400, "priority")
+
     # ----- generation -----
     def start(self, engine_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
               priority: int, cache_salt: str | None = None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """The engine's stream for one prompt (under `lora_request`'s adapter when given), tracked while it runs."""
+        self.check_priority(priority)
         engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if prompt is not None:
             engine_prompt["prompt"] = prompt
