@@ -72,3 +72,9 @@ def test_bad_prompt_token_ids_say_what_is_wrong(processor, ids, match):
     """A wrong type is not reported as an id "out of vocabulary"."""
     with pytest.raises(ValueError, match=match):
         processor.process("r", {"prompt_token_ids": ids}, SamplingParams())
+
+
+def test_request_id_must_be_a_string(processor):
+    """vLLM refuses other ids: an int id would miss abort("5") and fail the msgpack trip to a core process."""
+    with pytest.raises(TypeError, match="request_id must be a string, got int"):
+        processor.process(5, {"prompt_token_ids": [5]}, SamplingParams())

@@ -168,6 +168,8 @@ class Processor:
                 lora_request: Any = None,
                 tokenization_kwargs: dict[str, Any] | None = None) -> tuple[str | None, list[EngineCoreRequest]]:
         """Returns the prompt text and one EngineCoreRequest per sample (n > 1 fans out into n children)."""
+        if not isinstance(request_id, str):  # as in vLLM: ids are matched (abort, outputs) and sent as strings
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}.")
         if lora_request is not None:
             self.check_lora(lora_request)
         if not isinstance(params, SamplingParams):
