@@ -40,6 +40,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
+    lora_request: object | None = None  # the LoRARequest it was generated under, as in vLLM
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -308,7 +308,8 @@ def test_metrics_report_first_scheduling_and_queue_time(tokenizer):
 
 
 def test_output_names_the_lora_request_it_ran_under(tokenizer):
-    """RequestOutput.lora_request, as in vLLM: the adapter of the request (None without one)."""
+    """RequestOutput.lora_request and CompletionOutput.lora_request, as in vLLM: the adapter of the request (None
+    without one)."""
     from tokenmill.lora.request import LoRARequest
     lora = LoRARequest("sql", 1, "/adapters/sql")
     op = OutputProcessor(tokenizer)
@@ -318,3 +319,4 @@ def test_output_names_the_lora_request_it_ran_under(tokenizer):
     outs = op.process_outputs([EngineCoreOutput("a", [5], finish_reason=FinishReason.LENGTH),
                                EngineCoreOutput("b", [5], finish_reason=FinishReason.LENGTH)]).request_outputs
     assert {o.request_id: o.lora_request for o in outs} == {"a": lora, "b": None}
+    assert {o.request_id: o.outputs[0].lora_request for o in outs} == {"a": lora, "b": None}

@@ -100,6 +100,9 @@ class _Parent:
             return None
         seqs = sorted(changed, key=lambda s: s.index) if delta else [s for s in self.seqs if s is not None]
         outputs = [s.completion(delta) for s in seqs]
+        if self.lora_request is not None:
+            for out in outputs:
+                out.lora_request = self.lora_request
         prompt_logprobs = self.prompt_logprobs
         if delta:
             # Prompt logprobs go out once, with the first output that has them.
