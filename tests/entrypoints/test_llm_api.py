@@ -79,3 +79,9 @@ def test_use_tqdm_may_be_the_progress_bar_factory(llm):
     outs = llm.generate(["a", "b"], GREEDY, use_tqdm=factory)
     assert len(outs) == 2 and len(made) == 1 and made[0].n == 2
     assert len(llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=factory)) == 1 and len(made) == 2
+
+
+def test_world_size_and_mm_cache_reset(llm):
+    """vLLM's LLM.get_world_size(include_dp) and reset_mm_cache() (a no-op: tokenmill keeps no multimodal cache)."""
+    assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+    assert llm.reset_mm_cache() is None

@@ -99,3 +99,18 @@ def test_best_of_keeps_the_most_likely_samples(pair):
     assert len(with_lp.outputs[0].logprobs) == 6
     same = llm.generate(PROMPTS[0], SamplingParams(n=2, best_of=2, **kw), use_tqdm=False)[0]
     assert [o.token_ids for o in same.outputs] == [o.token_ids for o in pool[0].outputs[:2]]
+
+
+def test_concurrency_limit_searches_in_smaller_batches_with_the_same_results(pair):
+    """vLLM's beam_search(..., concurrency_limit=k): at most k prompts per batch, same sequences."""
+    _, llm = pair
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    prompts = PROMPTS + [{"prompt_token_ids": [5, 6, 7]}]
+    together = llm.beam_search(prompts, params)
+    one_at_a_time = llm.beam_search(prompts, params, concurrency_limit=1)
+    assert [[s.tokens for s in o.sequences] for o in one_at_a_time] == [[s.tokens for s in o.sequences]
+                                                                        for o in together]
+    assert len(llm.beam_search(prompts, params, None, False, 2)) == 3  # vLLM's positional order
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="concurrency_limit"):
+            llm.beam_search(prompts, params, concurrency_limit=bad)

@@ -81,6 +81,14 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.get_default_sampling_params()
 
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """Ranks the model runs on: tensor x pipeline parallel size, times data_parallel_size with include_dp."""
+        pc = self.llm_engine.parallel_config
+        return pc.world_size * (pc.data_parallel_size if include_dp else 1)
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's: clears the multimodal input cache. tokenmill serves text only and keeps none: nothing to do."""
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
@@ -168,18 +176,25 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, **encode_kwargs)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
-    def beam_search(self, prompts: Any, params: "BeamSearchParams", *, use_tqdm: bool = False,
-                    lora_request: Any = None) -> list["BeamSearchOutput"]:
+    def beam_search(self, prompts: Any, params: "BeamSearchParams", lora_request: Any = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list["BeamSearchOutput"]:
         """Beam search over each prompt (see tokenmill/beam_search.py): one BeamSearchOutput per prompt, its
-        sequences best first."""
+        sequences best first. concurrency_limit (vLLM's): search at most this many prompts at a time (None: all
+        together); the results are the same, only the batches are smaller."""
         from tokenmill.beam_search import beam_search
         if lora_request is not None:
             raise ValueError("lora_request: beam search under a LoRA adapter is not supported yet by tokenmill.")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool)
+                                              or not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}.")
+        prompt_list = self._as_prompt_list(prompts)
+        step = concurrency_limit or len(prompt_list)
 
         def generate(step_prompts: list, step_params: SamplingParams) -> list[RequestOutput]:
             return self.generate(step_prompts, step_params, use_tqdm=use_tqdm)
-        return beam_search(self.llm_engine.processor, generate, self.get_tokenizer(), self._as_prompt_list(prompts),
-                           params)
+        return [out for start in range(0, len(prompt_list), step)
+                for out in beam_search(self.llm_engine.processor, generate, self.get_tokenizer(),
+                                       prompt_list[start:start + step], params)]
 
     # ----- helpers -----
     @staticmethod
