@@ -323,3 +323,20 @@ def test_priority_without_priority_scheduling_is_a_400_naming_priority(make_clie
             assert "--scheduling-policy priority" in err["message"]
         assert c.post(path, json={**body, "priority": 0}).status_code == 200
     assert not engine.calls or all(call[3] == 0 for call in engine.calls)
+
+
+# ----- bodies that parse as JSON but hold values no request can use -----
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", '{"prompt": "hi \\ud800 there", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 1, "stop": ["\\udc00"]}', "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud83d"}], "max_tokens": 1}', "messages"),
+    ("/v1/responses", '{"input": "\\ud800", "max_output_tokens": 1}', "input"),
+    ("/tokenize", '{"prompt": "\\udfff"}', "prompt")])
+def test_unpaired_surrogates_are_a_400_naming_the_field(client, path, body, param):
+    err = assert_error(client.post(path, content=body, headers={"content-type": "application/json"}), 400, param)
+    assert "surrogate" in err["message"]
+    # A surrogate pair is one valid character (U+1F600).
+    ok = client.post("/v1/completions", content='{"prompt": "hi \\ud83d\\ude00", "max_tokens": 1}',
+                     headers={"content-type": "application/json"})
+    assert ok.status_code == 200, ok.text
+

@@ -26,6 +26,22 @@ def _accepts_none(annotation: Any) -> bool:
         isinstance(annotation, types.UnionType) and type(None) in annotation.__args__)
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    """True when a string in `value` holds an unpaired UTF-16 surrogate (JSON's "\\ud800" parses to one): no
+    tokenizer can encode it. Lists of numbers (token ids) are skipped without a walk."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list) and value and not isinstance(value[0], (int, float)):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
 class FieldError(ValueError):
     """A bad request value found by a check that spans fields (a model validator, a later conversion): the
     message plus the request field to report as the error's `param`."""
@@ -40,6 +56,8 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
     # True for a model whose unknown fields are read by its consumer (no "ignored" warning for them).
     extra_is_consumed: ClassVar[bool] = False
+    # True for a request body: its strings are checked for unpaired surrogates (responses built here are not).
+    is_client_body: ClassVar[bool] = False
 
     @model_validator(mode="wrap")
     @classmethod
@@ -50,6 +68,10 @@ class OpenAIBaseModel(BaseModel):
             fields = cls.model_fields
             data = {k: v for k, v in data.items()
                     if not (v is None and k in fields and not _accepts_none(fields[k].annotation))}
+            bad = next((k for k, v in data.items() if _has_lone_surrogate(v)), None) if cls.is_client_body else None
+            if bad is not None:
+                raise FieldError(f"{bad} holds an unpaired UTF-16 surrogate (such as \\ud800), which is not valid "
+                                 "Unicode text; send each character as a whole code point or a surrogate pair.", bad)
         result = handler(data)
         if isinstance(data, dict) and result.model_extra and not cls.extra_is_consumed:
             logger.warning("The following fields were present in the request but ignored: %s",
@@ -128,6 +150,7 @@ class ResponseFormat(OpenAIBaseModel):
 # fields shared by /v1/completions and /v1/chat/completions
 # ----------------------------------------------------------------------------------------------------------------
 class _SamplingRequest(OpenAIBaseModel):
+    is_client_body: ClassVar[bool] = True
     model: Optional[str] = None
     n: int = 1
     best_of: Optional[int] = None

@@ -7,7 +7,7 @@ a 400 naming the field (`unsupported_fields`) rather than a silent no-op.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Field
 
@@ -20,6 +20,7 @@ _NOTHING_STORED = ("tokenmill keeps no responses (store is accepted, but nothing
 
 
 class ResponsesRequest(OpenAIBaseModel):
+    is_client_body: ClassVar[bool] = True
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]]
     instructions: Optional[str] = None

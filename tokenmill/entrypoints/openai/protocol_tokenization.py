@@ -1,7 +1,7 @@
 """Request and response models of /tokenize and /detokenize (vLLM's shapes)."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 from pydantic import Discriminator, Tag, model_validator
 
@@ -9,6 +9,7 @@ from tokenmill.entrypoints.openai.protocol import FieldError, OpenAIBaseModel
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
+    is_client_body: ClassVar[bool] = True
     model: Optional[str] = None
     prompt: str
     add_special_tokens: bool = True
@@ -16,6 +17,7 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
 
 
 class TokenizeChatRequest(OpenAIBaseModel):
+    is_client_body: ClassVar[bool] = True
     model: Optional[str] = None
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
