@@ -340,3 +340,14 @@ def test_unpaired_surrogates_are_a_400_naming_the_field(client, path, body, para
                      headers={"content-type": "application/json"})
     assert ok.status_code == 200, ok.text
 
+
+def test_non_finite_temperature_and_length_penalty_are_400s(client):
+    hdr = {"content-type": "application/json"}
+    for path, body in (("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, '
+                                                '"temperature": NaN}'),
+                       ("/v1/responses", '{"input": "hi", "max_output_tokens": 1, "temperature": Infinity}')):
+        err = assert_error(client.post(path, content=body, headers=hdr), 400, "temperature")
+        assert "finite" in err["message"]
+    body = '{"prompt": "hi", "max_tokens": 1, "n": 2, "use_beam_search": true, "length_penalty": NaN}'
+    err = assert_error(client.post("/v1/completions", content=body, headers=hdr), 400, "length_penalty")
+    assert "finite" in err["message"]

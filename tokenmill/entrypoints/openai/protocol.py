@@ -154,7 +154,7 @@ class _SamplingRequest(OpenAIBaseModel):
     model: Optional[str] = None
     n: int = 1
     best_of: Optional[int] = None
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     min_p: Optional[float] = None

@@ -25,7 +25,7 @@ class ResponsesRequest(OpenAIBaseModel):
     input: Union[str, list[dict[str, Any]]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: Optional[float] = None
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None  # only include_obfuscation, which changes no text

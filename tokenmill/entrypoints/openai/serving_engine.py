@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import uuid
 from http import HTTPStatus
@@ -377,6 +378,9 @@ class OpenAIServing:
                 raise ServingError("length_penalty applies to beam search only; set use_beam_search.", 400,
                                    "length_penalty")
             return None
+        if request.length_penalty is not None and not math.isfinite(request.length_penalty):
+            raise ServingError(f"length_penalty must be a finite number, got {request.length_penalty}.", 400,
+                               "length_penalty")
         bad = request.beam_search_conflicts()
         if params.logprobs is not None:
             bad.append("logprobs")
