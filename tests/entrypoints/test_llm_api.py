@@ -85,3 +85,14 @@ def test_world_size_and_mm_cache_reset(llm):
     """vLLM's LLM.get_world_size(include_dp) and reset_mm_cache() (a no-op: tokenmill keeps no multimodal cache)."""
     assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
     assert llm.reset_mm_cache() is None
+
+
+def test_chat_takes_vllms_positional_order_and_refuses_mm_processor_kwargs(llm):
+    """vLLM's chat(messages, sampling_params, use_tqdm, lora_request, chat_template, ...) is not keyword-only;
+    mm_processor_kwargs is accepted when empty and refused by name otherwise (no multimodal processor here)."""
+    conv = [{"role": "user", "content": "hi"}]
+    out = llm.chat(conv, GREEDY, False, None, "{% for m in messages %}[{{ m.content }}]{% endfor %}")[0]
+    assert out.prompt == "[hi]"
+    assert llm.chat(conv, GREEDY, use_tqdm=False, mm_processor_kwargs={})[0].finished
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        llm.chat(conv, GREEDY, use_tqdm=False, mm_processor_kwargs={"num_crops": 4})

@@ -143,16 +143,21 @@ class LLM:
         return self._run(prompt_list, params, priority, use_tqdm, loras, tokenization_kwargs)
 
     def chat(self, messages: Conversation | list[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool | Callable[..., Any] = True,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., Any] = True, lora_request: Any = None,
              chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-             lora_request: Any = None, tokenization_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             tokenization_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Render each conversation with the chat template, then generate. Accepts one conversation or a list;
         lora_request and tokenization_kwargs as in generate() (the rendered text adds no special tokens unless
-        tokenization_kwargs says add_special_tokens=True)."""
+        tokenization_kwargs says add_special_tokens=True). The parameters come in vLLM's order;
+        mm_processor_kwargs must stay None or empty (text-only models)."""
         from tokenmill.engine.processor import check_tokenization_kwargs
+        if mm_processor_kwargs:
+            raise ValueError(f"mm_processor_kwargs={mm_processor_kwargs!r:.80}: tokenmill serves text-only models, "
+                             "which have no multimodal processor; leave it unset.")
         encode_kwargs = {"add_special_tokens": False, **check_tokenization_kwargs(tokenization_kwargs)}
         if not isinstance(messages, (list, tuple)):
             raise ValueError("messages must be a conversation (a list of message dicts such as "
