@@ -78,3 +78,10 @@ def test_request_id_must_be_a_string(processor):
     """vLLM refuses other ids: an int id would miss abort("5") and fail the msgpack trip to a core process."""
     with pytest.raises(TypeError, match="request_id must be a string, got int"):
         processor.process(5, {"prompt_token_ids": [5]}, SamplingParams())
+
+
+@pytest.mark.parametrize("priority", ["1", 1.5, None, True])
+def test_priority_must_be_an_integer(processor, priority):
+    """The priority scheduler orders requests by it: a string beside an int broke its heap mid-run."""
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        processor.process("r", {"prompt_token_ids": [5]}, SamplingParams(), priority=priority)

@@ -96,3 +96,15 @@ def test_chat_takes_vllms_positional_order_and_refuses_mm_processor_kwargs(llm):
     assert llm.chat(conv, GREEDY, use_tqdm=False, mm_processor_kwargs={})[0].finished
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         llm.chat(conv, GREEDY, use_tqdm=False, mm_processor_kwargs={"num_crops": 4})
+
+
+@pytest.mark.parametrize("priority,match", [
+    (1, "priority must be a list with one integer per prompt, got int"),
+    ([0], "priority has 1 entries for 2 prompts"),
+    ([0, "x"], r"priority must hold integers \(lower runs first\); got \[1\]: 'x'"),
+    ([0.5, None], r"got \[0\]: 0.5, \[1\]: None"),
+])
+def test_priority_of_the_wrong_shape_is_named(llm, priority, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["a", "b"], GREEDY, use_tqdm=False, priority=priority)
+    assert not llm.llm_engine.has_unfinished_requests()

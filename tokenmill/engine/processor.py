@@ -174,6 +174,8 @@ class Processor:
             self.check_lora(lora_request)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        if isinstance(priority, bool) or not isinstance(priority, int):  # the scheduler's heap compares them
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}.")
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise ValueError("A request priority was given but scheduling_policy is 'fcfs'; use "
                              "scheduling_policy='priority'.")

@@ -135,8 +135,15 @@ class LLM:
         tokenization_kwargs = check_tokenization_kwargs(tokenization_kwargs)
         prompt_list = self._as_prompt_list(prompts)
         params = self._params_for(prompt_list, sampling_params)
-        if priority is not None and len(priority) != len(prompt_list):
-            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts.")
+        if priority is not None:
+            if not isinstance(priority, (list, tuple)):
+                raise ValueError(f"priority must be a list with one integer per prompt, got "
+                                 f"{type(priority).__name__}.")
+            if len(priority) != len(prompt_list):
+                raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts.")
+            wrong = [f"[{i}]: {p!r}" for i, p in enumerate(priority) if isinstance(p, bool) or not isinstance(p, int)]
+            if wrong:
+                raise ValueError(f"priority must hold integers (lower runs first); got {', '.join(wrong[:3])}.")
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompt_list)
         if len(loras) != len(prompt_list):
             raise ValueError(f"lora_request has {len(loras)} entries for {len(prompt_list)} prompts.")
