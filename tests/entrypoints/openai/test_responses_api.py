@@ -395,3 +395,34 @@ def test_tool_choice_none_and_function_call_output_round_trip(make_client, smoll
     assert r.status == "completed" and r.output[0].type == "message"
     prompt = engine.calls[-1][0]["prompt"]
     assert prompt == "user:Weather in Paris?|assistant:[call_1 get_weather Paris]|tool:22 C and sunny(call_1)|"
+
+
+def test_reasoning_items_sent_back_are_the_assistant_turns_reasoning(make_client, think_tokenizer):
+    """A client that keeps the conversation itself sends the previous output back, reasoning item included (as
+    OpenAI documents for store=false): it becomes the reasoning of the assistant turn its message completes."""
+    script = "Let me think about Paris.\nIt is in France.</think>\n\nThe capital of France is Paris."
+    engine = type("Scripted", (ScriptedEngine, FakeEngine), {})(think_tokenizer, script)
+    c, _ = make_client(engine, reasoning_parser="deepseek_r1")
+    first = c.post("/v1/responses", json={"input": "Where is Paris?"}).json()
+    assert [o["type"] for o in first["output"]] == ["reasoning", "message"]
+    history = [{"role": "user", "content": "Where is Paris?"}, *first["output"], {"role": "user", "content": "And?"}]
+    from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
+    from tokenmill.entrypoints.openai.serving_responses import input_messages
+    msgs = input_messages(ResponsesRequest(input=history))
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+    assert msgs[1]["reasoning_content"] == "Let me think about Paris.\nIt is in France."
+    assert msgs[1]["content"] == [{"type": "text", "text": "The capital of France is Paris."}]
+    r = c.post("/v1/responses", json={"input": history, "max_output_tokens": 3})
+    assert r.status_code == 200, r.text
+    # A summary-only item, a reasoning item before a function call, and encrypted reasoning.
+    summary = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "short"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    msgs = input_messages(ResponsesRequest(input=[{"role": "user", "content": "q"}, summary, call,
+                                                  {"type": "function_call_output", "call_id": "c1", "output": "x"}]))
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool"]
+    assert msgs[1]["reasoning_content"] == "short" and msgs[1]["tool_calls"][0]["id"] == "c1"
+    bad = {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}
+    assert_error(c.post("/v1/responses", json={"input": [{"role": "user", "content": "q"}, bad]}), 400,
+                 "input[1].encrypted_content")
+    bad = {"type": "reasoning", "summary": "not a list"}
+    assert_error(c.post("/v1/responses", json={"input": [bad]}), 400, "input[0].summary")

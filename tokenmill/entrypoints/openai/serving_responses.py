@@ -10,7 +10,8 @@ Contract of `OpenAIServingResponses`:
 - Function tools (flat Responses shape) become chat tools and tool_choice the chat tool_choice, so calls are parsed
   by the chat route's machinery: the server's --tool-call-parser for "auto", the forced-call grammar for "required"
   or a named function. Input items `function_call` / `function_call_output` become the assistant's tool_calls and
-  `tool` messages, so a client can send a tool's result back.
+  `tool` messages, so a client can send a tool's result back; a `reasoning` item sent back becomes the reasoning
+  (`reasoning_content`) of the assistant turn it opens, as templates that render earlier thinking read it.
 - Nothing is stored. Fields that would change the result but cannot be honoured (previous_response_id, reasoning
   effort, background, non-function tools, non-text input items, ...) are a 400 naming the field, never ignored.
 - Output: a `reasoning` item when the server's reasoning parser split some off, then an assistant `message` with one
@@ -74,15 +75,27 @@ def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
                 tool_msg["name"] = call_names[call_id]
             messages.append(tool_msg)
             continue
+        if kind == "reasoning":
+            thought = _reasoning_input(item, where)
+            if thought:  # opens the assistant turn its answer (the next message item) completes
+                messages.append({"role": "assistant", "content": None, "reasoning_content": thought,
+                                 "reasoning": thought})
+            continue
         if kind != "message":
             raise ServingError(f"{where}: input items of type {kind!r} are not supported by tokenmill (only "
-                               "messages with text content, function_call and function_call_output).", 400,
-                               f"{where}.type")
+                               "messages with text content, reasoning, function_call and function_call_output).",
+                               400, f"{where}.type")
         role = item.get("role")
         if role not in _ROLES:
             raise ServingError(f"{where}.role must be one of user, system, developer, assistant; got {role!r}.",
                                400, f"{where}.role")
-        messages.append({"role": _ROLES[role], "content": _text_content(item.get("content"), f"{where}.content")})
+        content = _text_content(item.get("content"), f"{where}.content")
+        last = messages[-1] if messages else None
+        if (_ROLES[role] == "assistant" and last is not None and last["role"] == "assistant"
+                and last.get("reasoning") and last["content"] is None and not last.get("tool_calls")):
+            last["content"] = content
+        else:
+            messages.append({"role": _ROLES[role], "content": content})
     if not messages:
         raise ServingError("input must contain at least one message.", 400, "input")
     return messages
@@ -104,6 +117,23 @@ def _text_content(content: Any, where: str) -> str | list[dict[str, str]]:
             raise ServingError(f"{where}[{j}].text must be a string.", 400, f"{where}[{j}].text")
         parts.append({"type": "text", "text": part["text"]})
     return parts  # the chat template's content format decides how parts are joined, as for chat
+
+
+def _reasoning_input(item: dict[str, Any], where: str) -> str:
+    """An earlier reasoning output item sent back -> its text (content's reasoning_text parts, else the summary's
+    summary_text parts), for the assistant turn it belongs to. Encrypted reasoning cannot be read here."""
+    if item.get("encrypted_content"):
+        raise ServingError(f"{where}.encrypted_content: encrypted reasoning is not supported by tokenmill (send the "
+                           "reasoning item as this server returned it).", 400, f"{where}.encrypted_content")
+    texts = []
+    for key, ptype in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type", ptype) == ptype
+                                                  and isinstance(p.get("text"), str) for p in parts):
+            raise ServingError(f"{where}.{key} must be a list of {ptype} parts ({{\"type\": \"{ptype}\", "
+                               f"\"text\": ...}}).", 400, f"{where}.{key}")
+        texts.append("\n".join(p["text"] for p in parts))
+    return texts[0] or texts[1]
 
 
 def _function_call_input(item: dict[str, Any], where: str) -> dict[str, Any]:
