@@ -85,3 +85,12 @@ def test_priority_must_be_an_integer(processor, priority):
     """The priority scheduler orders requests by it: a string beside an int broke its heap mid-run."""
     with pytest.raises(ValueError, match="priority must be an integer"):
         processor.process("r", {"prompt_token_ids": [5]}, SamplingParams(), priority=priority)
+
+
+def test_whole_vocabulary_logprobs_say_how_to_allow_them(processor):
+    """logprobs=-1 (vLLM: the whole vocabulary) beyond max_logprobs: the message says what -1 asked for and how
+    to allow it."""
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"{name}=-1 \(the whole vocabulary, 100 tokens\) but at most 5 .*"
+                                             r"max_logprobs=-1 allows any number"):
+            processor.process("r", {"prompt_token_ids": [5]}, SamplingParams(**{name: -1}))

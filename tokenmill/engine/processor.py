@@ -108,8 +108,9 @@ class Processor:
                 continue
             asked = self.vocab_size if n == -1 else n
             if asked > self.max_logprobs:
-                raise ValueError(f"Requested {name}={n} but at most {self.max_logprobs} are allowed "
-                                 "(raise max_logprobs to allow more).")
+                whole = f" (the whole vocabulary, {self.vocab_size} tokens)" if n == -1 else ""
+                raise ValueError(f"Requested {name}={n}{whole} but at most {self.max_logprobs} are allowed "
+                                 "(raise max_logprobs to allow more; max_logprobs=-1 allows any number).")
         for name, ids in (("logit_bias", list((params.logit_bias or {}).keys())),
                           ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
