@@ -29,6 +29,11 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     time_in_queue: float | None = None  # seconds from the engine core receiving it to its first scheduling
 
+    @property
+    def first_token_latency(self) -> float:
+        """Seconds from arrival to the first token (vLLM V1's RequestStateStats name; 0.0 before it)."""
+        return 0.0 if self.first_token_time is None else self.first_token_time - self.arrival_time
+
 
 @dataclass
 class CompletionOutput:

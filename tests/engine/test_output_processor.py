@@ -300,6 +300,7 @@ def test_metrics_report_first_scheduling_and_queue_time(tokenizer):
                                ).request_outputs
     m = out.metrics
     assert m.time_in_queue == 1.0
+    assert m.first_token_latency == pytest.approx(m.first_token_time - 100.0)  # vLLM V1's name for the TTFT
     assert before - 2.0 <= m.first_scheduled_time <= time.time() - 2.0 and m.first_scheduled_time < m.first_token_time
     op = OutputProcessor(tokenizer)
     add(op, tokenizer)
