@@ -351,3 +351,11 @@ def test_non_finite_temperature_and_length_penalty_are_400s(client):
     body = '{"prompt": "hi", "max_tokens": 1, "n": 2, "use_beam_search": true, "length_penalty": NaN}'
     err = assert_error(client.post("/v1/completions", content=body, headers=hdr), 400, "length_penalty")
     assert "finite" in err["message"]
+
+
+def test_an_empty_body_says_so(client):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize"):
+        for headers in ({}, {"content-type": "application/json"}):
+            err = assert_error(client.post(path, content=b"", headers=headers), 400)
+            assert err["message"] == "The request body is empty; send a JSON object.", (path, err)
+

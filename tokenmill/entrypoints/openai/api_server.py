@@ -101,6 +101,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if not loc and err.get("type") in ("model_attributes_type", "dict_type"):
             parts.append("The request body must be a JSON object.")
             continue
+        if not loc and err.get("type") == "missing":  # no body at all (FastAPI reports the body as missing)
+            parts.append("The request body is empty; send a JSON object.")
+            continue
         where = ".".join(loc)
         if param is None:
             # A model-level check has no location; a FieldError names the field itself.
