@@ -359,3 +359,7 @@ def test_an_empty_body_says_so(client):
             err = assert_error(client.post(path, content=b"", headers=headers), 400)
             assert err["message"] == "The request body is empty; send a JSON object.", (path, err)
 
+
+def test_tokenize_with_both_prompt_and_messages_is_a_400(client):
+    err = assert_error(client.post("/tokenize", json={"prompt": "hi", "messages": MSGS}), 400, "prompt")
+    assert "not both" in err["message"]

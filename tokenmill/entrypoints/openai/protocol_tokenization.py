@@ -31,6 +31,8 @@ class TokenizeChatRequest(OpenAIBaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "TokenizeChatRequest":
+        if "prompt" in (self.model_extra or {}):
+            raise FieldError("Give either prompt (text) or messages (a chat), not both.", "prompt")
         if self.add_generation_prompt and self.continue_final_message:
             raise FieldError("Cannot set both continue_final_message and add_generation_prompt to true.",
                              "continue_final_message")
