@@ -363,3 +363,10 @@ def test_an_empty_body_says_so(client):
 def test_tokenize_with_both_prompt_and_messages_is_a_400(client):
     err = assert_error(client.post("/tokenize", json={"prompt": "hi", "messages": MSGS}), 400, "prompt")
     assert "not both" in err["message"]
+
+
+def test_an_empty_suffix_is_no_suffix_and_a_real_one_is_a_400(client):
+    assert client.post("/v1/completions", json={"prompt": "def f(", "max_tokens": 2, "suffix": ""}).status_code == 200
+    err = assert_error(client.post("/v1/completions", json={"prompt": "def f(", "max_tokens": 2, "suffix": "x"}), 400,
+                       "suffix")
+    assert "suffix" in err["message"]

@@ -316,7 +316,8 @@ class CompletionRequest(_SamplingRequest):
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        bad += [name for name in ("suffix", "prompt_embeds") if getattr(self, name) is not None]
+        # An empty suffix (what fill-in-the-middle clients send at the end of a file) asks for nothing.
+        bad += [name for name in ("suffix", "prompt_embeds") if getattr(self, name) not in (None, "")]
         return bad
 
 
