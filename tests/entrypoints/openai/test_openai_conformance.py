@@ -370,3 +370,14 @@ def test_an_empty_suffix_is_no_suffix_and_a_real_one_is_a_400(client):
     err = assert_error(client.post("/v1/completions", json={"prompt": "def f(", "max_tokens": 2, "suffix": "x"}), 400,
                        "suffix")
     assert "suffix" in err["message"]
+
+
+def test_reasoning_effort_for_a_template_without_it_is_a_400(make_client):
+    """OpenAI answers 400 for reasoning_effort on a model that does not reason; here a chat template that has no
+    reasoning_effort variable would drop it, so it is refused rather than ignored."""
+    c, engine = make_client()  # SmolLM2's template: no reasoning_effort
+    calls = len(engine.calls)
+    err = assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1,
+                                                            "reasoning_effort": "low"}), 400, "reasoning_effort")
+    assert "chat_template_kwargs" in err["message"] and len(engine.calls) == calls
+    assert c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1}).status_code == 200

@@ -47,6 +47,12 @@ class ChatRenderer:
         except (ValueError, TypeError) as e:
             raise ServingError(str(e), 400, "messages") from None
 
+    def reads_variable(self, name: str, request_template: str | None) -> bool:
+        """Whether the chat template in use mentions the template variable `name` (a template that never reads
+        it would drop it: a request field passed that way must then be refused, not ignored)."""
+        template = request_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        return name in str(template or "")
+
 
 def _message_text(message: dict[str, Any]) -> str:
     content = message.get("content")
@@ -100,6 +106,11 @@ class OpenAIServingChat(OpenAIServing):
                                "tool_choice")
         if self.tokenizer is None:
             raise ServingError("Chat needs a tokenizer, but this server was started with skip_tokenizer_init.", 400)
+        if request.reasoning_effort is not None and not self.renderer.reads_variable("reasoning_effort",
+                                                                                   request.chat_template):
+            raise ServingError(f"reasoning_effort={request.reasoning_effort!r} cannot be honoured: this model's chat "
+                               "template has no reasoning_effort variable (its reasoning, if any, is set through "
+                               "chat_template_kwargs, e.g. enable_thinking).", 400, "reasoning_effort")
         prompt = self.renderer.render(request.messages, request_template=request.chat_template,
                                       add_generation_prompt=request.add_generation_prompt,
                                       continue_final_message=request.continue_final_message, tools=tools,
