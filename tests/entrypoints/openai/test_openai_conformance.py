@@ -381,3 +381,17 @@ def test_reasoning_effort_for_a_template_without_it_is_a_400(make_client):
                                                             "reasoning_effort": "low"}), 400, "reasoning_effort")
     assert "chat_template_kwargs" in err["message"] and len(engine.calls) == calls
     assert c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1}).status_code == 200
+
+
+def test_documents_need_a_template_that_reads_them(make_client):
+    docs = [{"title": "Paris", "text": "Paris is in France."}]
+    c, engine = make_client()  # SmolLM2's template: no documents
+    for path, body in (("/v1/chat/completions", {"messages": MSGS, "max_tokens": 1, "documents": docs}),
+                       ("/tokenize", {"messages": MSGS, "documents": docs})):
+        err = assert_error(c.post(path, json=body), 400, "documents")
+        assert "chat template" in err["message"]
+    c, engine = make_client(chat_template="{% for d in documents %}<{{ d.title }}>{% endfor %}"
+                                          "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    r = c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1, "documents": docs})
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1][0]["prompt"].startswith("<Paris>[")

@@ -37,6 +37,10 @@ class ChatRenderer:
         kwargs = dict(self.frontend.default_chat_template_kwargs or {})
         kwargs.update(request_kwargs or {})
         if documents is not None:
+            if not self.reads_variable("documents", request_template):
+                raise ServingError("documents cannot be honoured: this model's chat template has no documents "
+                                   "variable, so they would not reach the model (put them in a message instead).",
+                                   400, "documents")
             kwargs["documents"] = documents
         try:
             return render_chat(self.tokenizer, messages, chat_template=request_template or self.chat_template,
