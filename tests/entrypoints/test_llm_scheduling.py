@@ -164,3 +164,8 @@ def test_token_ids_only_without_tokenizer(llama_dir):
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text == ""
     with pytest.raises(ValueError, match="token ids"):
         llm.generate("text", use_tqdm=False)
+    # vLLM's LLM.get_tokenizer() raises here too, rather than returning None for a later AttributeError.
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        llm.get_tokenizer()
+    with pytest.raises(ValueError, match="Chat needs a tokenizer"):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)

@@ -30,7 +30,7 @@ def run_tokenmill(prompts, out_lens, engine_kwargs, sampling: dict, detokenize: 
     the figure that tells a throughput lost to an oversubscribed KV pool from one lost elsewhere."""
     from tokenmill import LLM, SamplingParams
     llm = LLM(**engine_kwargs)
-    detok = detokenize and llm.get_tokenizer() is not None
+    detok = detokenize and llm.llm_engine.get_tokenizer() is not None
     params = [SamplingParams(**sampling, max_tokens=n, ignore_eos=True, detokenize=detok) for n in out_lens]
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params[:2], use_tqdm=False)  # warm-up
     start = time.perf_counter()

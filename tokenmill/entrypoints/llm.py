@@ -66,7 +66,11 @@ class LLM:
         self._counter = itertools.count()
 
     def get_tokenizer(self):
-        return self.llm_engine.get_tokenizer()
+        """The engine's tokenizer; a ValueError with skip_tokenizer_init, as in vLLM (not None to fail later)."""
+        tok = self.llm_engine.get_tokenizer()
+        if tok is None:
+            raise ValueError("No tokenizer: the engine was started with skip_tokenizer_init=True.")
+        return tok
 
     def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list:
@@ -177,7 +181,7 @@ class LLM:
             if not isinstance(conv, (list, tuple)) or not conv:
                 raise ValueError(f"messages[{i}] must be a non-empty list of message dicts (one conversation), got "
                                  f"{conv!r:.80}.")
-        tok = self.get_tokenizer()
+        tok = self.llm_engine.get_tokenizer()  # None with skip_tokenizer_init: render_chat says so
         prompts = []
         for conv in convs:
             text = render_chat(tok, conv, chat_template=chat_template, content_format=chat_template_content_format,
@@ -205,7 +209,7 @@ class LLM:
         def generate(step_prompts: list, step_params: SamplingParams) -> list[RequestOutput]:
             return self.generate(step_prompts, step_params, use_tqdm=use_tqdm)
         return [out for start in range(0, len(prompt_list), step)
-                for out in beam_search(self.llm_engine.processor, generate, self.get_tokenizer(),
+                for out in beam_search(self.llm_engine.processor, generate, self.llm_engine.get_tokenizer(),
                                        prompt_list[start:start + step], params)]
 
     # ----- helpers -----
