@@ -108,3 +108,12 @@ def test_priority_of_the_wrong_shape_is_named(llm, priority, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(["a", "b"], GREEDY, use_tqdm=False, priority=priority)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_token_id_prompts_of_numpy_integers(llm):
+    """One prompt given as numpy integers (a list of them, or an array in a TokensPrompt) is one prompt."""
+    import numpy as np
+    want = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ([np.int64(5), np.int64(6), np.int64(7)], {"prompt_token_ids": np.array([5, 6, 7])}):
+        [out] = llm.generate(prompt, GREEDY, use_tqdm=False)
+        assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].token_ids == want

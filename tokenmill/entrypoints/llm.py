@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -220,7 +221,7 @@ class LLM:
         if isinstance(prompts, (list, tuple)):
             if not prompts:
                 raise ValueError("prompts is empty.")
-            if all(isinstance(p, int) for p in prompts):
+            if all(isinstance(p, numbers.Integral) for p in prompts):  # ints, numpy integers
                 return [list(prompts)]  # a single prompt given as token ids
             return list(prompts)
         raise ValueError(f"prompts must be a str, dict, token-id list or a list of those; got {type(prompts).__name__}.")
