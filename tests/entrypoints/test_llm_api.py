@@ -117,3 +117,15 @@ def test_token_id_prompts_of_numpy_integers(llm):
     for prompt in ([np.int64(5), np.int64(6), np.int64(7)], {"prompt_token_ids": np.array([5, 6, 7])}):
         [out] = llm.generate(prompt, GREEDY, use_tqdm=False)
         assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].token_ids == want
+
+
+def test_an_empty_batch_has_no_outputs(llm):
+    """vLLM returns [] for an empty list of prompts or conversations (a batch that was filtered down to nothing)
+    instead of raising."""
+    from tokenmill.sampling_params import BeamSearchParams
+    assert llm.generate([], GREEDY, use_tqdm=True) == []
+    assert llm.generate([], [], use_tqdm=False) == []
+    assert llm.chat([], GREEDY, use_tqdm=False) == []
+    assert llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=2)) == []
+    with pytest.raises(ValueError, match=r"Got 1 SamplingParams for 0 prompts"):
+        llm.generate([], [GREEDY], use_tqdm=False)

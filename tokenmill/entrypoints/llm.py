@@ -176,7 +176,7 @@ class LLM:
                              "{'role': 'user', 'content': '...'}) or a list of conversations, got "
                              f"{type(messages).__name__}.")
         if not messages:
-            raise ValueError("messages is empty.")
+            return []  # no conversations, no outputs (vLLM's answer too)
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         for i, conv in enumerate(convs):
             if not isinstance(conv, (list, tuple)) or not conv:
@@ -205,7 +205,7 @@ class LLM:
                                               or not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}.")
         prompt_list = self._as_prompt_list(prompts)
-        step = concurrency_limit or len(prompt_list)
+        step = concurrency_limit or max(len(prompt_list), 1)
 
         def generate(step_prompts: list, step_params: SamplingParams) -> list[RequestOutput]:
             return self.generate(step_prompts, step_params, use_tqdm=use_tqdm)
@@ -220,7 +220,7 @@ class LLM:
             return [prompts]
         if isinstance(prompts, (list, tuple)):
             if not prompts:
-                raise ValueError("prompts is empty.")
+                return []  # an empty batch (e.g. all filtered out) has no outputs, as in vLLM
             if all(isinstance(p, numbers.Integral) for p in prompts):  # ints, numpy integers
                 return [list(prompts)]  # a single prompt given as token ids
             return list(prompts)
@@ -246,6 +246,8 @@ class LLM:
              use_tqdm: bool | Callable[..., Any], loras: list | None = None,
              tokenization_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         from tokenmill.entrypoints import best_of
+        if not prompts:
+            return []  # nothing to run (and no empty progress bar)
         engine = self.llm_engine
         ids = []
         picks: dict[str, best_of.BestOf] = {}
