@@ -426,3 +426,19 @@ def test_reasoning_items_sent_back_are_the_assistant_turns_reasoning(make_client
                  "input[1].encrypted_content")
     bad = {"type": "reasoning", "summary": "not a list"}
     assert_error(c.post("/v1/responses", json={"input": [bad]}), 400, "input[0].summary")
+
+
+def test_reasoning_effort_is_the_chat_templates_reasoning_effort(make_client):
+    c, engine = make_client(chat_template="{{ reasoning_effort | default('unset') }}{% for m in messages %}"
+                                          "[{{ m.role }}]{{ m.content }}{% endfor %}")
+    r = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1, "reasoning": {"effort": "low"}})
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1][0]["prompt"].startswith("low[user]") and r.json()["reasoning"] == {"effort": "low"}
+    err = assert_error(c.post("/v1/responses", json={"input": "hi", "reasoning": {"effort": "max"}}), 400,
+                       "reasoning")
+    assert "reasoning_effort must be one of" in err["message"]
+    assert_error(c.post("/v1/responses", json={"input": "hi", "reasoning": {"summary": "auto"}}), 400, "reasoning")
+    c, _ = make_client()  # a template without reasoning_effort: refused, not ignored
+    err = assert_error(c.post("/v1/responses", json={"input": "hi", "reasoning": {"effort": "high"}}), 400,
+                       "reasoning")
+    assert "reasoning.effort='high'" in err["message"]

@@ -67,7 +67,7 @@ class ResponsesRequest(OpenAIBaseModel):
             bad.append(("background", "background responses must be stored to be fetched later, and tokenmill "
                                       "keeps no responses"))
         for key, value in (self.reasoning or {}).items():
-            if value is not None:
+            if value is not None and key != "effort":  # effort: the chat route's reasoning_effort
                 bad.append(("reasoning", f"reasoning.{key}={value!r} is not supported by tokenmill (the model "
                                          "reasons as its chat template and the server's reasoning parser decide)"))
         if self.include:

@@ -13,7 +13,9 @@ Contract of `OpenAIServingResponses`:
   `tool` messages, so a client can send a tool's result back; a `reasoning` item sent back becomes the reasoning
   (`reasoning_content`) of the assistant turn it opens, as templates that render earlier thinking read it.
 - Nothing is stored. Fields that would change the result but cannot be honoured (previous_response_id, reasoning
-  effort, background, non-function tools, non-text input items, ...) are a 400 naming the field, never ignored.
+  summaries, background, non-function tools, non-text input items, ...) are a 400 naming the field, never ignored.
+  reasoning.effort is the chat route's reasoning_effort: the chat template's variable of that name (a template
+  without one makes it a 400 naming reasoning).
 - Output: a `reasoning` item when the server's reasoning parser split some off, then an assistant `message` with one
   `output_text` part (when there is text, or nothing else), then one `function_call` item per call. A response cut
   short by the token limit is `incomplete` (reason max_output_tokens) and so is its last item (a call cut short
@@ -40,7 +42,8 @@ from tokenmill.entrypoints.openai.serving_engine import ServingError, SSEStream,
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text")  # output_text: an earlier answer passed back as history
 # Chat field names in the errors of the chat machinery -> the Responses field the client actually sent.
-_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
+                "reasoning_effort": "reasoning"}
 
 
 def input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
@@ -221,7 +224,8 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def _renamed(e: ServingError) -> ServingError:
     # Only the unambiguous field name is rewritten in the text ("messages" is also plain English there).
-    message = e.message.replace("max_completion_tokens", "max_output_tokens")
+    message = e.message.replace("max_completion_tokens", "max_output_tokens").replace("reasoning_effort=",
+                                                                                        "reasoning.effort=")
     return ServingError(message, e.status, _FIELD_NAMES.get(e.param or "", e.param), e.err_type)
 
 
@@ -337,7 +341,7 @@ class OpenAIServingResponses:
             temperature=request.temperature, top_p=request.top_p, seed=request.seed,
             user=request.user or request.safety_identifier, response_format=response_format(request.text),
             stream=request.stream, tools=chat_tools(request.tools), tool_choice=chat_tool_choice(request.tool_choice),
-            parallel_tool_calls=request.parallel_tool_calls)
+            parallel_tool_calls=request.parallel_tool_calls, reasoning_effort=(request.reasoning or {}).get("effort"))
         if not request.tools and fields["tool_choice"] in ("auto", "none"):
             del fields["tool_choice"]  # no tools to choose from: nothing to parse, as before tools were supported
         if request.stream:
@@ -347,7 +351,9 @@ class OpenAIServingResponses:
         except ValidationError as e:
             err = e.errors()[0]
             loc = ".".join(str(x) for x in err.get("loc", ()))
-            raise _renamed(ServingError(f"{loc}: {err.get('msg')}", 400, loc.split(".")[0] or None)) from None
+            param = loc.split(".")[0] or getattr(err.get("ctx", {}).get("error"), "param", None)  # a FieldError's
+            msg = str(err.get("msg")).removeprefix("Value error, ")
+            raise _renamed(ServingError(f"{loc}: {msg}" if loc else msg, 400, param)) from None
 
     # ----- the Response object -----
     def _response(self, request: ResponsesRequest, suffix: str, created: int, output: list[dict[str, Any]],
@@ -362,7 +368,7 @@ class OpenAIServingResponses:
             temperature=request.temperature if request.temperature is not None else defaults.get("temperature", 1.0),
             top_p=request.top_p if request.top_p is not None else defaults.get("top_p", 1.0),
             max_output_tokens=request.max_output_tokens, text=request.text or {"format": {"type": "text"}},
-            user=request.user, tools=request.tools or [])
+            user=request.user, tools=request.tools or [], reasoning=request.reasoning)
 
     def _from_chat(self, request: ResponsesRequest, res: ChatCompletionResponse) -> ResponsesResponse:
         choice = res.choices[0]
