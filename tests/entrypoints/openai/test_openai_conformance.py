@@ -395,3 +395,11 @@ def test_documents_need_a_template_that_reads_them(make_client):
     r = c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1, "documents": docs})
     assert r.status_code == 200, r.text
     assert engine.calls[-1][0]["prompt"].startswith("<Paris>[")
+
+
+def test_service_tier_takes_openais_values(client):
+    for path, body in (("/v1/chat/completions", {"messages": MSGS, "max_tokens": 1}),
+                       ("/v1/responses", {"input": "hi", "max_output_tokens": 1})):
+        assert client.post(path, json={**body, "service_tier": "flex"}).status_code == 200
+        err = assert_error(client.post(path, json={**body, "service_tier": "fastest"}), 400, "service_tier")
+        assert "'auto'" in err["message"]

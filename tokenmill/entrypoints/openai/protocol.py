@@ -431,7 +431,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # tier, prediction only speeds up decoding, prompt_cache_key and safety_identifier are routing / abuse hints.
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
-    service_tier: Optional[str] = None
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
     prediction: Optional[dict[str, Any]] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None

@@ -42,7 +42,7 @@ class ResponsesRequest(OpenAIBaseModel):
     # Hints that change nothing here: max_tool_calls bounds built-in tools (there are none), and the prefix cache
     # works without a key.
     max_tool_calls: Optional[int] = None
-    service_tier: Optional[str] = None
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     # Fields tokenmill cannot honour: setting them is a 400.
