@@ -126,6 +126,9 @@ _VARIABLES: dict[str, _Var] = {
     "VLLM_MAX_N_SEQUENCES": _Var(int, 16384),
     # vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: the routes answer 404).
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": _Var(bool, False),
+    # vLLM's switch for the server's development routes (entrypoints/openai/dev_routes.py): POST /sleep, /wake_up,
+    # /reset_prefix_cache and GET /is_sleeping, which RL frameworks call between rollouts (off: 404).
+    "VLLM_SERVER_DEV_MODE": _Var(bool, False),
     # vLLM's torch-profiler variables: LLM.start_profile() / stop_profile() write one trace per worker to
     # VLLM_TORCH_PROFILER_DIR (unset: profiling is off and start_profile() says so); the others choose what the
     # traces record (tokenmill/worker/profiler.py).

@@ -53,6 +53,7 @@ class AsyncLLM(EngineClient):
                                       kv_capacity=self.client.kv_capacity)
         self._queues: dict[str, RequestOutputCollector] = {}
         self._output_task: asyncio.Task | None = None
+        self.sleep_level = 0  # 0: awake; else the level of the sleep() the engines are in (some parts may be awake)
 
     @classmethod
     def from_engine_args(cls, engine_args: Any = None, log_stats: bool = True, **kwargs: Any) -> "AsyncLLM":
@@ -84,8 +85,42 @@ class AsyncLLM(EngineClient):
         return self.stat_logger.last
 
     async def reset_prefix_cache(self) -> bool:
+        return all(await self._on_engines("reset_prefix_cache"))
+
+    # ----- sleep mode (needs enable_sleep_mode; worker/sleep.py) and the torch profiler, on every engine -----
+    async def sleep(self, level: int = 1) -> None:
+        await self._on_engines("sleep", level)
+        self.sleep_level = level
+        self._record_sleep_level()
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._on_engines("wake_up", tags)
+        if not await self.is_sleeping():
+            self.sleep_level = 0
+            self._record_sleep_level()
+
+    async def is_sleeping(self) -> bool:
+        return any(await self._on_engines("is_sleeping"))
+
+    @property
+    def sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    async def start_profile(self) -> None:
+        await self._on_engines("start_profile")
+
+    async def stop_profile(self) -> None:
+        await self._on_engines("stop_profile")
+
+    async def _on_engines(self, name: str, *args: Any) -> list:
+        """A utility of the engine cores on every engine; an engine's exception comes back as a RuntimeError
+        carrying its repr."""
         self._ensure_output_task()  # the results come back on the output socket
-        return all(await self.client.call_utility_all("reset_prefix_cache"))
+        return await self.client.call_utility_all(name, *args)
+
+    def _record_sleep_level(self) -> None:
+        for e in self.stat_logger.engines:
+            e.set_sleep_level(self.sleep_level)
 
     # ----- requests -----
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
@@ -95,6 +130,8 @@ class AsyncLLM(EngineClient):
             raise EngineDeadError(self.client.dead_error or "the engine core is not running")
         if request_id in self._queues:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        if self.sleep_level:
+            raise RuntimeError("The engine is sleeping: call wake_up() before generating.")
         text, reqs = self.processor.process(request_id, prompt, sampling_params, priority=priority,
                                             lora_request=lora_request)
         queue = RequestOutputCollector(delta=sampling_params.output_kind == RequestOutputKind.DELTA)

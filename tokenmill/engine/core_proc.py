@@ -36,7 +36,8 @@ ADD, ABORT, UTILITY, SHUTDOWN = b"A", b"X", b"U", b"S"
 OUTPUTS, UTILITY_RESULT, FAILED, READY = b"O", b"R", b"F", b"Y"
 # handshake (engine or headless node <-> head)
 HELLO, NODE_HELLO, WELCOME, REJECT = b"H", b"N", b"W", b"J"
-_UTILITIES = {"reset_prefix_cache", "get_num_blocks"}
+_UTILITIES = {"reset_prefix_cache", "get_num_blocks", "sleep", "wake_up", "is_sleeping", "start_profile",
+              "stop_profile"}
 HELLO_TIMEOUT_S = 300.0
 # After a SIGTERM, how long to keep serving while waiting for the process that started us to send SHUTDOWN.
 SIGTERM_GRACE_S = 60.0
@@ -89,6 +90,21 @@ class EngineCoreProc:
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
+
+    def sleep(self, level: int) -> None:
+        self.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
+
+    def start_profile(self) -> None:
+        self.core.start_profile()
+
+    def stop_profile(self) -> None:
+        self.core.stop_profile()
 
     def announce_ready(self, startup: dict[str, float] | None = None) -> None:
         msg = self.encoder.encode({"engine_index": self.engine_index, "num_blocks": self.core.num_blocks,

@@ -58,6 +58,27 @@ class EngineClient(abc.ABC):
     async def reset_prefix_cache(self) -> bool:
         ...
 
+    # Sleep mode and the profiler (the server's dev routes); a failure in an engine is a RuntimeError.
+    @abc.abstractmethod
+    async def sleep(self, level: int = 1) -> None:
+        ...
+
+    @abc.abstractmethod
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    async def is_sleeping(self) -> bool:
+        ...
+
+    @abc.abstractmethod
+    async def start_profile(self) -> None:
+        ...
+
+    @abc.abstractmethod
+    async def stop_profile(self) -> None:
+        ...
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         ...

@@ -31,13 +31,18 @@ class _EngineStats:
                                                         for r in WAITING_REASONS)
         self.success = {r: m.success.labels(*labels, str(r)) for r in FinishReason}
         self.success_family = m.success
-        for state in SLEEP_STATES:  # created up front so each series exists from the start, as in vLLM
-            m.sleep_state.labels(*labels, state).set(1 if state == "awake" else 0)
+        self.sleep_states = {s: m.sleep_state.labels(*labels, s) for s in SLEEP_STATES}
+        self.set_sleep_level(0)  # every series exists from the start, as in vLLM
         self.prompt_since = self.gen_since = 0
         self.prev_queries = self.prev_hits = self.prev_preempt = 0
         self.window_queries = self.window_hits = 0
         self.last: SchedulerStats | None = None
         self.spec: SpecDecodingMetrics | None = None  # set with speculative decoding
+
+    def set_sleep_level(self, level: int) -> None:
+        """0: awake; 1: weights offloaded to host memory; 2: weights and KV cache discarded."""
+        for i, gauge in enumerate(self.sleep_states.values()):
+            gauge.set(1 if i == level else 0)
 
     def count_success(self, reason: str) -> None:
         child = self.success.get(reason)

@@ -75,8 +75,8 @@ class VllmMetrics:
             "Waiting requests by reason: capacity (no room yet) or deferred (held back by a transient constraint: "
             "a grammar still compiling).", ("reason",))
         self.sleep_state = gauge(
-            "vllm:engine_sleep_state", "1 for the engine's sleep state (awake, weights_offloaded, discard_all); "
-            "tokenmill engines do not sleep, so awake is always 1.", ("sleep_state",))
+            "vllm:engine_sleep_state", "1 for the engine's sleep state (awake, weights_offloaded, discard_all): "
+            "sleep level 1 or 2 (LLM.sleep, or POST /sleep with VLLM_SERVER_DEV_MODE=1).", ("sleep_state",))
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
         self.cache_config_info = Gauge("vllm:cache_config_info", "The KV-cache configuration, as labels (value 1).",
                                        cache_config_labels(cache_config), multiprocess_mode=mode)

@@ -132,6 +132,23 @@ class FakeEngine(EngineClient):
     async def reset_prefix_cache(self) -> bool:
         return True
 
+    sleeping = False
+
+    async def sleep(self, level: int = 1) -> None:
+        self.sleeping = True
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self.sleeping = False
+
+    async def is_sleeping(self) -> bool:
+        return self.sleeping
+
+    async def start_profile(self) -> None:
+        raise RuntimeError("RuntimeError('The fake engine has no profiler.')")
+
+    async def stop_profile(self) -> None:
+        raise RuntimeError("RuntimeError('The fake engine has no profiler.')")
+
     def shutdown(self) -> None:
         pass
 

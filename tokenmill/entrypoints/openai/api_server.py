@@ -294,6 +294,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
 
     if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
         _add_lora_routes(app, models, check_lora)
+    from tokenmill.entrypoints.openai.dev_routes import add_dev_routes
+    add_dev_routes(app, engine)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:

@@ -408,6 +408,7 @@ class OpenAIServing:
         """Beam search for one prompt (tokenmill/beam_search.py), as a stream of one final RequestOutput whose n
         outputs are the best beams. Each beam step is a one-token engine request of its own."""
         from tokenmill.beam_search import beam_search_async
+        self.check_awake()
         self.check_priority(priority)
         from tokenmill.outputs import CompletionOutput
         processor = getattr(self.engine, "processor", None)
@@ -443,10 +444,16 @@ class OpenAIServing:
             raise ServingError(f"priority={priority} needs the server started with --scheduling-policy priority "
                                f"(this one schedules {policy!r}); leave priority at 0.", 400, "priority")
 
+    def check_awake(self) -> None:
+        if getattr(self.engine, "sleeping", False):  # POST /sleep (dev_routes.py) released the model's memory
+            raise ServingError("The engine is sleeping (POST /sleep released its memory): POST /wake_up before "
+                               "generating.", 503, None, "ServiceUnavailableError")
+
     # ----- generation -----
     def start(self, engine_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
               priority: int, cache_salt: str | None = None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """The engine's stream for one prompt (under `lora_request`'s adapter when given), tracked while it runs."""
+        self.check_awake()
         self.check_priority(priority)
         engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if prompt is not None:
