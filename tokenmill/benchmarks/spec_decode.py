@@ -4,8 +4,9 @@ and on ordinary chat prompts. Greedy, so every method must give the very same to
 
 Usage: tokenmill bench spec [--model PATH] [--max-tokens 128] [--k 4] [--rounds 3] [--dtype float32]
 Prints per prompt kind and method: output tok/s over all rounds (each prompt one at a time, the methods taking
-turns prompt by prompt), the speed-up over no drafts (overall and per round) and the draft acceptance rate; then
-one JSON line with every figure.
+turns prompt by prompt), the speed-up over no drafts (overall and per round), the speed-up of decoding alone (the
+time after each reply's first token: the prompt's prefill, the same work for every method, left out) and the draft
+acceptance rate; then one JSON line with every figure.
 """
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens: dict = {}
     secs = {(kind, name): 0.0 for kind in ("quoting", "ordinary") for name in METHODS}
     n_tok = dict.fromkeys(secs, 0)
+    decode_secs, decode_tok = dict.fromkeys(secs, 0.0), dict.fromkeys(secs, 0)  # after each reply's first token
     counts = dict.fromkeys(secs, (0, 0))  # (drafted, accepted)
     per_round = {key: [] for key in secs}
     # Process-wide first-use costs (the CPU math libraries' kernels for each new product shape, lazy imports) are
@@ -92,13 +94,18 @@ def main(argv: list[str] | None = None) -> int:
                 for name, llm in engines.items():
                     before = _spec_counts(llm)
                     t = time.perf_counter()
-                    out = llm.chat([[{"role": "user", "content": p}]], sp, use_tqdm=False)[0].outputs[0]
+                    out_req = llm.chat([[{"role": "user", "content": p}]], sp, use_tqdm=False)[0]
+                    out = out_req.outputs[0]
                     dt = time.perf_counter() - t
                     after = _spec_counts(llm)
                     key = (kind, name)
                     tokens.setdefault((kind, i), {}).setdefault(name, set()).add(tuple(out.token_ids))
                     round_tok[key] += len(out.token_ids)
                     round_secs[key] += dt
+                    m = out_req.metrics
+                    if m is not None and m.first_token_time is not None and m.last_token_time is not None:
+                        decode_secs[key] += m.last_token_time - m.first_token_time
+                        decode_tok[key] += len(out.token_ids) - 1
                     counts[key] = tuple(c + a - b for c, a, b in zip(counts[key], after, before))
         for key in secs:
             secs[key] += round_secs[key]
@@ -109,14 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     for key in secs:
         drafted, accepted = counts[key]
         results[key] = {"tok_s": n_tok[key] / secs[key], "tokens": n_tok[key], "rounds_tok_s": per_round[key],
+                        "decode_tok_s": decode_tok[key] / decode_secs[key] if decode_secs[key] else None,
                         "acceptance": accepted / drafted if drafted else None}
     same = sum(len(set().union(*by.values())) == 1 for by in tokens.values())
     for (kind, name), r in results.items():
         base = results[kind, "none"]["tok_s"]
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
         ratios = " ".join(f"{x / b:.2f}" for x, b in zip(r["rounds_tok_s"], results[kind, "none"]["rounds_tok_s"]))
+        dec, dec_base = r["decode_tok_s"], results[kind, "none"]["decode_tok_s"]
+        dec = f"x{dec / dec_base:.2f}" if dec and dec_base else "-"
         print(f"{kind:9s} {name:7s} {r['tok_s']:7.1f} tok/s  x{r['tok_s'] / base:.2f} (rounds {ratios})  "
-              f"acceptance {acc}")
+              f"decoding alone {dec}  acceptance {acc}")
     print(f"prompts whose greedy tokens are identical across methods: {same} of {len(tokens)}")
     print(json.dumps({"k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype, "rounds": args.rounds,
                       "step_aside": not args.no_step_aside, "identical_prompts": same,
