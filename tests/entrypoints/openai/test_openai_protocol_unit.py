@@ -198,8 +198,19 @@ def test_stream_usage_is_null_before_the_usage_chunk(client, path, body):
     chunks = sse_events(r.text)[:-1]
     assert len(chunks) > 2 and all("usage" in ch and ch["usage"] is None for ch in chunks[:-1]), chunks
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
-    r = client.post(path, json={**body, "max_tokens": 2, "stream": True})
-    assert not any("usage" in ch for ch in sse_events(r.text)[:-1])
+    for opts in (None, {}, {"include_usage": False}, {"include_usage": False, "continuous_usage_stats": True}):
+        extra = {} if opts is None else {"stream_options": opts}
+        r = client.post(path, json={**body, "max_tokens": 2, "stream": True, **extra})
+        assert not any("usage" in ch for ch in sse_events(r.text)[:-1]), opts  # as OpenAI: usage only when asked
+
+
+def test_continuous_usage_stats_alone_asks_for_usage(client):
+    """vLLM's continuous_usage_stats without include_usage: usage in every chunk and the final usage chunk."""
+    r = client.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 2, "stream": True,
+                                             "stream_options": {"continuous_usage_stats": True}})
+    chunks = sse_events(r.text)[:-1]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+    assert all(ch["usage"] is not None for ch in chunks[:-1]), chunks
 
 
 def test_stream_echo_with_usage_force(make_client):

@@ -136,7 +136,8 @@ class UsageInfo(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: Optional[bool] = True
+    # Unset: no usage chunk (OpenAI's reading of stream_options: {}), unless continuous_usage_stats asks for usage.
+    include_usage: Optional[bool] = None
     continuous_usage_stats: Optional[bool] = False
 
 

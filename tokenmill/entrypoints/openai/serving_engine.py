@@ -315,7 +315,9 @@ class OpenAIServing:
         """(send a final usage chunk, send usage with every chunk)."""
         opts = request.stream_options
         force = self.frontend.enable_force_include_usage
-        include = force or bool(opts and opts.include_usage)
+        asked = opts is not None and (opts.include_usage if opts.include_usage is not None
+                                      else bool(opts.continuous_usage_stats))
+        include = force or bool(asked)
         continuous = include and bool(opts and opts.continuous_usage_stats)
         return include, continuous
 
