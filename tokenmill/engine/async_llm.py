@@ -114,7 +114,7 @@ class AsyncLLM(EngineClient):
 
     async def _on_engines(self, name: str, *args: Any) -> list:
         """A utility of the engine cores on every engine; an engine's exception comes back as a RuntimeError
-        carrying its repr."""
+        carrying its message."""
         self._ensure_output_task()  # the results come back on the output socket
         return await self.client.call_utility_all(name, *args)
 

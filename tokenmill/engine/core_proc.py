@@ -148,7 +148,7 @@ class EngineCoreProc:
                     raise ValueError(f"unknown utility {name!r}")
                 result, error = getattr(self, name)(*args), None
             except Exception as e:
-                result, error = None, repr(e)
+                result, error = None, str(e) or type(e).__name__
             self.outputs[client].send_multipart([UTILITY_RESULT, self.encoder.encode((call_id, result, error))])
         elif kind == SHUTDOWN:
             self.running = False

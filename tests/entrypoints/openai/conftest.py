@@ -144,10 +144,10 @@ class FakeEngine(EngineClient):
         return self.sleeping
 
     async def start_profile(self) -> None:
-        raise RuntimeError("RuntimeError('The fake engine has no profiler.')")
+        raise RuntimeError("The fake engine has no profiler.")
 
     async def stop_profile(self) -> None:
-        raise RuntimeError("RuntimeError('The fake engine has no profiler.')")
+        raise RuntimeError("The fake engine has no profiler.")
 
     def shutdown(self) -> None:
         pass

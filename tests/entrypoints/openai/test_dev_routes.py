@@ -103,3 +103,15 @@ def test_routes_absent_without_dev_mode(tiny_model_factory, tmp_path):
             assert c.get("/is_sleeping").status_code == 404
     finally:
         srv.stop()
+
+
+def test_an_engine_refusal_is_a_400_with_its_message(make_client, tmp_path):
+    """The engine's own error text comes back, not its repr (here the fake engine has no profiler)."""
+    from tokenmill import envs
+    with envs.override(VLLM_SERVER_DEV_MODE=True, VLLM_TORCH_PROFILER_DIR=str(tmp_path)):
+        client, engine = make_client()
+    r = client.post("/start_profile")
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "start_profile: The fake engine has no profiler."
+    assert client.post("/sleep").status_code == 200 and engine.sleeping
+    assert client.post("/v1/completions", json={"model": "fake-model", "prompt": "a"}).status_code == 503

@@ -29,16 +29,7 @@ async def _call(what: str, coro) -> None:
     try:
         await coro
     except RuntimeError as e:
-        raise ServingError(f"{what}: {_engine_message(e)}", 400) from None
-
-
-def _engine_message(e: RuntimeError) -> str:
-    text = str(e)
-    # The engine core sends repr(exc): "ValueError('...')" reads better as its message alone.
-    head, _, rest = text.partition("(")
-    if head.isidentifier() and rest.endswith(")") and len(rest) > 2 and rest[0] in "'\"" and rest[-2] == rest[0]:
-        return rest[1:-2].replace("\\'", "'")
-    return text
+        raise ServingError(f"{what}: {e}", 400) from None
 
 
 def add_dev_routes(app: FastAPI, engine: EngineClient) -> None:
