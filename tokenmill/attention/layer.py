@@ -67,3 +67,15 @@ class Attention(nn.Module):
             return q
         md = ctx.attn_metadata if ctx.layer_metadata is None else ctx.layer_metadata[self.layer_idx]
         return self.impl.forward(q, k, v, ctx.kv_caches[self.layer_idx], md, self.k_scale, self.v_scale)
+
+    def forward_opaque(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`forward` as compiled models reach it (layers/opaque_attention.py): the backend's decode-only path where
+        it has one, else `forward`."""
+        ctx = get_forward_context()
+        md = ctx.attn_metadata if ctx.layer_metadata is None else ctx.layer_metadata[self.layer_idx]
+        if md is not None:
+            fast = getattr(self.impl, "forward_decode", None)
+            out = None if fast is None else fast(q, k, v, ctx.kv_caches[self.layer_idx], md)
+            if out is not None:
+                return out
+        return self.forward(q, k, v.contiguous())

@@ -101,6 +101,8 @@ class RotaryEmbedding(nn.Module):
 
     def _full_tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """([cos, cos], [-sin, sin]) of the step's rows, built once per step beside them (see _cos_sin)."""
+        if torch.compiler.is_compiling():  # no module state in a compiled graph: inductor fuses these anyway
+            return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
         hit = self._full
         if hit is not None and hit[0] is cos:
             return hit[1], hit[2]
@@ -114,6 +116,8 @@ class RotaryEmbedding(nn.Module):
             return rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim,
                                     self.rotary_dim, self.is_neox_style)
         cos, sin = self._cos_sin(positions, q.dtype)
+        if torch.compiler.is_compiling():  # inductor fuses the rotations; no pointer tricks to trace
+            return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         esize = q.element_size()
         if (q.dim() == 2 and q.stride() == k.stride() and q.stride(-1) == 1
                 and k.data_ptr() == q.data_ptr() + q.shape[-1] * esize):
@@ -127,6 +131,8 @@ class RotaryEmbedding(nn.Module):
         """The table rows of `positions` ([T, 1, rotary_dim / 2] each). Every layer of a step passes the same
         positions tensor: the rows are looked up once per step. Callers pass a fresh tensor per forward (the
         runners build positions from host arrays each step); one refilled in place would need its own call."""
+        if torch.compiler.is_compiling():  # the compiled graph looks the rows up once for all its layers
+            return self.cos_cache[positions].to(dtype)[:, None, :], self.sin_cache[positions].to(dtype)[:, None, :]
         hit = self._rows
         if hit is not None and hit[0] is positions and hit[1] == dtype:
             return hit[2], hit[3]

@@ -14,6 +14,7 @@ from tokenmill.attention.layer import Attention
 from tokenmill.core.kv_cache_spec import layer_sliding_windows
 from tokenmill.distributed import get_parallel_state
 from tokenmill.distributed.pp import IntermediateTensors, PPMissingLayer, pp_layer_range
+from tokenmill.layers import opaque_attention
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.quantization.base import QuantizationConfig
@@ -70,6 +71,7 @@ class LlamaAttention(nn.Module):
         window = layer_sliding_windows(cfg)[layer_idx]
         self.attn = Attention(layer_idx, self.num_heads, self.head_dim, self.num_kv_heads,
                               self.head_dim ** -0.5, backend_cls, sliding_window=window)
+        self._opaque_id = opaque_attention.register(self.attn, self.q_size)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,15 +80,18 @@ class LlamaAttention(nn.Module):
         return self._attend(positions, qkv), residual
 
     def _attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        out = self.attn.forward_qkv(qkv, positions, self.rotary_emb, self.q_norm, self.k_norm)
-        if out is not None:
-            return self.o_proj(out)
+        if not torch.compiler.is_compiling():
+            out = self.attn.forward_qkv(qkv, positions, self.rotary_emb, self.q_norm, self.k_norm)
+            if out is not None:
+                return self.o_proj(out)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
+        if torch.compiler.is_compiling():
+            return self.o_proj(opaque_attention.attention(q, k, v, self._opaque_id))
         return self.o_proj(self.attn(q, k, v.contiguous()))
 
 
@@ -181,6 +186,8 @@ class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. `forward` returns final hidden states; `compute_logits` projects selected rows."""
 
     qk_norm = False
+    # Its layers reach attention through layers/opaque_attention.py under torch.compile (worker/cpu_compile.py).
+    supports_torch_compile = True
     partial_rotary = False  # HF's Llama / Mistral / Qwen2 / Qwen3 rotate whole heads (layers/rotary.py)
     weight_mapping = WeightMapping(stacked=LLAMA_STACKED, skipped=(r"rotary_emb\.inv_freq$",))
 

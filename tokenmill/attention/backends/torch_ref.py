@@ -190,11 +190,28 @@ class TorchRefBackend(AttentionBackend):
         t, nh, h, d = md.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
         cos, sin = rotary_emb._cos_sin(positions, qkv.dtype)   # the step's tables, cached for its every layer
         qk = rotary_emb.rotate_heads(qkv[:, :(nh + h) * d].view(-1, nh + h, d), cos, sin)[:t]
+        return self._decode_rows(qk[:, :nh], torch.cat((qk[:, nh:], qkv[:t, (nh + h) * d:].view(t, h, d))),
+                                 kv_cache, md)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                       md: AttentionMetadata) -> torch.Tensor | None:
+        """A step of decodes from rotated q [T, heads x D] and new k, v [T, KV heads x D] (compiled models call
+        this through layers/opaque_attention.py), or None where it does not apply (then `forward`)."""
+        if md.max_query_len != 1 or not self._sdpa_decode_ok(q, kv_cache):
+            return None
+        t, nh, h, d = md.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
+        return self._decode_rows(q[:t].view(t, nh, d), torch.cat((k[:t].view(t, h, d), v[:t].view(t, h, d))),
+                                 kv_cache, md)
+
+    def _decode_rows(self, q: torch.Tensor, kv_new: torch.Tensor, kv_cache: torch.Tensor,
+                     md: AttentionMetadata) -> torch.Tensor:
+        """One decode token per row: q [T, heads, D] rotated, kv_new [2T, KV heads, D] (the rows' K then V)."""
+        t, nh, h, d = md.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
         _, n, bs, _, _ = kv_cache.shape
         key = ("torch_ref_qkv", bs)
         plan = md.plans.get(key)
         if plan is None:
-            ids, span, _, valid, _, _ = self._decode_plan(md, np.arange(t), bs, qkv.device)
+            ids, span, _, valid, _, _ = self._decode_plan(md, np.arange(t), bs, q.device)
             if t == 1:  # cut to the one row's length: no mask
                 mask, span = None, int(md.seq_lens_cpu[0])
             else:
@@ -206,14 +223,13 @@ class TorchRefBackend(AttentionBackend):
             slots = md.slot_mapping[:t]
             plan = md.plans[key] = (torch.cat((ids, ids + n)), span, mask, torch.cat((slots, slots + n * bs)))
         ids, span, mask, slots = plan
-        kv_cache.view(2 * n * bs, h, d).index_copy_(
-            0, slots, torch.cat((qk[:, nh:], qkv[:t, (nh + h) * d:].view(t, h, d))).to(kv_cache.dtype))
+        kv_cache.view(2 * n * bs, h, d).index_copy_(0, slots, kv_new.to(kv_cache.dtype))
         kv = kv_cache.view(2 * n, bs, h, d).index_select(0, ids).view(2, t, -1, h, d)[:, :, :span].transpose(2, 3)
         # A bf16 cache under fp32 activations: attention in bf16 (see _sdpa_decode_ok). The query heads of a KV
         # head go in as that head's queries (see _decode_sdpa).
-        o = F.scaled_dot_product_attention(qk[:, :nh].reshape(t, h, nh // h, d).to(kv.dtype), kv[0], kv[1],
+        o = F.scaled_dot_product_attention(q.reshape(t, h, nh // h, d).to(kv.dtype), kv[0], kv[1],
                                            attn_mask=mask, scale=self.scale)
-        return o.reshape(t, nh * d).to(qkv.dtype)
+        return o.reshape(t, nh * d).to(kv_new.dtype)
 
     def _decode(self, q, kv_cache, md: AttentionMetadata, rows, out, scales) -> None:
         _, _, bs, h, d = kv_cache.shape
