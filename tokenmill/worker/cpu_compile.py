@@ -9,12 +9,13 @@ and ~5 s once inductor's on-disk cache holds it, and the step has three (one row
 the GGUF products switch to their dense copy), all built before the engine reports ready. Hence opt-in (-O3, or a
 compilation_config mode of 1-3), never the default.
 
-Only steps where every row decodes one token run compiled (prefill chunks, speculative verify steps and pipeline
-stages run eagerly), and only for models that declare `supports_torch_compile` (their layers reach attention
-through the opaque op), without LoRA, speculative decoding, tensor or pipeline parallelism, or pooling: those
-change Python-side state between steps, which the compiled graph does not guard (its guards on the model's modules
-are dropped: they cost 0.3-0.45 ms a call and the modules never change after loading). CUDA never compiles: its
-steps run tokenmill's Triton kernels inside CUDA graphs at every level.
+Every step runs through these graphs (decode batches, speculative verify steps, prefill chunks: each graph is
+generic in the token count within its range); a step outside them (a GGUF step of more than 160 tokens, where
+the products switch form again) runs eagerly rather than compiling mid-serving. Only models that declare `supports_torch_compile` (their
+layers reach attention through the opaque op) compile, and not with LoRA, a draft model or EAGLE head, tensor or
+pipeline parallelism, or pooling: those change Python-side state between steps, which the compiled graph does not
+guard (its guards on the model's modules are dropped: they cost 0.3-0.45 ms a call and the modules never change
+after loading). CUDA never compiles: its steps run tokenmill's Triton kernels inside CUDA graphs at every level.
 """
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ def not_compiled_because(runner) -> str | None:
         return "as enforce_eager asks"
     if not getattr(runner.model, "supports_torch_compile", False):
         return f"{type(runner.model).__name__} does not support it"
-    for what, off in (("LoRA", runner.lora is not None), ("speculative decoding", runner.spec is not None),
+    spec = runner.spec
+    for what, off in (("LoRA", runner.lora is not None),
+                      ("a draft model or EAGLE head", spec is not None and spec.uses_draft_model),
                       ("pipeline parallelism", runner.link is not None),
                       ("tensor parallelism", cfg.parallel_config.tensor_parallel_size > 1),
                       ("pooling", runner.pooler is not None),
@@ -92,13 +95,11 @@ class CompiledDecode:
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.steps = 0  # steps run compiled (tests check that the graphs serve)
 
-    @staticmethod
-    def applies(md: AttentionMetadata) -> bool:
-        return md.max_query_len == 1
-
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One step; a token count no warm-up graph covers runs eagerly rather than compiling mid-serving."""
         self.steps += 1
-        return self._fn(input_ids, positions)
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return self._fn(input_ids, positions)
 
     @torch.inference_mode()
     def warm_up(self, kv_caches: list[torch.Tensor], block_size: int, max_rows: int) -> None:
@@ -113,4 +114,4 @@ class CompiledDecode:
                 query_start_loc_cpu=np.arange(b + 1, dtype=np.int32), seq_lens_cpu=np.ones(b, dtype=np.int32))
             ids = torch.zeros(b, dtype=torch.long)
             with set_forward_context(md, kv_caches):
-                self(ids, torch.zeros(b, dtype=torch.long))
+                self._fn(ids, torch.zeros(b, dtype=torch.long))

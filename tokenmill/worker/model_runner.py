@@ -417,7 +417,7 @@ class ModelRunner:
             saves = {i: state_saves[rid] for i, rid in enumerate(inp.req_ids) if state_saves and rid in state_saves}
             recurrent = self.state_cache.step(inp.rows, inp.qsl, inp.computed, saves)
         with set_forward_context(md, self.kv_caches, layer_md, recurrent=recurrent):
-            if self.compiled is not None and self.compiled.applies(md):
+            if self.compiled is not None:
                 hidden = self.compiled(ids_t, to_device(inp.rope_positions, dev))
             else:
                 hidden = self.model(ids_t, to_device(inp.rope_positions, dev), inter)
