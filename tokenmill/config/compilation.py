@@ -9,7 +9,7 @@ from tokenmill.config.utils import config_field, not_supported_yet
 
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 # vLLM's torch.compile levels (its CompilationConfig.mode / level). On CUDA tokenmill's fused Triton kernels run at
-# every level; on the CPU any level but 0 / NONE compiles the decode step (worker/cpu_compile.py).
+# every level; on the CPU any level but 0 / NONE compiles the model's step (worker/cpu_compile.py).
 COMPILE_MODES = (0, 1, 2, 3, "NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_COMPILE")
 # Keys of vLLM's --compilation-config that map onto these fields.
 _GRAPH_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
@@ -57,14 +57,14 @@ class CompilationConfig:
     compilation_config: dict[str, Any] | int | None = config_field(
         None, help="vLLM's compilation config as JSON (-cc, or -cc.KEY VALUE): its cudagraph_capture_sizes, "
                    "max_cudagraph_capture_size and cudagraph_mode set the flags of the same names; its mode / level "
-                   "(torch.compile levels 0-3): on the CPU a level other than 0 / NONE runs decode steps through "
-                   "torch.compile (as -O3 does: slower start-up, faster steps) and 0 / NONE keeps them eager; on "
-                   "CUDA they change nothing (tokenmill runs its own fused Triton kernels and CUDA graphs there). "
-                   "Any other key is an error.")
+                   "(torch.compile levels 0-3): on the CPU a level other than 0 / NONE runs the model's steps "
+                   "through torch.compile (as -O3 does: slower start-up, faster steps) and 0 / NONE keeps them "
+                   "eager; on CUDA they change nothing (tokenmill runs its own fused Triton kernels and CUDA "
+                   "graphs there). Any other key is an error.")
     optimization_level: int = config_field(
         2, help="-O0: no CUDA graphs (the fastest start-up); -O1: decode-batch graphs only; -O2 (the default) and "
                 "-O3: decode and mixed-batch graphs. An explicit --cudagraph-mode wins. On the CPU, -O3 also "
-                "compiles decode steps with torch.compile (default model: 14-19% faster steps for ~15 s more "
+                "runs the model's steps through torch.compile (default model: 14-19% faster steps for ~15 s more "
                 "start-up, ~80 s the first time).", choices=(0, 1, 2, 3))
 
     def __post_init__(self) -> None:
@@ -114,7 +114,7 @@ class CompilationConfig:
 
     @property
     def torch_compile(self) -> bool:
-        """Whether the CPU decode step runs through torch.compile (worker/cpu_compile.py): with -O3, or with a
+        """Whether the CPU model step runs through torch.compile (worker/cpu_compile.py): with -O3, or with a
         compilation_config mode / level other than 0 / NONE."""
         cc = self.compilation_config
         if isinstance(cc, int) and not isinstance(cc, bool):

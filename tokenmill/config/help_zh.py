@@ -552,7 +552,7 @@ HELP_ZH: dict[str, str] = {
     "ec_transfer_config": "分布式编码器缓存传输的设置。",
     "compilation_config": ("vLLM 的编译配置，JSON 格式（-cc，或 -cc.键 值）：其中 cudagraph_capture_sizes、"
                            "max_cudagraph_capture_size、cudagraph_mode 与同名参数等效；mode / level（torch.compile "
-                           "级别 0-3）：在 CPU 上，非 0 的级别让解码步经 torch.compile 运行（与 -O3 相同，启动更慢、每步"
+                           "级别 0-3）：在 CPU 上，非 0 的级别让模型的每一步经 torch.compile 运行（与 -O3 相同，启动更慢、每步"
                            "更快），0 / NONE 则不编译；在 GPU 上不改变任何行为（tokenmill 在 GPU 上运行自己的融合 Triton "
                            "内核和 CUDA Graph）。其他键会报错。"),
     "attention_config": "注意力的设置（简写 -ac）。",
@@ -561,7 +561,7 @@ HELP_ZH: dict[str, str] = {
     "additional_config": "特定平台的额外设置。",
     "profiler_config": "性能分析器的设置。",
     "optimization_level": ("-O0：不用 CUDA Graph（启动最快）；-O1：只为解码批捕获图；-O2（默认）和 -O3：解码批与混合批"
-                           "都用图。显式指定的 --cudagraph-mode 优先。在 CPU 上，-O3 还会用 torch.compile 编译解码步"
+                           "都用图。显式指定的 --cudagraph-mode 优先。在 CPU 上，-O3 还会用 torch.compile 编译模型的每一步"
                            "（默认模型每步快 14-19%，启动时多花约 15 秒，首次约 80 秒）。"),
     "performance_mode": "性能模式：balanced、interactivity 或 throughput。",
     "weight_transfer_config": "强化学习训练中权重传输的设置。",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+
 import torch
 
 # id -> a weak reference to the layer's Attention module
@@ -24,7 +25,7 @@ _LIB.define("opaque_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor
 def register(layer, out_features: int) -> int:
     """An id for `layer` (an attention.layer.Attention, held weakly so it can be freed) to pass to `attention`."""
     i = next(_IDS)
-    _LAYERS[i] = weakref.ref(layer)
+    _LAYERS[i] = weakref.ref(layer, lambda _, i=i: (_LAYERS.pop(i, None), _OUT.pop(i, None)))
     _OUT[i] = out_features
     return i
 

@@ -1,6 +1,6 @@
-"""torch.compile of the CPU decode step, vLLM's -O3 trade: start-up time for per-step speed.
+"""torch.compile of the CPU model step, vLLM's -O3 trade: start-up time for per-step speed.
 
-A CPU decode step of a small model is bound by per-op overhead: the default model runs ~35 small ops a layer
+A CPU step of a small model is bound by per-op overhead: the default model runs ~35 small ops a layer
 around its products. Inductor fuses them into a few C++ loops per layer; attention stays the backend's own eager
 code behind one opaque op (layers/opaque_attention.py), so the graph holds no per-step metadata and needs no
 guard on it. Measured on the default model, 2 cores (AMX host): a decode step at 1 / 16 / 32 rows 13.3 / 42.7 /
@@ -10,12 +10,13 @@ the GGUF products switch to their dense copy), all built before the engine repor
 compilation_config mode of 1-3), never the default.
 
 Every step runs through these graphs (decode batches, speculative verify steps, prefill chunks: each graph is
-generic in the token count within its range); a step outside them (a GGUF step of more than 160 tokens, where
-the products switch form again) runs eagerly rather than compiling mid-serving. Only models that declare `supports_torch_compile` (their
-layers reach attention through the opaque op) compile, and not with LoRA, a draft model or EAGLE head, tensor or
-pipeline parallelism, or pooling: those change Python-side state between steps, which the compiled graph does not
-guard (its guards on the model's modules are dropped: they cost 0.3-0.45 ms a call and the modules never change
-after loading). CUDA never compiles: its steps run tokenmill's Triton kernels inside CUDA graphs at every level.
+generic in the token count within its range); a step outside them (a GGUF step of more than 160 tokens, where the
+products switch form again) runs eagerly rather than compiling mid-serving. Only models that declare
+`supports_torch_compile` (their layers reach attention through the opaque op) compile, and not with LoRA, a draft
+model or EAGLE head, tensor or pipeline parallelism, or pooling: those change Python-side state between steps, which
+the compiled graph does not guard (its guards on the model's modules are dropped: they cost 0.3-0.45 ms a call and
+the modules never change after loading). CUDA never compiles: its steps run tokenmill's Triton kernels inside CUDA
+graphs at every level.
 """
 from __future__ import annotations
 
@@ -38,23 +39,23 @@ _IDS = itertools.count()
 
 
 def compile_decode(runner, num_blocks: int) -> CompiledDecode | None:
-    """`runner`'s model compiled for decode steps, its graphs built; None (logged) where that does not apply."""
+    """`runner`'s model compiled for its steps, its graphs built; None (logged) where that does not apply."""
     if runner.device.type != "cpu":
         return None
     why = not_compiled_because(runner)
     if why is not None:
-        logger.info("Compilation requested (-O3 or a compilation_config mode): decode steps run eagerly, %s.", why)
+        logger.info("Compilation requested (-O3 or a compilation_config mode): steps run eagerly, %s.", why)
         return None
     t = time.perf_counter()
     compiled = CompiledDecode(runner.model)
     compiled.warm_up(runner.kv_caches, runner.block_size, min(runner.max_num_reqs, num_blocks))
-    logger.info("Decode steps compiled with torch.compile in %.1f s (sizes %s).", time.perf_counter() - t,
+    logger.info("The model's steps compiled with torch.compile in %.1f s (sizes %s).", time.perf_counter() - t,
                 ", ".join(map(str, WARM_SIZES)))
     return compiled
 
 
 def not_compiled_because(runner) -> str | None:
-    """Why `runner`'s decode steps cannot run compiled, or None when they can."""
+    """Why `runner`'s steps cannot run compiled, or None when they can."""
     cfg = runner.config
     if cfg.model_config.enforce_eager:
         return "as enforce_eager asks"
@@ -85,8 +86,8 @@ def _forward_of(model: torch.nn.Module):
 
 
 class CompiledDecode:
-    """A model's forward compiled for decode steps. Call it as the model (`(input_ids, positions)` inside a
-    forward context) for steps `applies` accepts; `warm_up` builds the graphs before serving."""
+    """A model's forward compiled for its steps. Call it as the model (`(input_ids, positions)` inside a
+    forward context); `warm_up` builds the graphs before serving."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         # Guards on the model's modules are dropped: hundreds of checks that hooks are empty, attributes absent and
