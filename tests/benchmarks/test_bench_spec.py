@@ -5,12 +5,16 @@ import json
 
 
 def test_bench_spec_reports_each_method_and_identical_tokens(tiny_model_factory, capsys):
-    from tokenmill.benchmarks.spec_decode import main
+    from tokenmill.benchmarks.spec_decode import QUOTING, main
     assert main(["--model", tiny_model_factory("llama"), "--max-tokens", "6", "--rounds", "1",
                  "--dtype", "float32", "--max-model-len", "512"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(out["results"]) == {f"{k}/{m}" for k in ("quoting", "ordinary") for m in ("none", "ngram", "suffix")}
     assert out["identical_prompts"] == 8
     assert all(r["tok_s"] > 0 and r["tokens"] > 0 for r in out["results"].values())
-    # Decoding alone (after each reply's first token) runs faster than the whole request, which includes prefill.
-    assert all(r["decode_tok_s"] > r["tok_s"] for r in out["results"].values())
+    # Decoding alone counts each reply's tokens after its first over the time after its first token, a part of the
+    # request's time: at least (tokens - replies) over the whole time. (Faster than the whole request only where a
+    # prefill costs more than a decode step, which a tiny model's 6-token replies on a loaded CI host do not ensure.)
+    n_replies = len(QUOTING)
+    assert all(r["decode_tok_s"] >= r["tok_s"] * (r["tokens"] - n_replies) / r["tokens"] * 0.999
+               for r in out["results"].values())
