@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-step-aside", action="store_true",
                     help="speculate at every step (step_aside false): the drafts' own cost and gain, without the "
                     "engine's measured fallback to plain decoding")
+    ap.add_argument("-O", "--optimization-level", type=int, default=2, choices=(0, 1, 2, 3),
+                    help="the engines' -O level (-O3 on the CPU: the model's steps through torch.compile)")
     args = ap.parse_args(argv)
     from tokenmill import LLM, SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     per_round = {key: [] for key in secs}
     # Process-wide first-use costs (the CPU math libraries' kernels for each new product shape, lazy imports) are
     # paid here, by an engine without drafts over every prompt, so that no timed run carries them.
-    warm = LLM(args.model, max_model_len=args.max_model_len, dtype=args.dtype)
+    warm = LLM(args.model, max_model_len=args.max_model_len, dtype=args.dtype,
+               optimization_level=args.optimization_level)
     warm.chat([[{"role": "user", "content": p}] for p in QUOTING + ORDINARY], sp, use_tqdm=False)
     del warm
     for _ in range(args.rounds):
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             if spec is not None:
                 spec = {**spec, "num_speculative_tokens": args.k, "step_aside": not args.no_step_aside}
             engines[name] = llm = LLM(args.model, speculative_config=spec, max_model_len=args.max_model_len,
-                                      dtype=args.dtype)
+                                      dtype=args.dtype, optimization_level=args.optimization_level)
             llm.chat([[{"role": "user", "content": "Hello"}]], sp, use_tqdm=False)   # warm-up
         round_tok, round_secs = dict.fromkeys(secs, 0), dict.fromkeys(secs, 0.0)
         for kind, prompts in (("quoting", QUOTING), ("ordinary", ORDINARY)):
