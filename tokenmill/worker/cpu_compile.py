@@ -38,7 +38,7 @@ WARM_SIZES = (1, 2, 16)
 _IDS = itertools.count()
 
 
-def compile_decode(runner, num_blocks: int) -> CompiledDecode | None:
+def compile_steps(runner, num_blocks: int) -> CompiledSteps | None:
     """`runner`'s model compiled for its steps, its graphs built; None (logged) where that does not apply."""
     if runner.device.type != "cpu":
         return None
@@ -47,7 +47,7 @@ def compile_decode(runner, num_blocks: int) -> CompiledDecode | None:
         logger.info("Compilation requested (-O3 or a compilation_config mode): steps run eagerly, %s.", why)
         return None
     t = time.perf_counter()
-    compiled = CompiledDecode(runner.model)
+    compiled = CompiledSteps(runner.model)
     compiled.warm_up(runner.kv_caches, runner.block_size, min(runner.max_num_reqs, num_blocks))
     logger.info("The model's steps compiled with torch.compile in %.1f s (sizes %s).", time.perf_counter() - t,
                 ", ".join(map(str, WARM_SIZES)))
@@ -85,9 +85,9 @@ def _forward_of(model: torch.nn.Module):
     return forward
 
 
-class CompiledDecode:
-    """A model's forward compiled for its steps. Call it as the model (`(input_ids, positions)` inside a
-    forward context); `warm_up` builds the graphs before serving."""
+class CompiledSteps:
+    """A model's forward compiled for its steps. Call it as the model (inside a forward context); `warm_up` builds
+    the graphs before serving."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         # Guards on the model's modules are dropped: hundreds of checks that hooks are empty, attributes absent and
@@ -96,8 +96,9 @@ class CompiledDecode:
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.steps = 0  # steps run compiled (tests check that the graphs serve)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One step; a token count no warm-up graph covers runs eagerly rather than compiling mid-serving."""
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: None = None) -> torch.Tensor:
+        """One step, as the model's forward (never a pipeline stage's: `intermediate` is always None); a token count
+        no warm-up graph covers runs eagerly rather than compiling mid-serving."""
         self.steps += 1
         with torch.compiler.set_stance("eager_on_recompile"):
             return self._fn(input_ids, positions)

@@ -71,7 +71,7 @@ class ModelRunner:
         self.prompt_logprobs: dict[str, int] = {}
         self.pooler: Pooler | None = None  # set: the model runs as a pooling model (no sampling)
         self.lora = None  # a LoRAModelManager when enable_lora
-        self.compiled = None  # a cpu_compile.CompiledDecode with -O3 on the CPU
+        self.compiled = None  # a cpu_compile.CompiledSteps (the model's steps compiled) with -O3 on the CPU
         self.pending: PendingTokens | None = None       # where the step in flight's tokens go (placeholders)
         self._step: StepState | None = None             # between execute_model and sample_tokens
         self._verify = False                             # the step in _step verifies drafts / proposes
@@ -201,8 +201,8 @@ class ModelRunner:
                                                if recurrent is None else None, layer_group=layer_group)
             self.cuda_graphs.capture()
         if self.compiled is None and self.config.compilation_config.torch_compile:
-            from tokenmill.worker.cpu_compile import compile_decode
-            self.compiled = compile_decode(self, min(counts))
+            from tokenmill.worker.cpu_compile import compile_steps
+            self.compiled = compile_steps(self, min(counts))
 
     def release_kv_cache(self) -> None:
         """Drop the KV cache, the recurrent state and everything that points into them (the CUDA graphs, the
@@ -417,10 +417,8 @@ class ModelRunner:
             saves = {i: state_saves[rid] for i, rid in enumerate(inp.req_ids) if state_saves and rid in state_saves}
             recurrent = self.state_cache.step(inp.rows, inp.qsl, inp.computed, saves)
         with set_forward_context(md, self.kv_caches, layer_md, recurrent=recurrent):
-            if self.compiled is not None:
-                hidden = self.compiled(ids_t, to_device(inp.rope_positions, dev))
-            else:
-                hidden = self.model(ids_t, to_device(inp.rope_positions, dev), inter)
+            model = self.model if self.compiled is None else self.compiled
+            hidden = model(ids_t, to_device(inp.rope_positions, dev), inter)
         if not self.is_last_stage:
             self.link.send(hidden)  # returns at once: the next stage takes it from here
             return None
