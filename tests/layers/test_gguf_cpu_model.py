@@ -69,34 +69,42 @@ def test_greedy_tokens_match_the_dense_path_up_to_near_ties(quantized_and_dense)
         assert gap <= 0.15, (p, n, gap)
 
 
-def test_the_lm_head_takes_its_fp16_copy_at_a_few_rows_only(quantized_and_dense):
-    """Where the CPU converts fp16 in hardware the loaded head has its fp16 copy; elsewhere it stays fp32 (the
-    copy would be slower) and the copy's behaviour is checked on a duplicate of the head."""
+def test_the_lm_head_takes_its_fp16_copies_at_a_few_rows_only(quantized_and_dense):
+    """FBGEMM's fp16-weight linear for the rows it takes in one pass (fp32 activations and logits: within fp16's
+    rounding of the weight), a plain fp16 product beyond them where the CPU has fp16 arithmetic, fp32 past
+    HALF_HEAD_MAX_ROWS. Where this CPU lacks a form, a duplicate of the head is given both and checked the same."""
     import copy
 
     import torch
 
-    from tokenmill.kernels.cpu_features import fast_fp16_gemv, fast_fp16_matmul
+    from tokenmill.kernels.cpu_features import fast_fp16_matmul, fbgemm_fp16_rows
+    from tokenmill.layers.quantization.gguf_cpu import HALF_HEAD_MAX_ROWS
     quantized, dense = quantized_and_dense
     head = quantized.llm_engine.engine_core.executor.worker.runner.model.lm_head
-    assert dense.llm_engine.engine_core.executor.worker.runner.model.lm_head._half is None  # the oracle stays fp32
-    # more rows than the copy takes
-    h = torch.randn(72, head.embedding_dim, generator=torch.Generator().manual_seed(0))
-    exact = torch.nn.functional.linear(h, head.weight)
-    if not fast_fp16_gemv():
-        assert head._half is None
-        torch.testing.assert_close(head.compute_logits(h), exact, rtol=1e-6, atol=1e-5)
+    oracle = dense.llm_engine.engine_core.executor.worker.runner.model.lm_head
+    assert oracle._packed is None and oracle._half is None  # the oracle stays fp32
+    packed = fbgemm_fp16_rows()
+    assert head._packed_rows == packed and (head._packed is not None) == (packed > 0)
+    assert (head._half is not None) == fast_fp16_matmul()
+    if packed == 0 and "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch build has no FBGEMM")
+    if packed == 0 or not fast_fp16_matmul():
         head = copy.deepcopy(head)
-        head.enable_half_gemv(max_rows=1)
-    assert head._half is not None and head._half.dtype == torch.float16
-    assert head._half_rows == (64 if fast_fp16_matmul() else 1)
-    many = head.compute_logits(h)
-    for rows in sorted({1, min(8, head._half_rows), head._half_rows}):    # both forms of the fp16 product
-        few = head.compute_logits(h[:rows])
-        assert few.dtype == torch.float32 and few.is_contiguous() and not torch.equal(few, exact[:rows])
-        assert (few - exact[:rows]).abs().max().item() <= 2e-3 * exact.abs().max().item()
-    torch.testing.assert_close(many, exact, rtol=1e-6, atol=1e-5)   # fp32 (as W x^T), summed in its own order
-
+        head.enable_fp16_copies(packed_rows=packed or 6, half_rows=HALF_HEAD_MAX_ROWS)
+    h = torch.randn(HALF_HEAD_MAX_ROWS + 8, head.embedding_dim, generator=torch.Generator().manual_seed(0))
+    exact = torch.nn.functional.linear(h, head.weight)
+    w16 = head.weight.half().float()
+    scale = exact.abs().max().item()
+    for rows in (1, head._packed_rows):       # FBGEMM: the fp16 weight's product in fp32, to fp32 rounding
+        got = head.compute_logits(h[:rows])
+        assert got.dtype == torch.float32 and got.shape == (rows, head.num_embeddings)
+        assert not torch.equal(got, exact[:rows])
+        torch.testing.assert_close(got, torch.nn.functional.linear(h[:rows], w16), rtol=0, atol=1e-5 * scale)
+    for rows in (head._packed_rows + 1, HALF_HEAD_MAX_ROWS):   # fp16 activations and logits too
+        got = head.compute_logits(h[:rows])
+        assert got.dtype == torch.float32 and got.is_contiguous() and not torch.equal(got, exact[:rows])
+        assert (got - exact[:rows]).abs().max().item() <= 2e-3 * scale
+    torch.testing.assert_close(head.compute_logits(h), exact, rtol=1e-6, atol=1e-5)  # fp32 past them
 
 
 def test_a_bf16_kv_cache_on_request_stays_close_and_hits_equal_misses(quantized_and_dense):

@@ -32,7 +32,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.weight.full_shape = torch.Size((num_embeddings, embedding_dim))
-        self._half: torch.Tensor | None = None  # enable_half_gemv
+        self._packed, self._packed_rows = None, 0  # enable_fp16_copies: FBGEMM's packed fp16 copy
+        self._half: torch.Tensor | None = None  # and a plain fp16 one
         self._half_rows = 0
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -51,12 +52,17 @@ class VocabParallelEmbedding(nn.Module):
         emb = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(emb, self.parallel)
 
-    def enable_half_gemv(self, max_rows: int) -> None:
-        """Products of at most max_rows rows (one rank) use an fp16 copy of the weight (an approximate weight
-        format's choice: see GGUFCpuConfig.process_model_after_loading); the full-precision weight stays for the
-        embedding lookups and larger products."""
-        self._half = self.weight.detach().to(torch.float16)
-        self._half_rows = max_rows
+    def enable_fp16_copies(self, packed_rows: int, half_rows: int) -> None:
+        """CPU products of at most packed_rows rows (one rank) run through FBGEMM's fp16-weight linear on a packed
+        fp16 copy of the weight (fp32 activations, sums and logits; needs kernels.cpu_features.fbgemm_fp16_rows());
+        larger ones of at most half_rows rows through a plain fp16 product (fp16 activations and logits). An
+        approximate weight format's choice: see GGUFCpuConfig.process_model_after_loading. The copies are taken now:
+        weights loaded later are not in them. The fp32 weight stays for the embedding lookups and larger products."""
+        w = self.weight.detach()
+        self._packed = torch.ops.quantized.linear_prepack_fp16(w, None) if packed_rows > 0 else None
+        self._half = w.to(torch.float16) if half_rows > packed_rows else None
+        self._packed_rows = packed_rows if self._packed is not None else 0
+        self._half_rows = half_rows if self._half is not None else self._packed_rows
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H] -> logits [T, vocab], identical on every rank (gathered over the TP group). out: a
@@ -64,11 +70,14 @@ class VocabParallelEmbedding(nn.Module):
         it is then the result."""
         if self.tp_size == 1:
             rows = hidden.shape[0]
-            if self._half is not None and out is None and rows <= self._half_rows:
-                # x W^T at every row count: W x^T (as for fp32 below) measured no faster once its output's
-                # transposing copy counts (AVX-512 FP16, 49152 x 576, 2 cores: 12 / 16 / 20 / 32 rows 3.6-3.9 /
-                # 4.2-4.4 / 4.8-4.9 / 6.6-7.0 ms against 3.9-4.2 / 4.0-4.3 / 6.6-6.7 / 7.3-7.4).
-                return F.linear(hidden.to(torch.float16), self._half).to(hidden.dtype)
+            if out is None and hidden.dtype == torch.float32 and rows:
+                if rows <= self._packed_rows:
+                    return torch.ops.quantized.linear_dynamic_fp16(hidden.contiguous(), self._packed)
+                if rows <= self._half_rows:
+                    # x W^T at every row count: W x^T (as for fp32 below) measured no faster once its output's
+                    # transposing copy counts (AVX-512 FP16, 49152 x 576, 2 cores: 16 / 20 / 32 rows 4.2-4.4 /
+                    # 4.8-4.9 / 6.6-7.0 ms against 4.0-4.3 / 6.6-6.7 / 7.3-7.4).
+                    return F.linear(hidden.to(torch.float16), self._half).to(hidden.dtype)
             if out is None and not hidden.is_cuda and hidden.dtype == torch.float32 and 2 <= rows <= _CPU_WT_ROWS:
                 # The same fp32 product as W x^T, which torch's CPU GEMM runs far faster than x W^T at a few rows
                 # of a wide head (2 cores, 49152 x 576: 2 rows 5.6 against 26 ms, 4 rows 6.1 / 21, 16 rows 20 / 28,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import cpu_int4pack
-from tokenmill.kernels.cpu_features import cpu_flags, fast_bf16_matmul, fast_fp16_gemv, fast_fp16_matmul
+from tokenmill.kernels.cpu_features import cpu_flags, fast_bf16_matmul, fast_fp16_matmul, fbgemm_fp16_rows
 from tokenmill.layers.quantization.base import LinearMethod, LinearShape
 from tokenmill.layers.quantization.common import replace_param
 from tokenmill.layers.quantization.gguf_blocks import BLOCK_TYPES, decode_blocks
@@ -38,6 +38,9 @@ INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # The copy holds exactly the int4 kernel's weights (its bf16 scales and zeros applied), rounded once to bf16 where
 # the CPU has bf16 instructions, else kept in fp32.
 DENSE_MIN_ROWS = 16
+# With fp16 arithmetic the LM head's products of up to this many rows run on a plain fp16 copy
+# (GGUFCpuConfig.process_model_after_loading).
+HALF_HEAD_MAX_ROWS = 64
 # With AMX the bf16 copy overtakes the int4 kernel sooner. Default model's decode steps, 2 cores: 8 rows 29.8 ms
 # int4 / 37.7 bf16, 10 rows 38.6 bf16, 12 rows 40.2 / 35.0.
 DENSE_MIN_ROWS_AMX = 12
@@ -128,15 +131,18 @@ class GGUFCpuConfig(GGUFBlockConfig):
         return GGUFInt4LinearMethod(type_name) if type_name in INT4_TYPES and cpu_int4pack.available() else None
 
     def process_model_after_loading(self, model: nn.Module) -> None:
-        """On a CPU that converts fp16 in hardware the LM head's product at one row goes through an fp16 copy of
-        its (dequantized) weight: torch's CPU fp16 GEMV reads half the bytes (default model's 49152 x 576 head, 2
-        cores: 3.2-3.6 ms against 10.6-10.9 for the fp32 product on AVX2, 2.8 / 12.3 on AVX-512; bs1 decode 43.1
-        -> 34.0 ms per token on AVX2). From 2 rows on the fp32 head computed as W x^T
-        (VocabParallelEmbedding.compute_logits) is as fast or faster, and exact. fp16 keeps 11 mantissa bits (bf16 only 8): against the dense fp32 path the
-        teacher-forced logprobs moved by a mean 0.0168 instead of 0.0164 (bf16 weights: 0.033)."""
+        """The LM head's products of a few rows read an fp16 copy of its weight: those products are bound by the
+        weight's bytes, and fp16 halves them (a relative 2^-11 of each weight). Products that FBGEMM's fp16-weight
+        linear takes in one pass over the weight (kernels.cpu_features.fbgemm_fp16_rows: 14 rows with AVX-512) go
+        through it, which keeps the activations, the sums and the logits fp32 (teacher-forced logprobs against the
+        dense fp32 path: mean 0.0177, as with the fp32 head; a plain fp16 product: 0.0185). Default model's 49152 x 576 head in engine steps, 2 cores, AMX host: 1 / 4 / 8 / 14 rows 3.1 / 3.6 / 4.1 / 4.6
+        ms against 4.5 / 4.9 / 5.3 / 5.8 for the plain fp16 product; at 15 rows FBGEMM makes a second pass over the
+        weight (8.1 ms against 6.0). On CPUs with fp16 arithmetic the plain fp16 product then serves up to
+        HALF_HEAD_MAX_ROWS rows (16 / 32 rows 6.1 / 8.2 ms)."""
         head = getattr(model, "lm_head", None)
-        if (head is not None and hasattr(head, "enable_half_gemv") and head.weight.dtype == torch.float32
-                and fast_fp16_gemv()):   # without F16C the conversion is slow (kernels/cpu_features.py)
-            # With fp16 arithmetic (AVX-512 FP16) products of up to 64 rows gain too: 16 rows 3.8 against 7.1
-            # ms, 32 rows 6.5 / 8.8, 64 rows 11.3 / 15.3 (2 cores).
-            head.enable_half_gemv(max_rows=64 if fast_fp16_matmul() else 1)
+        if head is None or not hasattr(head, "enable_fp16_copies") or head.weight.dtype != torch.float32:
+            return
+        packed = fbgemm_fp16_rows()
+        half = HALF_HEAD_MAX_ROWS if fast_fp16_matmul() else 0
+        if packed or half:
+            head.enable_fp16_copies(packed_rows=packed, half_rows=max(half, packed))
