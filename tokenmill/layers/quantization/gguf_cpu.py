@@ -135,10 +135,11 @@ class GGUFCpuConfig(GGUFBlockConfig):
         weight's bytes, and fp16 halves them (a relative 2^-11 of each weight). Products that FBGEMM's fp16-weight
         linear takes in one pass over the weight (kernels.cpu_features.fbgemm_fp16_rows: 14 rows with AVX-512) go
         through it, which keeps the activations, the sums and the logits fp32 (teacher-forced logprobs against the
-        dense fp32 path: mean 0.0177, as with the fp32 head; a plain fp16 product: 0.0185). Default model's 49152 x 576 head in engine steps, 2 cores, AMX host: 1 / 4 / 8 / 14 rows 3.1 / 3.6 / 4.1 / 4.6
-        ms against 4.5 / 4.9 / 5.3 / 5.8 for the plain fp16 product; at 15 rows FBGEMM makes a second pass over the
-        weight (8.1 ms against 6.0). On CPUs with fp16 arithmetic the plain fp16 product then serves up to
-        HALF_HEAD_MAX_ROWS rows (16 / 32 rows 6.1 / 8.2 ms)."""
+        dense fp32 path: mean 0.0177, as with the fp32 head; a plain fp16 product: 0.0185). Default model's 49152 x
+        576 head in engine steps, 2 cores, AMX host: 1 / 4 / 8 / 14 rows 3.1 / 3.6 / 4.1 / 4.6 ms against 4.5 / 4.9
+        / 5.3 / 5.8 for the plain fp16 product; at 15 rows FBGEMM makes a second pass over the weight (8.1 ms against
+        6.0). On CPUs with fp16 arithmetic the plain fp16 product then serves up to HALF_HEAD_MAX_ROWS rows (16 / 32
+        rows 6.1 / 8.2 ms)."""
         head = getattr(model, "lm_head", None)
         if head is None or not hasattr(head, "enable_fp16_copies") or head.weight.dtype != torch.float32:
             return
