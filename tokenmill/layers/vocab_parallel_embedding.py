@@ -61,8 +61,7 @@ class VocabParallelEmbedding(nn.Module):
         w = self.weight.detach()
         self._packed = torch.ops.quantized.linear_prepack_fp16(w, None) if packed_rows > 0 else None
         self._half = w.to(torch.float16) if half_rows > packed_rows else None
-        self._packed_rows = packed_rows if self._packed is not None else 0
-        self._half_rows = half_rows if self._half is not None else self._packed_rows
+        self._packed_rows, self._half_rows = packed_rows, half_rows
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H] -> logits [T, vocab], identical on every rank (gathered over the TP group). out: a
@@ -70,10 +69,10 @@ class VocabParallelEmbedding(nn.Module):
         it is then the result."""
         if self.tp_size == 1:
             rows = hidden.shape[0]
-            if out is None and hidden.dtype == torch.float32 and rows:
-                if rows <= self._packed_rows:
+            if out is None and hidden.dtype == torch.float32:
+                if self._packed is not None and rows <= self._packed_rows:
                     return torch.ops.quantized.linear_dynamic_fp16(hidden.contiguous(), self._packed)
-                if rows <= self._half_rows:
+                if self._half is not None and rows <= self._half_rows:
                     # x W^T at every row count: W x^T (as for fp32 below) measured no faster once its output's
                     # transposing copy counts (AVX-512 FP16, 49152 x 576, 2 cores: 16 / 20 / 32 rows 4.2-4.4 /
                     # 4.8-4.9 / 6.6-7.0 ms against 4.0-4.3 / 6.6-6.7 / 7.3-7.4).

@@ -146,4 +146,4 @@ class GGUFCpuConfig(GGUFBlockConfig):
         packed = fbgemm_fp16_rows()
         half = HALF_HEAD_MAX_ROWS if fast_fp16_matmul() else 0
         if packed or half:
-            head.enable_fp16_copies(packed_rows=packed, half_rows=max(half, packed))
+            head.enable_fp16_copies(packed_rows=packed, half_rows=half)
