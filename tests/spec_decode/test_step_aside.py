@@ -8,7 +8,8 @@ import pytest
 from tests.spec_decode.conftest import cycle_prompt, make_llm
 from tests.spec_decode.test_greedy_exact import generate, ids, spec_counts
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec_decode.step_aside import CLEAR_STEPS, MAX_PERIOD, SHADOW_MIN_SAMPLES, WINDOW, SpeculationGate
+from tokenmill.spec_decode.step_aside import (CLEAR_STEPS, MAX_PERIOD, SHADOW_MIN_SAMPLES, SHADOW_MIN_STEPS, WINDOW,
+                                             SpeculationGate)
 
 
 def _drive(gate: SpeculationGate, steps: int, spec_cost: float, spec_tokens: float, batch=lambda i: 4):
@@ -124,6 +125,30 @@ def test_a_would_be_step_is_priced_by_its_drafts():
     gate.observe_shadow(1.19, 3.0, SHADOW_MIN_SAMPLES)
     assert not gate.spec_mode
     gate.observe_shadow(1.19, 1.0, SHADOW_MIN_SAMPLES)
+    assert gate.spec_mode
+
+
+def test_one_speculative_window_timed_cheap_by_noise_does_not_price_drafts_at_nothing():
+    """Verifying 3 drafts a request costs 0.2 of a plain step (the windows that settled on plain decoding); then
+    one speculative window runs no slower than plain decoding (noise). Drafts that would keep 1.1 tokens a step are
+    still priced from every window (over 1.1 plain steps a step: no gain), where the latest window alone (1.0 / 1.1
+    per token) would bring speculation back."""
+    gate = SpeculationGate()
+    _settle_on_plain(gate)
+    assert gate._draft_cost / gate._draft_weight == pytest.approx(0.2 / 12)   # 12 drafts a step
+    now = gate._last
+    gate._switch(explore=True)
+    for _ in range(WINDOW + 1):                # the first interval after the switch is not measured
+        now += 1.0
+        gate.observe(now, 4, 4, True, counted=True, drafts=12)
+    assert not gate.spec_mode and 0.1 / 12 < gate._draft_cost / gate._draft_weight < 0.2 / 12
+    for _ in range(SHADOW_MIN_STEPS + 1):
+        now += 1.0
+        gate.observe(now, 4, 4, False, counted=True)
+    switches = gate.switches
+    gate.observe_shadow(1.1, 3.0, SHADOW_MIN_SAMPLES)
+    assert not gate.spec_mode and gate.switches == switches
+    gate.observe_shadow(1.4, 3.0, SHADOW_MIN_SAMPLES)   # drafts that keep more: worth measuring again
     assert gate.spec_mode
 
 

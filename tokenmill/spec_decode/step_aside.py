@@ -46,6 +46,9 @@ RECHECK_MARGIN = 0.10
 # the last switch (a prediction that the measurement then contradicts costs at most one window in two).
 SHADOW_MIN_SAMPLES = 4
 SHADOW_MIN_STEPS = WINDOW
+# What a verified draft adds to a step is averaged over the speculative windows, each older one weighing this much
+# less than the next: one window timed cheap by noise must not price drafts at nothing.
+DRAFT_COST_DECAY = 0.7
 
 
 @dataclass
@@ -95,6 +98,9 @@ class SpeculationGate:
     _chosen: bool = True          # the latest choice (speculate or not)
     _plain_steps: int = 0         # counted steps decoded without drafts since the last switch
     _shadow_says_plain: bool = False  # the latest prediction from unverified drafts, since the last switch
+    _draft_cost: float = 0.0      # decayed sum over speculative windows of drafts x (extra step time per draft
+    _draft_weight: float = 0.0    # as a share of a plain step), and of their drafts
+    _unpriced: _Window | None = None  # a speculative window still waiting for a plain figure to compare with
     switches: int = 0             # mode changes (diagnostics, tests)
 
     def speculating(self, num_running: int) -> bool:
@@ -120,14 +126,13 @@ class SpeculationGate:
         spec, plain = self._best.get(True), self._best.get(False)
         if not _comparable(spec, plain) or not spec.steps or not plain.steps:
             return
-        # A plain step at the speculative window's batch, and what each draft it verified added to it.
+        # A plain step at the speculative window's batch, and what each draft verified adds to it.
         base = plain.seconds / plain.steps * spec.mean_batch / plain.mean_batch
-        spec_step = spec.seconds / spec.steps
-        if spec.drafts:
-            per_draft = max(spec_step - base, 0.0) / (spec.drafts / spec.steps)
+        if self._draft_weight:
+            per_draft = max(self._draft_cost / self._draft_weight, 0.0) * base
             step = base + per_draft * drafts_per_step * spec.mean_batch
         else:
-            step = spec_step
+            step = spec.seconds / spec.steps
         # Verifying drafts never makes a step cheaper than a plain one: a window that verified none (no lookup
         # matched) measured a plain step, and its noise alone must not predict a gain.
         step = max(step, base)
@@ -153,12 +158,12 @@ class SpeculationGate:
             self._plain_steps += 1
         if self._exploring:
             if self._current.steps >= WINDOW or self._clearly_worse():
-                self._best[self.spec_mode] = self._current
+                self._store(self._current)
                 self._decide()
         else:
             self._since_choice += 1
             if self._current.steps >= WINDOW:  # the chosen mode's figure stays fresh
-                self._best[self.spec_mode] = self._current
+                self._store(self._current)
                 self._current = _Window()
                 if self._losing():
                     # It no longer beats the other mode's latest figure (the prompts changed): look again now.
@@ -171,6 +176,30 @@ class SpeculationGate:
                     self._since_choice, self._period = 0, self._period * 2
                 else:
                     self._switch(explore=True)
+
+    def _store(self, window: _Window) -> None:
+        """Keep a finished window as its mode's latest figure. A speculative one that verified drafts also adds to
+        what a draft costs, measured against the plain figure nearest in time (the latest one, or the next one
+        when there is none yet) as a share of a plain step, so that the average holds while the machine's speed
+        drifts."""
+        self._best[self.spec_mode] = window
+        if self.spec_mode:
+            self._unpriced = window
+        if self._unpriced is not None:
+            self._price_drafts(self._unpriced)
+
+    def _price_drafts(self, window: _Window) -> None:
+        plain = self._best.get(False)
+        if not window.drafts:
+            self._unpriced = None
+            return
+        if not _comparable(window, plain) or not plain.steps:
+            return
+        self._unpriced = None
+        base = plain.seconds / plain.steps * window.mean_batch / plain.mean_batch
+        extra = (window.seconds / window.steps - base) / base / (window.drafts / window.steps)
+        self._draft_cost = self._draft_cost * DRAFT_COST_DECAY + extra * window.drafts
+        self._draft_weight = self._draft_weight * DRAFT_COST_DECAY + window.drafts
 
     def _clearly_worse(self) -> bool:
         cur, other = self._current, self._best.get(not self.spec_mode)
