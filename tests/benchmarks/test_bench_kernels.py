@@ -33,6 +33,17 @@ def test_products_of_the_shipped_shapes():
     assert {(n, k, pro) for _, n, k, pro in gc.load_table("NVIDIA H200").entries} <= ours
 
 
+def test_products_of_the_hybrid_qwen3_5_shape():
+    """Qwen3.5-27B: gated attention (a query and a gate per head in the q slot) every 4th layer, Gated DeltaNet
+    layers between, read from the config's text_config; one entry per shape (out_proj has o_proj's)."""
+    assert _shapes("qwen3.5-27b") == {
+        "qkv_proj": ((2 * 24 + 2 * 4) * 256, 5120, None), "o_proj": (5120, 24 * 256, None),
+        "in_proj_qkv": (2 * 16 * 128 + 48 * 128, 5120, None), "in_proj_z": (48 * 128, 5120, None),
+        "in_proj_ba": (96, 5120, None), "gate_up_proj": (2 * 17408, 5120, None),
+        "down_proj+silu": (5120, 17408, "silu_mul"), "lm_head": (248320, 5120, None)}
+    assert _shapes("qwen3.5-27b", 2)["in_proj_qkv"] == (2 * 8 * 128 + 24 * 128, 5120, None)
+
+
 def test_products_of_a_model_directory_and_kv_replication(tmp_path):
     (tmp_path / "config.json").write_text('{"hidden_size": 512, "intermediate_size": 1536, "num_attention_heads": 8, '
                                           '"num_key_value_heads": 2, "vocab_size": 1001}')
