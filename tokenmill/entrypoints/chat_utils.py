@@ -37,7 +37,9 @@ def _flatten_content(content: Any, content_format: str, where: str = "content") 
                 raise ValueError(f"{where}[{j}] of type {part['type']!r} needs a string {key!r}.")
             texts.append(part[key])
         elif isinstance(part, dict):
-            raise ValueError(f"Message content part of type {part.get('type')!r} is not supported (text only).")
+            if "type" not in part:
+                raise ValueError(f"{where}[{j}] needs a 'type' (such as \"text\"); got {part!r:.80}.")
+            raise ValueError(f"{where}[{j}]: content part of type {part.get('type')!r} is not supported (text only).")
         else:
             raise ValueError(f"{where}[{j}] must be a content part object; got {type(part).__name__}.")
     if content_format == "openai":
@@ -84,6 +86,8 @@ def render_chat(tokenizer: Any, conversation: Conversation, *, chat_template: st
     for i, m in enumerate(conversation):
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"messages[{i}]: each chat message needs a 'role'; got {m!r:.80}.")
+        if not isinstance(m["role"], str):  # the template would fail on it with a Jinja error naming nothing
+            raise ValueError(f"messages[{i}].role must be a string; got {m['role']!r:.80}.")
         m = dict(m)
         if m.get("content") is None:
             # An assistant turn that only made tool calls has content null (or none at all); templates want text.

@@ -157,7 +157,8 @@ class _SamplingRequest(OpenAIBaseModel):
     best_of: Optional[int] = None
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: Optional[float] = None
-    top_k: Optional[int] = None
+    # Ints the engine receives are bounded to 64 bits: a larger one could not be sent to the engine process (a 500).
+    top_k: Optional[int] = Field(None, ge=_LONG_MIN, le=_LONG_MAX)
     min_p: Optional[float] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
@@ -178,7 +179,7 @@ class _SamplingRequest(OpenAIBaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
-    priority: int = 0
+    priority: int = Field(0, ge=_LONG_MIN, le=_LONG_MAX)
     request_id: Optional[str] = None
     # Requests share prefix-cache entries only with requests of the same salt (multi-tenant isolation).
     cache_salt: Optional[str] = None
@@ -281,6 +282,8 @@ class _SamplingRequest(OpenAIBaseModel):
             raise FieldError("stream_options can only be set when stream is true.", "stream_options")
         if self.stream and self.prompt_logprobs is not None:
             raise FieldError("prompt_logprobs is not available when stream is true.", "prompt_logprobs")
+        if self.cache_salt == "":  # as vLLM: an empty salt is a mistake, not "no salt"
+            raise FieldError("cache_salt must be a non-empty string if provided.", "cache_salt")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:

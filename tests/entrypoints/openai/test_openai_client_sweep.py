@@ -1,0 +1,56 @@
+"""OpenAI-API conformance sweep as real clients send requests: values the engine process cannot take, and malformed
+messages, are 400s that name the field (not 500s or Jinja errors). Fake engine, the official `openai` client through
+the TestClient's transport."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.entrypoints.openai.test_openai_conformance import MSGS, oai
+from tests.entrypoints.openai.test_openai_protocol_unit import assert_error
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": MSGS}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+@pytest.mark.parametrize("field", ["top_k", "priority"])
+def test_ints_beyond_64_bits_are_400s_naming_the_field(make_client, route, body, field):
+    """A top_k (or priority) past 2**63 could not be serialised to the engine process: the real server answered
+    500 "OverflowError: can't serialize ints"; vLLM's int fields are 64-bit too. Within the range still works."""
+    c, engine = make_client()
+    err = assert_error(c.post(route, json={**body, field: 10 ** 20, "max_tokens": 1}), 400, field)
+    assert field in err["message"]
+    assert not engine.calls
+    with pytest.raises(openai.BadRequestError) as e:
+        oai(c).chat.completions.create(model="fake-model", messages=MSGS, max_tokens=1, extra_body={field: -10 ** 20})
+    assert e.value.body["param"] == field
+    if field == "top_k":  # a huge top_k that fits is no top-k (the fake engine has no priority scheduling check)
+        assert c.post(route, json={**body, "top_k": 2 ** 63 - 1, "max_tokens": 1}).status_code == 200
+
+
+def test_an_empty_cache_salt_is_a_400_naming_it(make_client):
+    """vLLM: "cache_salt must be a non-empty string if provided"; here the engine's error came back with param
+    null."""
+    c, engine = make_client()
+    for route, body in (("/v1/chat/completions", {"messages": MSGS}), ("/v1/completions", {"prompt": "hi"})):
+        err = assert_error(c.post(route, json={**body, "cache_salt": "", "max_tokens": 1}), 400, "cache_salt")
+        assert "cache_salt" in err["message"]
+    assert not engine.calls
+    assert c.post("/v1/completions", json={"prompt": "hi", "cache_salt": "tenant-1", "max_tokens": 1}).status_code \
+        == 200
+
+
+@pytest.mark.parametrize("message, says", [
+    ({"role": 5, "content": "x"}, "messages[0].role must be a string"),
+    ({"role": None, "content": "x"}, "messages[0].role must be a string"),
+    ({"role": "user", "content": [{"text": "hi"}]}, "messages[0].content[0] needs a 'type'"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]},
+     "messages[0].content[0]: content part of type 'image_url' is not supported (text only)"),
+])
+def test_malformed_messages_say_which_message_and_field(client, message, says):
+    """These were 400s carrying a Jinja error ("can only concatenate str (not "int") to str", "'dict object' has no
+    attribute 'role'") or naming no message; the openai client raises BadRequestError with the place named."""
+    with pytest.raises(openai.BadRequestError) as e:
+        oai(client).chat.completions.create(model="fake-model", messages=[message], max_tokens=1)
+    assert says in e.value.body["message"] and e.value.body["param"] == "messages"
