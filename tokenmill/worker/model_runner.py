@@ -9,19 +9,20 @@ from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.registry import get_attention_backend
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
-from tokenmill.core.messages import LogprobsLists
 from tokenmill.core.sched_output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed import get_parallel_state, kv_heads_per_rank
 from tokenmill.distributed.pp import StageLink, pp_layer_range
 from tokenmill.forward_context import set_forward_context
 from tokenmill.layers.pooler import Pooler
-from tokenmill.layers.sampler import LogprobsTensors, Sampler, compute_prompt_logprobs
+from tokenmill.layers.sampler import LogprobsTensors, Sampler
 from tokenmill.metrics.step_timing import TIMER
 from tokenmill.models.loader import load_model
 from tokenmill.worker.input_batch import InputBatch, PendingTokens
 from tokenmill.worker.runner_output import AsyncRunnerOutput, StepState
 from tokenmill.worker.sampling_state import SamplingState
 from tokenmill.worker.spec_state import SpecDecodeState
+from tokenmill.worker.step_inputs import StepInputs, runs
+from tokenmill.worker.step_logits import apply_grammar, prompt_logprobs
 from tokenmill.worker.transfer import to_device
 
 __all__ = ["AsyncRunnerOutput", "ModelRunner"]
@@ -422,7 +423,7 @@ class ModelRunner:
         if not self.is_last_stage:
             self.link.send(hidden)  # returns at once: the next stage takes it from here
             return None
-        prompt_lp = self._prompt_logprobs(inp.req_ids, inp.rows, inp.computed, inp.n_sched, inp.qsl, hidden)
+        prompt_lp = prompt_logprobs(self.model, self.batch, self.prompt_logprobs, inp, hidden, self.device)
         if self.pooler is not None:
             return StepState(inp.req_ids, inp.rows, inp.sample_idx, inp.n_sample, None, prompt_lp,
                              self._pool(inp, hidden))
@@ -480,10 +481,10 @@ class ModelRunner:
             cg.sampled_replays += 1
             return cg.prev_sampled[:len(srows)], None, cg.host_io.out[st.io_slot, :len(srows)]
         if grammar is not None:
-            self._apply_grammar(grammar, st.req_ids, st.sample_idx, st.n_sample, st.logits)
+            apply_grammar(grammar, st.req_ids, st.sample_idx, st.n_sample, st.logits, self.device)
         offsets = None
         if len(st.logits) != len(srows):   # several tokens per request: one logits row each, RNG positions apart
-            srows, offsets = _runs(srows, st.n_sample)
+            srows, offsets = runs(srows, st.n_sample)
         meta = self.sampling.make_metadata(srows, b.token_ids, b.num_prompt_tokens, b.num_tokens, offsets)
         out = self.sampler(st.logits, meta)
         if cg is not None:  # where the next step's graph reads its placeholder ids
@@ -503,7 +504,7 @@ class ModelRunner:
             with TIMER.phase("spec_wait_targets"):
                 ids_host = ids.cpu().numpy()
             keep, targets = spec.accept(st.req_ids, st.sample_idx, n_sample, ids_host)
-            run, offs = _runs(np.cumsum(n_sample) - n_sample, keep)
+            run, offs = runs(np.cumsum(n_sample) - n_sample, keep)
             kept_at = run + offs                       # flat index of each kept token
             tokens = targets[kept_at]
             rows = st.rows[st.sample_idx]
@@ -520,81 +521,3 @@ class ModelRunner:
             next_drafts = spec.propose(b, st.req_ids, st.rows, st.sample_idx, keep, st.seq_lens, st.qsl)
         return ModelRunnerOutput(req_ids=st.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                  prompt_logprobs=st.prompt_lp, spec_token_ids=next_drafts)
-
-    def _apply_grammar(self, grammar: GrammarOutput, req_ids: list[str], sample_idx: np.ndarray,
-                       n_sample: np.ndarray, logits: torch.Tensor) -> None:
-        """Mask the logits of constrained rows with their grammars' allowed tokens, for the batch at once."""
-        from tokenmill.kernels.triton_bitmask import apply_bitmask
-        # A constrained request samples one token per step (it is never drafted for): its logits row is the last
-        # of its run.
-        ends = np.cumsum(n_sample) - 1
-        pos = {req_ids[i]: int(ends[j]) for j, i in enumerate(sample_idx)}
-        rows = np.fromiter((pos[rid] for rid in grammar.req_ids), dtype=np.int64, count=len(grammar.req_ids))
-        # One row per sampled request, covering every logits column: the scheduler's rows where constrained
-        # (columns past the grammar's vocabulary disallowed), all ones elsewhere.
-        # Built with numpy: torch's CPU ops on a tensor this size (32 rows x 49k tokens) fan out to its OpenMP
-        # threads and took ~1.6 ms each on the H200 host.
-        compact = grammar.bitmask.numpy() if isinstance(grammar.bitmask, torch.Tensor) else grammar.bitmask
-        words = -(-logits.shape[1] // 32)
-        full = np.full((logits.shape[0], words), -1, dtype=np.int32)
-        w = min(compact.shape[1], words)
-        full[rows, :w] = compact[:, :w]
-        full[rows, w:] = 0
-        apply_bitmask(logits, to_device(full, self.device), rows)
-
-    def _prompt_logprobs(self, req_ids, rows, computed, n_sched, qsl, hidden) -> dict[str, LogprobsLists]:
-        """Logprobs of the prompt tokens covered by this step's chunk (position p scores prompt token p + 1)."""
-        if not self.prompt_logprobs:
-            return {}
-        b, out = self.batch, {}
-        for i, rid in enumerate(req_ids):
-            n = self.prompt_logprobs.get(rid)
-            if n is None:
-                continue
-            row, start = rows[i], int(computed[i])
-            end = min(start + int(n_sched[i]), int(b.num_prompt_tokens[row]) - 1)
-            if end <= start:
-                continue
-            h = hidden[int(qsl[i]):int(qsl[i]) + (end - start)]
-            targets = to_device(b.token_ids[row, start + 1:end + 1].astype(np.int64), self.device)
-            lp = compute_prompt_logprobs(self.model.compute_logits(h), targets, n)
-            out[rid] = lp.tolists()
-        return out
-
-
-
-
-class StepInputs:
-    """One step's flat inputs (numpy, host side): per request (batch order) its runner row, scheduled and computed
-    token counts, query_start_loc, context length and block-table row; per token its id (placeholders set to 0,
-    see fixup), RoPE position and KV slot. sample_idx: the requests that sample; n_sample: how many tokens each
-    samples, from its last n_sample positions; fixup: [2, n] (input position, index in the previous step's sampled
-    ids) of the placeholder inputs, or None; groups: the slot mapping and block table of each KV cache group
-    after the first (GroupBlockTables.step_tables), or None with one group."""
-    __slots__ = ("req_ids", "rows", "n_sched", "computed", "qsl", "input_ids", "rope_positions", "slots",
-                 "seq_lens", "block_table", "sample_idx", "n_sample", "fixup", "groups")
-
-    def __init__(self, req_ids, rows, n_sched, computed, qsl, input_ids, rope_positions, slots, seq_lens,
-                 block_table, sample_idx, n_sample, fixup, groups=None) -> None:
-        self.req_ids, self.rows, self.n_sched, self.computed, self.qsl = req_ids, rows, n_sched, computed, qsl
-        self.input_ids, self.rope_positions, self.slots = input_ids, rope_positions, slots
-        self.seq_lens, self.block_table, self.sample_idx, self.n_sample = seq_lens, block_table, sample_idx, n_sample
-        self.fixup, self.groups = fixup, groups
-
-    @property
-    def one_token_each(self) -> bool:
-        return not len(self.n_sample) or int(self.n_sample.max()) == 1
-
-    def sample_token_index(self) -> np.ndarray:
-        """The flat token index of each sampled token: the last n_sample[j] tokens of request sample_idx[j]."""
-        ends = self.qsl[1:][self.sample_idx]
-        if self.one_token_each:
-            return ends - 1
-        runs, offsets = _runs(ends - self.n_sample, self.n_sample)
-        return runs + offsets
-
-
-def _runs(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(starts[i] repeated counts[i] times, 0..counts[i]-1 within each run), vectorized."""
-    rep = np.repeat(starts, counts)
-    return rep, np.arange(len(rep)) - np.repeat(np.cumsum(counts) - counts, counts)
