@@ -54,7 +54,8 @@ class DecodeWindow:
 
     Contract: the concatenation of everything `step` and `flush` return equals `decode(ids fed)` for tokenizers
     whose decoded text of a token run is a prefix of the decoded text of a longer run (byte-level BPE,
-    sentencepiece, WordPiece). Text is `decode(ids[prefix:])` minus the already-returned
+    sentencepiece, WordPiece), context aside: a character that the context's last tokens begin and the fed ids
+    complete is returned whole. Text is `decode(ids[prefix:])` minus the already-returned
     `decode(ids[prefix:read])`; while the window's text ends in U+FFFD the last token stopped inside a multi-byte
     character, so nothing is returned until a later token completes it (or `flush` gives up at the end).
     """
@@ -66,8 +67,11 @@ class DecodeWindow:
         context = list(context_ids[-_PROMPT_CONTEXT_TOKENS:])
         text = decode(context) if context else ""
         if text.endswith(_REPLACEMENT):
-            # The prompt ends inside a character: decode the output on its own, as decode(output_ids) would.
-            context, text = [], ""
+            text = _before_incomplete_character(decode, context, text)
+            if text is None:
+                # The prompt ends in bytes that are not the start of one character: decode the output on its own,
+                # as decode(output_ids) would.
+                context, text = [], ""
         self._ids = context
         self._prefix = 0
         self._read = len(context)
@@ -103,6 +107,21 @@ class DecodeWindow:
         return new_text
 
 
+def _before_incomplete_character(decode: Callable[[list[int]], str], context: list[int], text: str) -> str | None:
+    """The prompt's context ends with the first bytes of a character (`text`, its decoding, ends in U+FFFD): the
+    text before that character, or None when the tail is not one character's first bytes.
+
+    A prompt given as token ids can end mid-character, e.g. a continuation of an output that max_tokens cut inside
+    a character. The output's first tokens then complete that character, and the whole character is the output's
+    text (as in vLLM), not a U+FFFD for the output's bytes of it. A character has at most 4 bytes, so its first
+    bytes are at most 3 tokens."""
+    for j in range(1, min(3, len(context)) + 1):
+        head = decode(context[:-j])
+        if not head.endswith(_REPLACEMENT):
+            return head if head + _REPLACEMENT == text else None
+    return None
+
+
 class IncrementalDetokenizer:
     """Text of one generated sequence, built token by token, with stop strings applied.
 
@@ -118,7 +137,9 @@ class IncrementalDetokenizer:
     - Final text == `tokenizer.decode(token_ids, skip_special_tokens=...)` (minus a stop-token-terminated last
       token, and cut at a stop string), except that the prompt's last tokens seed the decoder, so a
       sentencepiece-style first token keeps its leading space like it does inside prompt + output (vLLM does the
-      same); byte-level BPE is unaffected. `clean_up_tokenization_spaces` is not applied (as in vLLM).
+      same); byte-level BPE is unaffected. A prompt (given as ids) that ends inside a character has it completed
+      by the output: that character, whole, starts the text (vLLM does the same), not a U+FFFD for the output's
+      bytes of it. `clean_up_tokenization_spaces` is not applied (as in vLLM).
     - `get_next_output_text(finished, delta)` is what may be shown to a client now: while a stop string could
       still be forming it holds back the last (longest stop string - 1) characters unless finished.
     - With detokenize=False or no tokenizer the text stays "" and only ids are tracked.
