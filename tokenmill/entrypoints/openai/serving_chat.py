@@ -182,23 +182,29 @@ class OpenAIServingChat(OpenAIServing):
     # ----- logprobs -----
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, top_n: int,
                       as_ids: bool) -> ChatCompletionLogProbs:
+        """With return_tokens_as_token_ids a token shows as "token_id:N", but its `bytes` stay the token's own
+        bytes (as vLLM gives for the chosen token), so they still concatenate to the text."""
         content: list[ChatCompletionLogProbsContent] = []
+
+        def shown(t: int, lp: Logprob | None) -> tuple[str, list[int]]:
+            text = self.token_str(t, lp, False)
+            return (self.token_str(t, lp, True) if as_ids else text), self.token_bytes(t, text, False)
+
         for i, tid in enumerate(token_ids):
             step = logprobs[i] if logprobs is not None and i < len(logprobs) else None
             chosen = step.get(tid) if step is not None else None
-            token = self.token_str(tid, chosen, as_ids)
+            token, token_bytes = shown(tid, chosen)
             top: list[ChatCompletionLogProb] = []
             if step is not None and top_n != 0:
                 ranked = sorted(step.items(), key=lambda kv: -kv[1].logprob)
                 if top_n > 0:
                     ranked = ranked[:top_n]
                 for t, lp in ranked:
-                    s = self.token_str(t, lp, as_ids)
-                    top.append(ChatCompletionLogProb(token=s, logprob=max(lp.logprob, -9999.0),
-                                                     bytes=self.token_bytes(t, s, as_ids)))
+                    s, b = shown(t, lp)
+                    top.append(ChatCompletionLogProb(token=s, logprob=max(lp.logprob, -9999.0), bytes=b))
             content.append(ChatCompletionLogProbsContent(
                 token=token, logprob=max(chosen.logprob, -9999.0) if chosen is not None else -9999.0,
-                bytes=self.token_bytes(tid, token, as_ids), top_logprobs=top))
+                bytes=token_bytes, top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
 
     def _echo_text(self, request: ChatCompletionRequest, role: str) -> str:
