@@ -3,10 +3,15 @@ messages, are 400s that name the field (not 500s or Jinja errors). Fake engine, 
 the TestClient's transport."""
 from __future__ import annotations
 
+import enum
+import json
+from typing import Optional
+
 import openai
+import pydantic
 import pytest
 
-from tests.entrypoints.openai.test_openai_conformance import MSGS, oai
+from tests.entrypoints.openai.test_openai_conformance import MSGS, oai, scripted  # noqa: F401 (a fixture)
 from tests.entrypoints.openai.test_openai_protocol_unit import assert_error
 
 
@@ -54,3 +59,44 @@ def test_malformed_messages_say_which_message_and_field(client, message, says):
     with pytest.raises(openai.BadRequestError) as e:
         oai(client).chat.completions.create(model="fake-model", messages=[message], max_tokens=1)
     assert says in e.value.body["message"] and e.value.body["param"] == "messages"
+
+
+class _Address(pydantic.BaseModel):
+    city: str
+    zip: Optional[int]
+
+
+class _Color(str, enum.Enum):
+    red = "red"
+    blue = "blue"
+
+
+class _Person(pydantic.BaseModel):
+    name: str
+    color: _Color
+    home: _Address
+    others: list[_Address]
+
+
+def test_required_tool_choice_takes_pydantic_tools_with_defs(make_client, scripted):
+    """openai.pydantic_function_tool(Model) with nested models or enums sends parameters whose "$ref"s point at
+    "#/$defs/...". "required" nests each tool's parameters inside an array schema, where those references resolved
+    to nothing: 400 "Cannot find field '$defs' in #/$defs/_Color". The definitions now sit at the root (vLLM)."""
+    args = {"name": "Ann", "color": "red", "home": {"city": "Oslo", "zip": None}, "others": []}
+    c, engine = make_client(scripted(json.dumps([{"name": "_Person", "parameters": args}])))
+    r = oai(c).beta.chat.completions.parse(model="fake-model", messages=MSGS, tool_choice="required",
+                                           tools=[openai.pydantic_function_tool(_Person)])
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "_Person" and call.function.parsed_arguments == _Person(**args)
+    schema = engine.calls[-1][1].structured_outputs.json
+    schema = json.loads(schema) if isinstance(schema, str) else schema
+    assert set(schema["$defs"]) == {"_Address", "_Color"}
+    assert '"$defs":' not in json.dumps(schema["items"])
+    # two tools that define one name differently cannot share the root: a 400 naming tool_choice
+    clash = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {"type": t}}}}}
+        for i, t in enumerate(("string", "integer"))]
+    err = assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": clash,
+                                                            "tool_choice": "required"}), 400, "tool_choice")
+    assert "$defs/A" in err["message"]
+

@@ -90,10 +90,21 @@ def forced_tool_schema(tools: list[dict] | None, tool_choice: Any,
         raise ValueError(f"tool_choice {tool_choice!r} needs `tools`.")
     fns = {t.get("function", {}).get("name"): t.get("function", {}) for t in tools}
     if tool_choice == "required":
-        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                   "parameters": fn.get("parameters") or {"type": "object"}},
-                  "required": ["name", "parameters"]} for name, fn in fns.items()]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        # Each tool's parameters sit deep in this schema, so their "$defs" (pydantic's nested models, which
+        # "#/$defs/X" references resolve from the root) move to the root, as vLLM does.
+        defs: dict[str, dict[str, Any]] = {}
+        items = []
+        for name, fn in fns.items():
+            params = dict(fn.get("parameters") or {"type": "object"})
+            for key in ("$defs", "definitions"):
+                for def_name, def_schema in (params.pop(key, None) or {}).items():
+                    if defs.setdefault(key, {}).setdefault(def_name, def_schema) != def_schema:
+                        raise ValueError(f"tools define {key}/{def_name} differently; tool_choice \"required\" "
+                                         "needs one schema per definition name across the tools.")
+            items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                           "parameters": params},
+                          "required": ["name", "parameters"]})
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **defs}
         if max_calls is not None:
             schema["maxItems"] = max_calls
         return schema, None
