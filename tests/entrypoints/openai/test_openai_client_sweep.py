@@ -11,8 +11,9 @@ import openai
 import pydantic
 import pytest
 
+from tests.entrypoints.openai.conftest import FakeEngine
 from tests.entrypoints.openai.test_openai_conformance import MSGS, oai, scripted  # noqa: F401 (a fixture)
-from tests.entrypoints.openai.test_openai_protocol_unit import assert_error
+from tests.entrypoints.openai.test_openai_protocol_unit import assert_error, sse_events
 
 
 @pytest.mark.parametrize("route, body", [
@@ -100,3 +101,41 @@ def test_required_tool_choice_takes_pydantic_tools_with_defs(make_client, script
                                                             "tool_choice": "required"}), 400, "tool_choice")
     assert "$defs/A" in err["message"]
 
+
+class _FailsMidStream(FakeEngine):
+    """Streams one step of output, then fails with an error no handler expects (an engine or parser bug)."""
+
+    async def generate(self, prompt, sampling_params, request_id, priority=0):
+        gen = super().generate(prompt, sampling_params, request_id, priority)
+        try:
+            yield await anext(gen)
+            raise RuntimeError("boom in the middle of the stream")
+        finally:
+            await gen.aclose()
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": MSGS}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_an_unexpected_error_mid_stream_ends_with_an_error_event(make_client, smollm2_tokenizer, route, body):
+    """vLLM ends a stream that fails with any exception with an error event and [DONE]; here only some types were
+    caught, so a RuntimeError dropped the connection mid-body (the openai client saw a broken stream, not the
+    error). Now: a 500 error event (logged server-side), [DONE], and the server keeps serving."""
+    c, engine = make_client(_FailsMidStream(smollm2_tokenizer))
+    r = c.post(route, json={**body, "max_tokens": 5, "stream": True})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["code"] == 500 and err["type"] == "InternalServerError" and "boom" in err["message"]
+    assert any(ev.get("choices") for ev in events[:-2])  # what was generated before the failure came first
+    client = oai(c)
+    with pytest.raises(openai.APIError, match="boom"):
+        if route == "/v1/completions":
+            list(client.completions.create(model="fake-model", prompt="hi", max_tokens=5, stream=True))
+        else:
+            list(client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=5, stream=True))
+    assert not engine.running
+    engine.__class__ = FakeEngine  # the server keeps serving
+    assert c.post(route, json={**body, "max_tokens": 2}).status_code == 200

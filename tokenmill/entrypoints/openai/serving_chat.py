@@ -328,6 +328,6 @@ class OpenAIServingChat(OpenAIServing):
                                                  model=model, choices=[], system_fingerprint=self.fingerprint,
                                                  usage=self.usage(prompt_len, sum(tokens_out), cached))
                 yield f"data: {c.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
-        except (EngineDeadError, ServingError, ValueError, TypeError) as e:
+        except Exception as e:  # as vLLM: any failure ends the stream with an error event, not a cut body
             yield sse_error_event(e)
         yield "data: [DONE]\n\n"

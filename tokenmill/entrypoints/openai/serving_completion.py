@@ -284,6 +284,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                                  system_fingerprint=self.fingerprint)
                 yield f"data: {chunk.model_dump_json(exclude_unset=True, exclude_none=True)}\n\n"
             self.log_output(response_id, texts)
-        except (EngineDeadError, ServingError, ValueError, TypeError) as e:
+        except Exception as e:  # as vLLM: any failure ends the stream with an error event, not a cut body
             yield sse_error_event(e)
         yield "data: [DONE]\n\n"

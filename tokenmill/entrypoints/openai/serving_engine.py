@@ -69,8 +69,11 @@ def sse_error_event(exc: BaseException) -> str:
         body = error_body(f"The engine died: {exc}", 503)
     elif isinstance(exc, ServingError):
         body = error_body(exc.message, exc.status, exc.param)
-    else:
+    elif isinstance(exc, (ValueError, TypeError)):
         body = error_body(str(exc), 400)
+    else:  # a failure nothing expected (as the non-streamed handler: a 500, logged with its traceback)
+        logger.error("Internal error while streaming a response", exc_info=exc)
+        body = error_body(f"Internal server error: {type(exc).__name__}: {exc}", 500)
     return f"data: {json.dumps(body)}\n\n"
 
 
