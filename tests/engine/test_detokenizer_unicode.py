@@ -36,6 +36,21 @@ def test_prompt_ending_mid_character_gives_the_output_the_whole_character(tokeni
             assert "".join(deltas) == want and all("\ufffd" not in s for s in deltas)
 
 
+def test_prompt_token_with_text_before_the_cut_character(tokenizer):
+    """A byte-level token can hold a space and a character's first byte ("ĠÐ"): the space is the prompt's, the
+    character the output's."""
+    space_lead = tokenizer.convert_tokens_to_ids("ĠÐ")
+    assert tokenizer.decode([space_lead]) == " \ufffd"
+    rest = next(t for t in range(len(tokenizer)) if tokenizer.decode([space_lead, t]) == " С")
+    prompt, output = tokenizer.encode("Word:") + [space_lead], [rest] + tokenizer.encode("ок!")
+    d = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    deltas = []
+    for t in output:
+        d.update([t])
+        deltas.append(d.get_next_output_text(False, delta=True))
+    assert d.output_text == "".join(deltas) == "Сок!"
+
+
 def test_prompt_ending_mid_character_stop_string_on_that_character(tokenizer):
     ids = tokenizer.encode("你好，世界")
     cut = next(c for c in range(1, len(ids)) if tokenizer.decode(ids[:c]) == "你\ufffd")
@@ -50,15 +65,41 @@ def test_prompt_ending_mid_character_stop_string_on_that_character(tokenizer):
 
 
 def test_invalid_prompt_tail_is_not_joined_to_the_output(tokenizer):
-    """A tail that is not one character's first bytes (two lead bytes, a stray continuation byte pair) keeps the
-    old behaviour: the output is decoded on its own."""
+    """A tail of more U+FFFDs than one character's first bytes can make (a run of lead bytes) keeps the output
+    decoded on its own."""
     lead = tokenizer.encode("你")[0]  # the first two bytes of 你 (a lead byte and a continuation byte)
     out = tokenizer.encode("好!")
-    for prompt in ([lead, lead], tokenizer.encode("ok") + [lead, lead]):
-        assert tokenizer.decode(prompt).endswith("\ufffd\ufffd")
+    for prompt in ([lead] * 4, tokenizer.encode("ok") + [lead] * 4):
+        assert tokenizer.decode(prompt).endswith("\ufffd" * 4)
         d = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
         d.update(out, final=True)
         assert d.output_text == tokenizer.decode(out) == "好!"
+
+
+def test_byte_fallback_prompt_ending_mid_character():
+    """Sentencepiece-style byte fallback (Llama 2, Mistral): each <0xNN> piece of an incomplete character decodes
+    to a U+FFFD of its own."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, normalizers
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581ok": 257, "\u2581": 258}
+    tok = tokenizers.Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    text = " ok 你好 🎉 ok"
+    ids = tok.encode(text).ids
+    cuts = [c for c in range(1, len(ids)) if tok.decode(ids[:c]).endswith("\ufffd")]
+    assert len(cuts) == 2 + 2 + 3  # inside 你, 好 and 🎉
+    for cut in cuts:
+        # Not decode(ids[:cut]): a byte run that is not valid UTF-8 as a whole decodes to U+FFFDs only.
+        cut_bytes = sum(1 if tok.id_to_token(t).startswith("<0x") else len(tok.decode([t]).encode())
+                        for t in ids[:cut])
+        head = max((text[:i] for i in range(len(text) + 1) if len(text[:i].encode()) <= cut_bytes), key=len)
+        d = IncrementalDetokenizer(tok, ids[:cut], SamplingParams())
+        deltas = []
+        for t in ids[cut:]:
+            d.update([t])
+            deltas.append(d.get_next_output_text(False, delta=True))
+        assert d.output_text == "".join(deltas) == text[len(head):], cut
 
 
 @pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE,

@@ -60,22 +60,26 @@ class DecodeWindow:
     character, so nothing is returned until a later token completes it (or `flush` gives up at the end).
     """
 
-    __slots__ = ("_decode", "_ids", "_prefix", "_read", "_prefix_text")
+    __slots__ = ("_decode", "_ids", "_prefix", "_read", "_prefix_text", "_held_context")
 
     def __init__(self, decode: Callable[[list[int]], str], context_ids: list[int]):
         self._decode = decode
         context = list(context_ids[-_PROMPT_CONTEXT_TOKENS:])
         text = decode(context) if context else ""
+        held = 0  # the context's last ids that begin a character: held back as if fed, until the output ends it
         if text.endswith(_REPLACEMENT):
-            text = _before_incomplete_character(decode, context, text)
-            if text is None:
+            cut = _before_incomplete_character(decode, context, text)
+            if cut is None:
                 # The prompt ends in bytes that are not the start of one character: decode the output on its own,
                 # as decode(output_ids) would.
                 context, text = [], ""
+            else:
+                text, held = cut
         self._ids = context
         self._prefix = 0
-        self._read = len(context)
+        self._read = len(context) - held
         self._prefix_text = text
+        self._held_context = held
 
     def step(self, token_id: int) -> str:
         self._ids.append(token_id)
@@ -91,14 +95,15 @@ class DecodeWindow:
 
     def flush(self) -> str:
         """Returns whatever is held back (a trailing incomplete character decodes to U+FFFD, like `decode`)."""
-        if self._read == len(self._ids):
-            return ""
+        if len(self._ids) - self._read <= self._held_context:
+            return ""  # nothing fed since the last text (the prompt's own bytes are not the output's)
         text = self._decode(self._ids[self._prefix:])
         return self._advance(text) if len(text) > len(self._prefix_text) else ""
 
     def _advance(self, text: str) -> str:
         new_text = text[len(self._prefix_text):]
         self._prefix, self._read = self._read, len(self._ids)
+        self._held_context = 0
         self._prefix_text = self._decode(self._ids[self._prefix:self._read])
         if self._prefix >= _WINDOW_TRIM:
             del self._ids[:self._prefix]
@@ -107,18 +112,24 @@ class DecodeWindow:
         return new_text
 
 
-def _before_incomplete_character(decode: Callable[[list[int]], str], context: list[int], text: str) -> str | None:
-    """The prompt's context ends with the first bytes of a character (`text`, its decoding, ends in U+FFFD): the
-    text before that character, or None when the tail is not one character's first bytes.
+def _before_incomplete_character(decode: Callable[[list[int]], str], context: list[int],
+                                 text: str) -> tuple[str, int] | None:
+    """The prompt's context ends inside a character (`text`, its decoding, ends in U+FFFD): the text before that
+    character and how many of the last ids hold its first bytes (at most 3: a character has at most 4 bytes), or
+    None when no such split exists (the tail is not a character's start).
 
     A prompt given as token ids can end mid-character, e.g. a continuation of an output that max_tokens cut inside
     a character. The output's first tokens then complete that character, and the whole character is the output's
-    text (as in vLLM), not a U+FFFD for the output's bytes of it. A character has at most 4 bytes, so its first
-    bytes are at most 3 tokens."""
+    text (as in vLLM), not a U+FFFD for the output's bytes of it. The text before it is what the ids before the
+    character's first bytes decode to, plus the text the first of those ids holds before them (a byte-level
+    "ĠÐ" token is a space and the first byte of a Cyrillic letter); byte fallback decodes a run of <0xNN> pieces that is not valid
+    UTF-8 as one U+FFFD per piece, so there only the ids before the character's count."""
     for j in range(1, min(3, len(context)) + 1):
         head = decode(context[:-j])
         if not head.endswith(_REPLACEMENT):
-            return head if head + _REPLACEMENT == text else None
+            if text.startswith(head):
+                head = text.rstrip(_REPLACEMENT)
+            return head, j
     return None
 
 
