@@ -96,10 +96,13 @@ def test_fp8_cache_equals_fp32_cache_of_rounded_kv(scaled_dir, fp32_llm, kv_dtyp
     assert attn.k_scale.item() == pytest.approx(0.05) and attn.v_scale.item() == pytest.approx(0.02)
     got = llm.generate(PROMPTS, SP, use_tqdm=False)
     want = fake_quantised(fp32_llm, fp8, monkeypatch)
+    # The two engines reach attention by different paths (the fp32 one without its fused qkv decode), so their
+    # fp32 sums differ in the last bits: up to ~1e-5 on these logprobs (of ~4) on an AVX2 host. The fp8 rounding
+    # itself moves them by tenths of a nat (this file's loose oracle), four orders of magnitude past the bound.
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        torch.testing.assert_close(sampled_lps(g), sampled_lps(w), rtol=0, atol=1e-5)
-        torch.testing.assert_close(prompt_lps(g), prompt_lps(w), rtol=0, atol=1e-5)
+        torch.testing.assert_close(sampled_lps(g), sampled_lps(w), rtol=0, atol=5e-5)
+        torch.testing.assert_close(prompt_lps(g), prompt_lps(w), rtol=0, atol=5e-5)
     # A second pass reads the prompts' K/V back from the prefix cache (stored as fp8): same result.
     again = llm.generate(PROMPTS, SP, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in got]
