@@ -88,12 +88,15 @@ def model_products(cfg: dict, tp: int = 1) -> list[Product]:
     is read from it."""
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **cfg["text_config"]}
-    if "linear_num_value_heads" in cfg:
-        return _hybrid_products(cfg, tp)
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size") if k not in cfg]
+    hybrid = "linear_num_value_heads" in cfg
+    need = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+    if hybrid:
+        need += ("linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim")
+    missing = [k for k in need if k not in cfg]
     if missing:
-        raise ValueError(f"model config lacks {missing}: not a dense decoder tokenmill can measure")
-    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+        raise ValueError(f"model config lacks {missing}: not a {'hybrid' if hybrid else 'dense'} decoder tokenmill "
+                         "can measure")
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -104,42 +107,35 @@ def model_products(cfg: dict, tp: int = 1) -> list[Product]:
         raise ValueError(f"num_key_value_heads = {kv} neither splits over nor divides --tensor-parallel-size {tp}")
     else:
         kv_here = 1                                  # each rank holds one KV head, replicated
-    inter_here = _per_rank(inter, tp, "intermediate_size")
+    inter_here = _per_rank(cfg["intermediate_size"], tp, "intermediate_size")
+    lm_head = Product("lm_head", -(-vocab // tp), hidden)
+    if hybrid:
+        return _hybrid_products(cfg, tp, hidden, heads_here, kv_here, head_dim, inter_here) + [lm_head]
     qkv = (heads_here + 2 * kv_here) * head_dim
     return [Product("qkv_proj", qkv, hidden), Product("qkv_proj+norm", qkv, hidden, "rmsnorm"),
             Product("o_proj", hidden, heads_here * head_dim),
             Product("gate_up_proj", 2 * inter_here, hidden), Product("gate_up_proj+norm", 2 * inter_here, hidden,
                                                                      "rmsnorm"),
             Product("down_proj", hidden, inter_here), Product("down_proj+silu", hidden, inter_here, "silu_mul"),
-            Product("lm_head", -(-vocab // tp), hidden)]
+            lm_head]
 
 
-def _hybrid_products(cfg: dict, tp: int) -> list[Product]:
-    """Qwen3.5's products (models/qwen3_5.py, layers/gated_deltanet.py): the attention layers' q slot holds a
-    query and a gate per head; the linear-attention layers' in_proj_qkv, in_proj_z, in_proj_ba and out_proj; the
-    MLP's down_proj takes the SiLU-and-mul as its prologue; its norms (Gemma form) are not folded into products."""
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
-                           "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim") if k not in cfg]
-    if missing:
-        raise ValueError(f"model config lacks {missing}: not a hybrid decoder tokenmill can measure")
-    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or hidden // heads
-    heads_here = _per_rank(heads, tp, "num_attention_heads")
-    kv_here = _per_rank(kv, tp, "num_key_value_heads") if kv >= tp else 1
+def _hybrid_products(cfg: dict, tp: int, hidden: int, heads_here: int, kv_here: int, head_dim: int,
+                     inter_here: int) -> list[Product]:
+    """Qwen3.5's products but the LM head (models/qwen3_5.py, layers/gated_deltanet.py): the attention layers' q
+    slot holds a query and a gate per head; the linear-attention layers' in_proj_qkv, in_proj_z, in_proj_ba and
+    out_proj; the MLP's down_proj takes the SiLU-and-mul as its prologue; its norms (Gemma form) are not folded
+    into products. One product per shape: out_proj is often o_proj's."""
     key_here = _per_rank(cfg["linear_num_key_heads"], tp, "linear_num_key_heads") * cfg["linear_key_head_dim"]
     hv_here = cfg["linear_num_value_heads"] // tp
     value_here = hv_here * cfg["linear_value_head_dim"]
-    inter_here = _per_rank(inter, tp, "intermediate_size")
     products = [Product("qkv_proj", (2 * heads_here + 2 * kv_here) * head_dim, hidden),
                 Product("o_proj", hidden, heads_here * head_dim),
                 Product("in_proj_qkv", 2 * key_here + value_here, hidden), Product("in_proj_z", value_here, hidden),
                 Product("in_proj_ba", 2 * hv_here, hidden), Product("out_proj", hidden, value_here),
                 Product("gate_up_proj", 2 * inter_here, hidden),
-                Product("down_proj+silu", hidden, inter_here, "silu_mul"),
-                Product("lm_head", -(-vocab // tp), hidden)]
-    seen: set = set()   # one table entry per shape: out_proj is often o_proj's shape
+                Product("down_proj+silu", hidden, inter_here, "silu_mul")]
+    seen: set = set()
     return [p for p in products if not ((p.n, p.k, p.prologue) in seen or seen.add((p.n, p.k, p.prologue)))]
 
 
