@@ -122,8 +122,8 @@ def _before_incomplete_character(decode: Callable[[list[int]], str], context: li
     a character. The output's first tokens then complete that character, and the whole character is the output's
     text (as in vLLM), not a U+FFFD for the output's bytes of it. The text before it is what the ids before the
     character's first bytes decode to, plus the text the first of those ids holds before them (a byte-level
-    "ĠÐ" token is a space and the first byte of a Cyrillic letter); byte fallback decodes a run of <0xNN> pieces that is not valid
-    UTF-8 as one U+FFFD per piece, so there only the ids before the character's count."""
+    "ĠÐ" token is a space and the first byte of a Cyrillic letter); byte fallback decodes a run of <0xNN> pieces
+    that is not valid UTF-8 as one U+FFFD per piece, so there only the ids before the character's count."""
     for j in range(1, min(3, len(context)) + 1):
         head = decode(context[:-j])
         if not head.endswith(_REPLACEMENT):
