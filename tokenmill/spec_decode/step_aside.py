@@ -13,7 +13,8 @@ chosen mode's own fresh figure stops beating the other's latest (the prompts cha
 Decoding without drafts, the gate would be blind to the acceptance coming back (a request starts quoting its
 prompt) until its next look. Where drafts cost only a lookup (ngram, suffix) and the steps are not overlapped
 anyway, the engine keeps proposing without verifying (core/shadow_drafts.py) and the gate predicts the
-speculative figure from that acceptance and the latest speculative step time: speculation is measured again as
+speculative figure from that acceptance and what a verified draft has cost (averaged over the speculative
+windows, the latest weighing most): speculation is measured again as
 soon as the prediction beats plain decoding, and while it does not, the timed looks back are put off (up to the
 longest interval, when the speculative step time itself is measured again).
 """
@@ -119,8 +120,9 @@ class SpeculationGate:
     def observe_shadow(self, tokens_per_step: float, drafts_per_step: float, samples: int) -> None:
         """Decoding without drafts: the unverified drafts would have made `tokens_per_step` tokens per request per
         verify step, verifying `drafts_per_step` drafts each (over `samples` would-be steps). A verify step is
-        priced as a plain step plus, per draft, what the latest speculative window paid per draft beyond plain
-        steps; speculation is measured again now when that prediction beats plain decoding by MARGIN."""
+        priced as a plain step plus, per draft, what verified drafts have cost beyond plain steps (`_store`: a
+        decayed average over the speculative windows; the latest window's whole step time before any is priced);
+        speculation is measured again now when that prediction beats plain decoding by MARGIN."""
         if self.spec_mode or samples < SHADOW_MIN_SAMPLES or self._plain_steps < SHADOW_MIN_STEPS:
             return
         spec, plain = self._best.get(True), self._best.get(False)
