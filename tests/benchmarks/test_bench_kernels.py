@@ -30,7 +30,7 @@ def test_products_of_the_shipped_shapes():
     # every product of the shipped H200 table is one of these models' products
     ours = {v for model, tp in (("qwen3-0.6b", 1), ("llama-3-8b", 1), ("llama-3-8b", 2))
             for v in _shapes(model, tp).values()}
-    assert {(n, k, pro) for _, n, k, pro in gc.load_table("NVIDIA H200").entries} <= ours
+    assert {(n, k, pro) for _, n, k, pro, _ in gc.load_table("NVIDIA H200").entries} <= ours
 
 
 def test_products_of_the_hybrid_qwen3_5_shape():
@@ -94,10 +94,12 @@ def test_pick_takes_the_fastest_accurate_config_that_beats_cublas_enough():
 
 def test_merge_replaces_what_a_run_measured_and_keeps_the_rest():
     e = {name: GemvEntry(GemvConfig(16, 32, i + 1)) for i, name in enumerate("abcd")}
-    old = {(1, 64, 32, None): e["a"], (2, 64, 32, None): e["b"], (1, 64, 32, "rmsnorm"): e["c"]}
-    merged = bk.merge_entries(old, {(1, 64, 32, None): e["d"]},
-                              measured={(1, 64, 32, None), (2, 64, 32, None)})   # rows 2 lost to cuBLAS now
-    assert merged == {(1, 64, 32, None): e["d"], (1, 64, 32, "rmsnorm"): e["c"]}
+    old = {(1, 64, 32, None, None): e["a"], (2, 64, 32, None, None): e["b"], (1, 64, 32, "rmsnorm", None): e["c"],
+           (1, 64, 32, None, "fp8"): e["b"]}
+    merged = bk.merge_entries(old, {(1, 64, 32, None, None): e["d"]},
+                              measured={(1, 64, 32, None, None), (2, 64, 32, None, None)})  # rows 2 lost now
+    assert merged == {(1, 64, 32, None, None): e["d"], (1, 64, 32, "rmsnorm", None): e["c"],
+                      (1, 64, 32, None, "fp8"): e["b"]}
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -126,6 +128,17 @@ def test_flags_parse_into_the_products_and_rows():
     assert bk._parse(["--check"]).check == "" and bk._parse(["--check", "t.json"]).check == "t.json"
 
 
+def test_fp8_products_are_the_plain_ones_but_the_lm_head():
+    args = bk._parse(["--model", "llama-3-8b", "--quantization", "fp8"])
+    assert [(p.name, p.n, p.k, p.prologue, p.weight) for p in args.products] == [
+        ("qkv_proj", 6144, 4096, None, "fp8"), ("o_proj", 4096, 4096, None, "fp8"),
+        ("gate_up_proj", 28672, 4096, None, "fp8"), ("down_proj", 4096, 14336, None, "fp8")]
+    with pytest.raises(SystemExit):
+        bk._parse(["--model", "llama-3-8b", "--quantization", "awq"])
+    with pytest.raises(SystemExit):
+        bk._parse(["--check", "--quantization", "fp8"])
+
+
 def test_refused_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     from tokenmill.entrypoints.cli.main import BENCHMARKS, bench
@@ -149,7 +162,7 @@ def test_measures_writes_and_checks_a_table_on_cuda(tmp_path, capsys):
     table = gc.read_table(str(out))
     assert table.device == torch.cuda.get_device_name() and "tokenmill bench kernels" in table.measured
     assert bk.main(["--check", str(out)]) == 0
-    keep = {(16, 999, 999, None): GemvEntry(GemvConfig())}
+    keep = {(16, 999, 999, None, None): GemvEntry(GemvConfig())}
     gc.write_table(str(out), gc.GemvTable({**table.entries, **keep}, device=table.device))
     assert bk.main(["--model", str(tmp_path), "--max-rows", "1", "--quick", "--update", "-o", str(out)]) == 0
     after = gc.read_table(str(out)).entries

@@ -43,9 +43,9 @@ def test_sweep_picks_the_configs_that_win_and_writes_a_checked_table(tmp_path):
     lines = []
     entries, measured = bk.measure(products, [1], torch.device("cpu"), time_case=time_case,
                                    candidates=lambda m, p: [DOT, FMA], out=lines.append)
-    keys = {(1, p.n, p.k, p.prologue) for p in products}
+    keys = {(1, p.n, p.k, p.prologue, None) for p in products}
     assert measured == keys
-    want = {(1, p.n, p.k, p.prologue): DOT if p.prologue is None else FMA for p in products}
+    want = {(1, p.n, p.k, p.prologue, None): DOT if p.prologue is None else FMA for p in products}
     assert {key: e.config for key, e in entries.items()} == want
     assert all((e.cublas_us, e.gemv_us) == (10.0, 5.0 if e.config == DOT else 8.0) for e in entries.values())
     # the second pass timed the variants of the first pass's best configs
@@ -63,4 +63,33 @@ def test_sweep_writes_nothing_where_the_gemv_loses(tmp_path):
     products = [bk.Product("p", 48, 64), bk.Product("q", 40, 32, "silu_mul")]
     entries, measured = bk.measure(products, [1], torch.device("cpu"), time_case=lambda case, cfg: 10.0,
                                    candidates=lambda m, p: [DOT], out=lambda line: None)
-    assert entries == {} and measured == {(1, 48, 64, None), (1, 40, 32, "silu_mul")}
+    assert entries == {} and measured == {(1, 48, 64, None, None), (1, 40, 32, "silu_mul", None)}
+
+
+def test_fp8_sweep_measures_against_the_untuned_gemv_and_checks_its_entries(tmp_path):
+    """--quantization fp8: the plain products with fp8 weights and row scales; the baseline call is the gemv's
+    untuned fp8 config (run here, so it must be right too), the entries carry the weight and pass the check."""
+    from tokenmill.kernels.triton_gemv import untuned_fp8_config
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    products = bk.fp8_products(bk.model_products(bk.load_model_config(str(tmp_path))))
+    assert {p.name for p in products} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    fma = GemvConfig(8, 16, 2, 4, 1, use_dot=False, acc2d=True)
+    seen = []
+
+    def time_case(case, cfg):
+        out = case.call(0, cfg)()                      # the call runs: fp8 weight, its scales, this config
+        assert out.shape == (1, case.product.n) and out.dtype == torch.bfloat16
+        seen.append(cfg)
+        return 10.0 if cfg is None else (6.0 if case.product.name != "o_proj" else 9.9)
+
+    entries, measured = bk.measure(products, [1], torch.device("cpu"), time_case=time_case,
+                                   candidates=lambda m, p: [fma], out=lambda line: None)
+    assert None in seen
+    assert measured == {(1, p.n, p.k, None, "fp8") for p in products}
+    assert {key[1] for key in entries} == {p.n for p in products if p.name != "o_proj"}       # o_proj: 1% only
+    assert all(key[4] == "fp8" and e.config.use_dot is False for key, e in entries.items())
+    case = bk.Case(products[0], 1, bk.weight_copies(products[0], torch.device("cpu"), calls=1))
+    assert case.error(untuned_fp8_config(1, products[0].n, products[0].k, torch.device("cpu"))) < bk.TOLERANCE
+    lines = []
+    assert bk.check_table(gc.GemvTable(entries), torch.device("cpu"), out=lines.append) == 0
+    assert len(lines) == len(entries) and all(" fp8 " in line for line in lines)

@@ -65,7 +65,7 @@ def _old_tuned(m, n, k):
 
 def test_h200_file_decides_what_the_python_table_did():
     table = gemv_config.load_table("NVIDIA H200")
-    assert {key: e.config for key, e in table.entries.items()} == OLD
+    assert {key[:4]: e.config for key, e in table.entries.items() if key[4] is None} == OLD
     shapes = {(n, k) for _, n, k, _ in OLD} | {(4096, 1024), (2048, 1024), (6144, 1024), (1024, 3072)}
     for n, k in sorted(shapes):
         for m in range(1, 17):
@@ -77,17 +77,20 @@ def test_h200_file_decides_what_the_python_table_did():
 
 
 def test_tables_round_trip_through_json(tmp_path):
-    table = GemvTable({(1, 96, 64, None): GemvEntry(GemvConfig(16, 32, 2), 3.5, 2.25, "a note"),
-                       (4, 96, 64, "rmsnorm"): GemvEntry(GemvConfig(8, 64, 1, 4, 1, use_dot=False, acc2d=True)),
-                       (16, 80, 48, "silu_mul"): GemvEntry(GemvConfig(xprefetch=True, prefetch=True), 1, 2)},
+    table = GemvTable({(1, 96, 64, None, None): GemvEntry(GemvConfig(16, 32, 2), 3.5, 2.25, "a note"),
+                       (4, 96, 64, "rmsnorm", None): GemvEntry(GemvConfig(8, 64, 1, 4, 1, use_dot=False,
+                                                                         acc2d=True)),
+                       (16, 80, 48, "silu_mul", None): GemvEntry(GemvConfig(xprefetch=True, prefetch=True), 1, 2),
+                       (1, 96, 64, None, "fp8"): GemvEntry(GemvConfig(32, 256, 4, use_dot=False, acc2d=True))},
                       device="Some GPU", measured="by hand")
     path = tmp_path / "Some_GPU.json"
     gemv_config.write_table(str(path), table)
     back = gemv_config.read_table(str(path))
     assert back.entries == table.entries and (back.device, back.measured) == ("Some GPU", "by hand")
     with pytest.raises(TypeError):
-        back.entries[(1, 8, 8, None)] = GemvEntry(GemvConfig())          # read-only: `tuned` is derived from it
-    assert len(path.read_text().splitlines()) == 5 + 3 + 2        # one line per entry
+        back.entries[(1, 8, 8, None, None)] = GemvEntry(GemvConfig())    # read-only: `tuned` is derived from it
+    assert len(path.read_text().splitlines()) == 5 + 4 + 2        # one line per entry
+    assert path.read_text().count('"weight"') == 1                # written only for an fp8 entry
     gemv_config.write_table(str(path), GemvTable(device="x"))
     assert len(gemv_config.read_table(str(path))) == 0
 
@@ -118,6 +121,8 @@ def _doc(**entry):
     (_doc(rows=32), "rows must be a power of two in 1..16"),
     (_doc(n=0), "n must be a positive int"),
     (_doc(prologue="gelu"), "prologue must be one of"),
+    (_doc(weight="int4"), "weight must be one of"),
+    (_doc(weight="fp8", prologue="rmsnorm"), "an fp8 weight's entry is a plain product"),
     (_doc(config={"block_n": 24}), "entry 0: GemvConfig.block_n must be a power of two"),
     (_doc(config={"block_n": 8}), "must be >= 16 with use_dot"),
     (_doc(config={"use_dot": True, "acc2d": True}), "acc2d"),
@@ -138,7 +143,7 @@ def test_a_second_entry_for_a_product_is_refused(tmp_path):
     doc["gemv"].append(dict(doc["gemv"][0]))
     path = tmp_path / "dup.json"
     path.write_text(json.dumps(doc))
-    with pytest.raises(ValueError, match=r"dup.json: gemv entry 1: a second entry for \(1, 64, 32, None\)"):
+    with pytest.raises(ValueError, match=r"dup.json: gemv entry 1: a second entry for \(1, 64, 32, None, None\)"):
         gemv_config.read_table(str(path))
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -190,3 +195,14 @@ def test_the_heuristic_always_gives_a_launchable_config(sms):
                 block_m, tiles, split, k_per_split = launch_plan(m, n, k, cfg)
                 assert split >= 1 and (split == 1 or tiles <= _MAX_SPLIT_TILES)
                 assert (split - 1) * k_per_split < k <= split * k_per_split
+
+
+def test_an_fp8_entry_decides_only_the_fp8_product():
+    """An fp8 weight's config (half the bytes per K step) is the fp8 product's alone: the bf16 product of the same
+    shape keeps cuBLAS and the heuristic, and the fp8 product without an entry gets none."""
+    fp8 = GemvConfig(32, 256, 4, use_dot=False, acc2d=True)
+    table = GemvTable({(1, 6144, 4096, None, "fp8"): GemvEntry(fp8)})
+    assert table.prefer(1, 6144, 4096, None, "fp8") == fp8
+    assert table.prefer(1, 6144, 4096) is None and table.tuned(1, 6144, 4096) is None
+    assert table.prefer(2, 6144, 4096, None, "fp8") is None
+    assert default_config(1, 6144, 4096, 132, table) == default_config(1, 6144, 4096, 132)

@@ -202,6 +202,29 @@ def test_fp8_weights_with_block_scales(config):
     _check(2, 29, 64, torch.bfloat16, seed=93, config=config, fp8=True, block=(32, 64), act="silu_mul")
 
 
+def test_fp8_products_take_the_tables_fp8_entry(monkeypatch):
+    """A per-row fp8 product takes the device table's fp8 entry for its shape (launched with that config, and
+    right); a shape without one, a bf16 product of the same shape and a block-scaled fp8 product take theirs."""
+    entry = GemvConfig(8, 16, 2, 4, 1, use_dot=False, acc2d=True)
+    table = gemv_config.GemvTable({(1, 40, 64, None, "fp8"): gemv_config.GemvEntry(entry)})
+    monkeypatch.setattr(triton_gemv, "table_for", lambda device: table)
+    launched = []
+    real = triton_gemv._launch
+    monkeypatch.setattr(triton_gemv, "_launch", lambda *a, **kw: launched.append(a[11]) or real(*a, **kw))
+    gen = torch.Generator(device=DEV).manual_seed(95)
+    w = (torch.randn(40, 64, generator=gen, device=DEV) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.rand(40, generator=gen, device=DEV) + 0.5
+    x = torch.randn(1, 64, generator=gen, device=DEV).to(torch.bfloat16)
+    y = gemv(x, w, weight_scale=s)
+    assert launched == [entry]
+    assert rel_err(y[0], (x.double() @ (w.double() * s.double()[:, None]).T)[0]) < 1e-2
+    gemv(torch.cat([x, x]), w, weight_scale=s)                           # rows 2: no entry
+    gemv(x, w.to(torch.bfloat16))                                        # the bf16 product
+    gemv(x, w, weight_scale=torch.ones(5, 4, device=DEV), block=(8, 16))
+    assert launched[1] == triton_gemv.untuned_fp8_config(2, 40, 64, x.device)
+    assert launched[2] == default_config(1, 40, 64, 132) and entry not in launched[1:]
+
+
 def test_fp8_block_scale_checks():
     w8 = torch.zeros(40, 64, device=DEV).to(torch.float8_e4m3fn)
     x = torch.zeros(1, 64, dtype=torch.bfloat16, device=DEV)

@@ -11,8 +11,13 @@ rotating weight copies, so each call reads HBM as a decode step does, with progr
 model uses it. A product enters the table where the fastest config whose output matches a float64 reference beats
 cuBLAS by more than --min-gain.
 
+With --quantization fp8 the products are those the FP8 linear method runs on the gemv at decode: float8 e4m3 weights
+with one scale per row, plain products (no prologue; the LM head stays bf16), each against the gemv's untuned
+config (triton_gemv.untuned_fp8_config), since cuBLAS has no such product; the entries carry "weight": "fp8".
+
   tokenmill bench kernels --model qwen3-0.6b --model llama-3-8b               # writes ./NVIDIA_H200.json on an H200
   tokenmill bench kernels --model llama-3-8b --tensor-parallel-size 2 --update --output NVIDIA_H200.json
+  tokenmill bench kernels --model llama-3-8b --quantization fp8 --max-rows 1 --update -o NVIDIA_H200.json
   tokenmill bench kernels --check tokenmill/kernels/configs/NVIDIA_H200.json  # every entry against float64
 
 Ship a table by copying it to tokenmill/kernels/configs/ under its file name; the engine loads the file named
@@ -56,12 +61,23 @@ _REFINE = 8                # configs of the first pass whose variants the second
 
 @dataclasses.dataclass(frozen=True)
 class Product:
-    """One weight product of a decode step: y[m, n] = prologue(x)[m, k] @ W[n, k]^T."""
+    """One weight product of a decode step: y[m, n] = prologue(x)[m, k] @ W[n, k]^T, W bf16 or (weight="fp8")
+    float8 e4m3 with one scale per row."""
 
     name: str
     n: int
     k: int
     prologue: str | None = None
+    weight: str | None = None
+
+    @property
+    def key_tail(self) -> tuple[int, int, str | None, str | None]:
+        return self.n, self.k, self.prologue, self.weight
+
+
+def fp8_products(products: list[Product]) -> list[Product]:
+    """The products the FP8 linear method runs on the gemv: the plain ones but the LM head, with fp8 weights."""
+    return [dataclasses.replace(p, weight="fp8") for p in products if p.prologue is None and p.name != "lm_head"]
 
 
 def load_model_config(model: str) -> dict:
@@ -185,14 +201,16 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 class Case:
     """One product at one row count on `device`: random inputs, rotating weight copies (shared by the product's
-    cases), and the calls timed: cuBLAS after the separate prologue kernel, or the gemv with a config."""
+    cases; (weight, row scales or None) pairs), and the calls timed: cuBLAS after the separate prologue kernel (an
+    fp8 weight: the gemv's untuned config), or the gemv with a config."""
 
-    def __init__(self, product: Product, m: int, weights: list[torch.Tensor], seed: int = 0):
+    def __init__(self, product: Product, m: int, weights: list[tuple[torch.Tensor, torch.Tensor | None]],
+                 seed: int = 0):
         from tokenmill.layers.activation import SiluAndMul
         from tokenmill.layers.layernorm import RMSNorm
         self.product, self.m, self.weights = product, m, weights
-        w = weights[0]
-        dev, dt, k = w.device, w.dtype, product.k
+        w = weights[0][0]
+        dev, dt, k = w.device, torch.bfloat16 if product.weight else w.dtype, product.k
         g = torch.Generator(device=dev).manual_seed(seed * 7919 + m)
         k_in = 2 * k if product.prologue == "silu_mul" else k
         self.x = torch.randn(m, k_in, generator=g, device=dev).to(dt)
@@ -205,8 +223,12 @@ class Case:
 
     def call(self, i: int, cfg: GemvConfig | None, epilogue: str | None = None) -> Callable[[], torch.Tensor]:
         """The i-th call (weight copy i mod copies): the gemv with `cfg`, or cuBLAS for None."""
-        from tokenmill.kernels.triton_gemv import gemv
-        w, x, pro = self.weights[i % len(self.weights)], self.x, self.product.prologue
+        from tokenmill.kernels.triton_gemv import gemv, untuned_fp8_config
+        (w, scale), x, pro = self.weights[i % len(self.weights)], self.x, self.product.prologue
+        if scale is not None:
+            if cfg is None:
+                cfg = untuned_fp8_config(self.m, self.product.n, self.product.k, x.device)
+            return lambda: gemv(x, w, weight_scale=scale, config=cfg)
         if cfg is None:
             if pro == "silu_mul":
                 return lambda: F.linear(self._silu(x), w)
@@ -228,18 +250,29 @@ class Case:
         elif self.product.prologue == "rmsnorm":
             h = (self.x + self.residual).double()
             x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + _EPS) * self.norm.weight.double()
-        ref = F.linear(x, self.weights[0].double())
+        w, scale = self.weights[0]
+        ref = F.linear(x, w.double() if scale is None else w.double() * scale.double()[:, None])
         if epilogue == "silu_mul":
             half = ref.shape[-1] // 2
             ref = F.silu(ref[:, :half]) * ref[:, half:]
         return _rel_err(self.call(0, cfg, epilogue)(), ref)
 
 
-def weight_copies(product: Product, device, dtype=torch.bfloat16, calls: int = 20) -> list[torch.Tensor]:
-    """Enough copies of W (256 MB or more together, at most `calls`) that no call finds its weight in L2."""
-    nbytes = product.n * product.k * torch.finfo(dtype).bits // 8
+def weight_copies(product: Product, device, dtype=torch.bfloat16, calls: int = 20
+                  ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Enough copies of W (256 MB or more together, at most `calls`) that no call finds its weight in L2, each with
+    its row scales (fp8: the largest magnitude of a row at e4m3's 448) or None."""
+    nbytes = product.n * product.k * (1 if product.weight == "fp8" else torch.finfo(dtype).bits // 8)
     copies = max(1, min(calls, math.ceil(256e6 / nbytes)))
-    return [torch.randn(product.n, product.k, device=device).to(dtype) * product.k ** -0.5 for _ in range(copies)]
+    out = []
+    for _ in range(copies):
+        w = torch.randn(product.n, product.k, device=device) * product.k ** -0.5
+        if product.weight == "fp8":
+            scale = (w.abs().amax(1) / 448.0).clamp_min(1e-12)
+            out.append(((w / scale[:, None]).to(torch.float8_e4m3fn), scale.float().contiguous()))
+        else:
+            out.append((w.to(dtype), None))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------- timing
@@ -272,9 +305,11 @@ def graph_us(calls: list[Callable[[], object]], replays: int = 7) -> float:
 
 def _compile_job(job) -> str | None:
     """Pool worker: compile one kernel variant into Triton's disk cache, at the product's own shape."""
-    m, n, k, pro, cfg = job
+    m, n, k, pro, wt, cfg = job
     try:
-        case = Case(Product("compile", n, k, pro), m, [torch.zeros(n, k, device="cuda", dtype=torch.bfloat16)])
+        case = Case(Product("compile", n, k, pro, wt), m,
+                    [(torch.zeros(n, k, device="cuda").to(torch.float8_e4m3fn if wt else torch.bfloat16),
+                      torch.ones(n, device="cuda") if wt else None)])
         case.call(0, GemvConfig(**cfg))()
         torch.cuda.synchronize()
         return None
@@ -287,10 +322,10 @@ def precompile(jobs: list[tuple[int, Product, GemvConfig]], out=print) -> None:
     from tokenmill.kernels.triton_gemv import launch_plan
     seen, uniq = set(), []
     for m, p, cfg in jobs:
-        key = (m, p.k, p.prologue, cfg, launch_plan(m, p.n, p.k, cfg)[2] > 1)
+        key = (m, p.k, p.prologue, p.weight, cfg, launch_plan(m, p.n, p.k, cfg)[2] > 1)
         if key not in seen:
             seen.add(key)
-            uniq.append((m, p.n, p.k, p.prologue, dataclasses.asdict(cfg)))
+            uniq.append((m, p.n, p.k, p.prologue, p.weight, dataclasses.asdict(cfg)))
     if not uniq:
         return
     import multiprocessing
@@ -341,7 +376,8 @@ def measure(products: list[Product], rows: list[int], device: torch.device, *, q
     if on_cuda:
         precompile([(m, p, c) for p in products for m in rows for c in candidates(m, p)], out)
     deadline = time.time() + budget_s if budget_s > 0 else math.inf
-    out(f"{'product':<20}{'N':>8}{'K':>7}{'rows':>5}{'cuBLAS us':>11}{'gemv us':>9}{'gain':>7}  config")
+    base = "untuned us" if any(p.weight for p in products) else "cuBLAS us"
+    out(f"{'product':<20}{'N':>8}{'K':>7}{'rows':>5}{base:>11}{'gemv us':>9}{'gain':>7}  config")
     entries, measured, pending = {}, set(), []
     for p in products:
         if time.time() > deadline:
@@ -371,7 +407,7 @@ def measure(products: list[Product], rows: list[int], device: torch.device, *, q
                 except Exception as e:
                     out(f"#   {p.name} rows {m}: {_fmt(cfg)} failed: {type(e).__name__}: {str(e)[:120]}")
     for p, m, case, cublas_us, timed in pending:
-        key = (m, p.n, p.k, p.prologue)
+        key = (m, *p.key_tail)
         measured.add(key)
         won = pick(timed, cublas_us, min_gain, lambda c: case.error(c) < TOLERANCE)
         fastest = min(timed, key=lambda r: r[0]) if timed else (math.nan, None)
@@ -396,14 +432,14 @@ def check_table(table: GemvTable, device: torch.device, out=print) -> int:
     """Every entry against float64 at its own shape (and, without the SiLU prologue and for even N, with the
     SiLU-and-mul epilogue too); the number of failures."""
     failures = 0
-    for (m, n, k, pro), e in sorted(table.entries.items(), key=str):
-        p = Product(f"{n}x{k}", n, k, pro)
+    for (m, n, k, pro, wt), e in sorted(table.entries.items(), key=str):
+        p = Product(f"{n}x{k}", n, k, pro, wt)
         case = Case(p, m, weight_copies(p, device, calls=1))
-        for epilogue in (None, "silu_mul") if pro != "silu_mul" and n % 2 == 0 else (None,):
+        for epilogue in (None, "silu_mul") if pro != "silu_mul" and n % 2 == 0 and not wt else (None,):
             err = case.error(e.config, epilogue)
             bad = not err < (3 * TOLERANCE if epilogue else TOLERANCE)
             failures += bad
-            out(f"{'FAIL' if bad else 'ok  '} rows {m:>2} N {n:>7} K {k:>6} {pro or 'plain':<8}"
+            out(f"{'FAIL' if bad else 'ok  '} rows {m:>2} N {n:>7} K {k:>6} {pro or wt or 'plain':<8}"
                 f"{' +silu epilogue' if epilogue else '':<15} err {err:.1e}  {_fmt(e.config)}")
     return failures
 
@@ -424,6 +460,10 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--min-gain", type=float, default=0.03,
                    help="How much faster than cuBLAS a product's best config must be to enter the table (default "
                         "0.03, 3%%).")
+    p.add_argument("--quantization", "-q", choices=("fp8",), default=None,
+                   help="Measure the decode products of the FP8 linear method instead (fp8 weights with a scale per "
+                        "row, plain products, against the gemv's untuned config); entries carry \"weight\": "
+                        "\"fp8\".")
     p.add_argument("--quick", action="store_true", help="Fewer configs: a few tensor-core tilings, no second pass.")
     p.add_argument("--budget", type=float, default=0.0,
                    help="Seconds after which products not yet timed are skipped (default 0: no limit).")
@@ -439,7 +479,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.check is not None:
         given = [flag for flag, dest in (("--model", "model"), ("--tensor-parallel-size", "tensor_parallel_size"),
                                          ("--max-rows", "max_rows"), ("--output", "output"), ("--update", "update"),
-                                         ("--min-gain", "min_gain"), ("--quick", "quick"), ("--budget", "budget"))
+                                         ("--min-gain", "min_gain"), ("--quick", "quick"), ("--budget", "budget"),
+                                         ("--quantization", "quantization"))
                  if getattr(args, dest) != parser.get_default(dest)]
         if given:
             parser.error(f"--check runs a table's entries; it takes none of {', '.join(given)}")
@@ -457,9 +498,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         products = [pr for m in args.model for pr in model_products(load_model_config(m), args.tensor_parallel_size)]
     except ValueError as e:
         parser.error(str(e))
+    if args.quantization == "fp8":
+        products = fp8_products(products)
     seen = set()                      # one product per shape: two models may share one
-    args.products = [pr for pr in products if (pr.n, pr.k, pr.prologue) not in seen
-                     and not seen.add((pr.n, pr.k, pr.prologue))]
+    args.products = [pr for pr in products if pr.key_tail not in seen and not seen.add(pr.key_tail)]
     return args
 
 
@@ -494,8 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     table = GemvTable(merged, device=name, measured=(
         f"`{cmd}` on {datetime.date.today()} ({name}, torch {torch.__version__}, triton "
         f"{__import__('triton').__version__}): each product timed as a CUDA-graph replay of 20 back-to-back calls "
-        f"with rotating weights; cublas_us is F.linear after the separate norm or SiLU-and-mul kernel; an entry "
-        f"beat it by more than {args.min_gain:.0%}."))
+        f"with rotating weights; cublas_us is F.linear after the separate norm or SiLU-and-mul kernel (an fp8 "
+        f"entry's: the gemv's untuned config); an entry beat it by more than {args.min_gain:.0%}."))
     gc.write_table(output, table)
     print(f"wrote {output}: {len(entries)} measured entries" + (f", {kept} kept" if kept else "")
           + f" ({time.time() - t0:.0f} s)")

@@ -5,7 +5,9 @@ file per device name in tokenmill/kernels/configs/ (`device_file_name`), written
 loaded once per device (`table_for`). Each entry names a product (rows, N, K, prologue) and the launch config that
 beat cuBLAS there. `rows` is a bucket: a product of m rows uses the entry of the next power of two >= m (at most 16).
 The prologue is None (a plain product), "rmsnorm" (the RMSNorm, with the residual add when there is one, folded in
-before the product) or "silu_mul" (down_proj's SiLU-and-mul folded in).
+before the product) or "silu_mul" (down_proj's SiLU-and-mul folded in). The weight is None (the activations' bf16 /
+fp16) or "fp8" (float8 e4m3 with one scale per row, a plain product: the FP8 linear method's decode path, which has
+no cuBLAS alternative, so its entries are the measured config against the gemv's untuned one).
 
 A device without a file gets an empty table (one info line says so): every product stays on cuBLAS, which is correct
 everywhere; the gemv then runs only where it is called explicitly or forced by TOKENMILL_GEMV=always, with
@@ -31,6 +33,7 @@ logger = init_logger(__name__)
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 PROLOGUES = (None, "rmsnorm", "silu_mul")
+WEIGHTS = (None, "fp8")
 MAX_ROWS = 16                  # the gemv's largest row bucket (triton_gemv.MAX_M)
 FORMAT_VERSION = 1
 
@@ -73,7 +76,7 @@ class GemvConfig:
             raise ValueError("GemvConfig.acc2d applies to the FMA path: it needs use_dot=False")
 
 
-Key = tuple[int, int, int, "str | None"]       # (rows bucket, N, K, prologue)
+Key = tuple[int, int, int, "str | None", "str | None"]       # (rows bucket, N, K, prologue, weight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +101,18 @@ class GemvTable:
         for key in self.entries:
             check_key(key)
         tuned: dict[tuple[int, int, int], GemvConfig] = {}
-        # A plain product's own config first; where only fused forms were measured, the first fused one's.
-        for (m, n, k, pro), e in sorted(self.entries.items(), key=lambda kv: PROLOGUES.index(kv[0][3])):
-            tuned.setdefault((m, n, k), e.config)
+        # A plain product's own config first; where only fused forms were measured, the first fused one's. An fp8
+        # weight's config streams half the bytes per K step: it says nothing of a bf16 product's.
+        for (m, n, k, pro, wt), e in sorted(self.entries.items(), key=lambda kv: PROLOGUES.index(kv[0][3])):
+            if wt is None:
+                tuned.setdefault((m, n, k), e.config)
         self._tuned = tuned
 
-    def prefer(self, m: int, n: int, k: int, prologue: str | None = None) -> GemvConfig | None:
-        """The measured-faster config of this product, or None: cuBLAS (with the prologue as its own kernel)."""
-        hit = self.entries.get((m_bucket(m), n, k, prologue))
+    def prefer(self, m: int, n: int, k: int, prologue: str | None = None,
+               weight: str | None = None) -> GemvConfig | None:
+        """The measured-faster config of this product, or None: cuBLAS (with the prologue as its own kernel), or
+        for an fp8 weight the gemv's untuned config."""
+        hit = self.entries.get((m_bucket(m), n, k, prologue, weight))
         return None if hit is None else hit.config
 
     def tuned(self, m: int, n: int, k: int) -> GemvConfig | None:
@@ -123,7 +130,9 @@ def m_bucket(m: int) -> int:
 
 
 def check_key(key) -> None:
-    m, n, k, pro = key
+    if not isinstance(key, tuple) or len(key) != 5:
+        raise ValueError(f"gemv table: a key is (rows, n, k, prologue, weight), got {key!r}")
+    m, n, k, pro, wt = key
     if type(m) is not int or m < 1 or m > MAX_ROWS or m & (m - 1):
         raise ValueError(f"gemv table: rows must be a power of two in 1..{MAX_ROWS}, got {m!r}")
     for name, v in (("n", n), ("k", k)):
@@ -131,6 +140,10 @@ def check_key(key) -> None:
             raise ValueError(f"gemv table: {name} must be a positive int, got {v!r}")
     if pro not in PROLOGUES:
         raise ValueError(f"gemv table: prologue must be one of {PROLOGUES}, got {pro!r}")
+    if wt not in WEIGHTS:
+        raise ValueError(f"gemv table: weight must be one of {WEIGHTS}, got {wt!r}")
+    if wt is not None and pro is not None:
+        raise ValueError(f"gemv table: an {wt} weight's entry is a plain product (prologue null), got {pro!r}")
 
 
 # ------------------------------------------------------------------------------------------------ JSON files
@@ -140,15 +153,17 @@ def device_file_name(device_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.\-]+", "_", device_name.strip()).strip("_") + ".json"
 
 
-_ENTRY_FIELDS = {"rows", "n", "k", "prologue", "config", "cublas_us", "gemv_us", "note"}
+_ENTRY_FIELDS = {"rows", "n", "k", "prologue", "weight", "config", "cublas_us", "gemv_us", "note"}
 _TOP_FIELDS = {"version", "device", "measured", "gemv"}
 
 
 def table_to_json(table: GemvTable) -> dict[str, Any]:
     entries = []
-    for (m, n, k, pro), e in sorted(table.entries.items(), key=lambda kv: (kv[0][2], kv[0][1],
-                                                                             PROLOGUES.index(kv[0][3]), kv[0][0])):
+    for (m, n, k, pro, wt), e in sorted(table.entries.items(), key=lambda kv: (
+            WEIGHTS.index(kv[0][4]), kv[0][2], kv[0][1], PROLOGUES.index(kv[0][3]), kv[0][0])):
         row = {"rows": m, "n": n, "k": k, "prologue": pro, "config": dataclasses.asdict(e.config)}
+        if wt is not None:
+            row["weight"] = wt
         for name in ("cublas_us", "gemv_us", "note"):
             if getattr(e, name) is not None:
                 row[name] = getattr(e, name)
@@ -174,7 +189,7 @@ def table_from_json(data: Any, source: str = "gemv table") -> GemvTable:
             raise ValueError(f"{where}: " + "; ".join(
                 s for s in (f"missing {sorted(missing)}" if missing else "",
                             f"unknown fields {sorted(unknown)}" if unknown else "") if s))
-        key = (row["rows"], row["n"], row["k"], row["prologue"])
+        key = (row["rows"], row["n"], row["k"], row["prologue"], row.get("weight"))
         try:
             check_key(key)
             if not isinstance(row["config"], dict):

@@ -377,7 +377,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     Epilogue: epilogue="silu_mul" treats weight as [gate | up] (N = 2I rows) and returns silu(gate) * up, y [..., I]
       (the SiLU-and-mul after gate_up_proj; combines with the norm prologue).
     Returns y [..., N] in x.dtype (written into `out` when given). config overrides the device table's config for
-    the shape, or the heuristic (gemv_config.default_config).
+    the shape, or the heuristic (gemv_config.default_config); a per-row fp8 weight takes the table's fp8 entry for
+    the shape, or `untuned_fp8_config`.
     weight_scale [N] float32: the weight is float8 e4m3 with one scale per row (W = weight * weight_scale[:, None]),
     widened in registers: the stream is 1 byte per weight. With block = (block_n, block_k), weight_scale is
     [ceil(N / block_n), ceil(K / block_k)] float32, one scale per block (block-wise FP8 checkpoints); block_k must
@@ -453,12 +454,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                 raise ValueError(f"gemv: residual_out must not overlap {name}")
     if m and n:
         if config is None:
-            config = default_config(m, n, k, sm_count(dev), table_for(dev))
-            if weight_scale is not None and config.use_dot:
-                # The bf16-measured config streams half the bytes per K step from an fp8 weight: twice the K
-                # splits keep as many bytes in flight (H200, 8B shapes at 1 and 8 rows: 70 -> 53 us for
-                # gate_up, 33 -> 24 us for down_proj; the FMA path's configs measured no better).
-                config = dataclasses.replace(config, split_k=2 * config.split_k)
+            table = table_for(dev)
+            if weight_scale is not None:
+                config = (table.prefer(m, n, k, None, "fp8") if block is None else None) or \
+                    untuned_fp8_config(m, n, k, dev)
+            else:
+                config = default_config(m, n, k, sm_count(dev), table)
         if epilogue is not None and config.block_n < 2:
             config = dataclasses.replace(config, block_n=2)
         if block is not None:
@@ -468,6 +469,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if residual is None:
         return out
     return out, residual_out
+
+
+def untuned_fp8_config(m: int, n: int, k: int, dev: torch.device) -> GemvConfig:
+    """A per-row fp8 product's config where the device table has no fp8 entry for it (what `tokenmill bench kernels
+    --quantization fp8` measures its entries against): the bf16 product's config with twice the K splits on the
+    dot path, since it streams half the bytes per K step (H200, 8B shapes at 1 and 8 rows: 70 -> 53 us for
+    gate_up, 33 -> 24 us for down_proj; the FMA path's configs measured no better)."""
+    config = default_config(m, n, k, sm_count(dev), table_for(dev))
+    return dataclasses.replace(config, split_k=2 * config.split_k) if config.use_dot else config
 
 
 def _block_scaled(cfg: GemvConfig, block_k: int, m: int, n: int, k: int, dev: torch.device) -> GemvConfig:
