@@ -116,3 +116,36 @@ def test_tied_weights_wake_as_one_tensor(tiny_model_factory):
     state.wake_up(["weights", "kv_cache"])
     assert r.model["emb"].weight is r.model["head"].weight and r.model["emb"].weight.shape == (4, 3)
     assert torch.equal(r.model.table, torch.arange(3.0))  # buffers are kept at level 2
+
+
+def test_level_2_drops_the_heads_fp16_copies_so_a_sync_reaches_the_logits():
+    """The CPU LM head's fp16 copies (the default GGUF path's) are derived from the weight: a level-2 sleep drops
+    them, so the logits after a weight sync are the new weight's (level 1 keeps them: the same weight wakes)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch build has no FBGEMM")
+    from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead
+    from tokenmill.worker.sleep import SleepState
+
+    class Runner:
+        device, proposer = torch.device("cpu"), None
+
+        def __init__(self):
+            self.model = torch.nn.ModuleDict({"lm_head": ParallelLMHead(40, 16)})
+            self.model["lm_head"].weight.data.normal_(generator=torch.Generator().manual_seed(1))
+            self.model["lm_head"].enable_fp16_copies(packed_rows=4, half_rows=0)
+
+        def release_kv_cache(self):
+            pass
+
+    r = Runner()
+    head, h = r.model["lm_head"], torch.randn(2, 16, generator=torch.Generator().manual_seed(2))
+    state = SleepState(r, rebuild_kv=lambda: None)
+    state.sleep(level=1)
+    state.wake_up(["weights", "kv_cache"])
+    assert head._packed is not None
+    state.sleep(level=2)
+    state.wake_up(["weights", "kv_cache"])
+    new = torch.randn(40, 16, generator=torch.Generator().manual_seed(3))
+    head.weight.data.copy_(new)
+    assert head._packed is None
+    torch.testing.assert_close(head.compute_logits(h), torch.nn.functional.linear(h, new), rtol=1e-6, atol=1e-6)

@@ -63,6 +63,12 @@ class VocabParallelEmbedding(nn.Module):
         self._half = w.to(torch.float16) if half_rows > packed_rows else None
         self._packed_rows, self._half_rows = packed_rows, half_rows
 
+    def discard_weight_copies(self) -> None:
+        """The weight is about to be replaced (sleep level 2, then a weight sync): the fp16 copies would go on
+        answering with the old one, so they go; products run on the fp32 weight from now on."""
+        self._packed = self._half = None
+        self._packed_rows = self._half_rows = 0
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H] -> logits [T, vocab], identical on every rank (gathered over the TP group). out: a
         contiguous [T, vocab] tensor of hidden's dtype to write them into (the CUDA graphs' shared logits buffer);

@@ -7,7 +7,9 @@ Two parts sleep, and wake on their own (`wake_up(tags)`):
   back with their shapes but uninitialised, for the caller to load or sync the weights into (collective_rpc /
   apply_model with the model's load_weights); buffers (RoPE tables and the like) are kept on the host as at level 1,
   as vLLM keeps them. The Parameter objects stay (with their weight_loader and other attributes); only their storage
-  moves. Tensors a layer keeps outside its parameters and buffers stay where they are.
+  moves. Tensors a layer keeps outside its parameters and buffers stay where they are; those derived from its
+  weights (another layout's copy) would outlive a level-2 weight sync, so a module with `discard_weight_copies()`
+  has it called at level 2.
 - "kv_cache": discarded at both levels, with the recurrent state, the drafter's cache and the CUDA graphs.
 
 Waking rebuilds the KV cache and recaptures the CUDA graphs (ModelRunner.initialize_kv_cache, the start-up path)
@@ -112,6 +114,12 @@ class SleepState:
         for s in slept:  # every alias has been recorded: now free the device copies
             s.tensor.data = torch.empty(0, dtype=s.tensor.dtype, device=s.tensor.device)
         self._slept = slept
+        if not keep_params:
+            for mod in self.modules():
+                for sub in mod.modules():
+                    discard = getattr(sub, "discard_weight_copies", None)
+                    if callable(discard):
+                        discard()
 
     @torch.no_grad()
     def _restore_weights(self) -> None:
