@@ -102,6 +102,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
         if self.seed == -1:
             self.seed = None  # vLLM: -1 means unseeded
         if self.logit_bias is not None:
+            if any(isinstance(k, bool) for k in self.logit_bias):
+                raise ValueError(f"SamplingParams.logit_bias must be keyed by token ids, got {self.logit_bias!r}.")
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError) as e:
@@ -120,6 +122,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters cannot change the argmax, so turn them off (vLLM does the same).
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+            if self.n > 1:  # n identical sequences: vLLM refuses the request rather than computing them
+                raise ValueError(f"SamplingParams.n must be 1 when using greedy sampling (temperature=0), got "
+                                 f"{self.n}; give a temperature > 0 for {self.n} different samples.")
         if self.top_k == -1:
             self.top_k = 0
         # Union, not assignment: msgspec re-runs __post_init__ when decoding a struct the engine already filled.
@@ -153,6 +158,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
                 raise ValueError(f"SamplingParams.{name} must be a list, got {v!r}.")
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(f"SamplingParams.logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}.")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"SamplingParams.extra_args must be a dict or None, got {self.extra_args!r}.")
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> "SamplingParams":
@@ -179,8 +186,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
                 raise bad(name, "in [-2, 2]", v)
         if not self.repetition_penalty > 0.0:
             raise bad("repetition_penalty", "> 0", self.repetition_penalty)
-        if not self.temperature >= 0.0:
-            raise bad("temperature", ">= 0", self.temperature)
+        if not 0.0 <= self.temperature <= 2.0:   # vLLM's (and OpenAI's) range
+            raise bad("temperature", "in [0, 2]", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]", self.top_p)
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -247,6 +254,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
         return self._all_stop_token_ids
 
     @property
+    def stopping_token_ids(self) -> set[int] | list[int]:
+        """The token ids that end the request: all_stop_token_ids, less the EOS ids under ignore_eos (which
+        all_stop_token_ids keeps, as vLLM does, so that min_tokens still holds EOS back)."""
+        return self.stop_token_ids if self.ignore_eos else self._all_stop_token_ids
+
+    @property
     def bad_words_token_ids(self) -> list[list[int]] | None:
         return self._bad_words_token_ids
 
@@ -255,9 +268,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, dict=True
         return copy.deepcopy(self)
 
     def update_from_tokenizer(self, eos_token_id: int | None, bad_words_ids: list[list[int]] | None) -> None:
-        """Called by the processor once the tokenizer is known: adds EOS to the stop set and stores bad words."""
+        """Called by the processor once the tokenizer is known: adds EOS to the stop set and stores bad words.
+        EOS joins all_stop_token_ids even with ignore_eos, as in vLLM: min_tokens masks every id of that set, and
+        ignore_eos only keeps EOS from ending the request (see stopping_token_ids)."""
         self._eos_token_id = eos_token_id
-        if eos_token_id is not None and not self.ignore_eos:
+        if eos_token_id is not None:
             self._all_stop_token_ids.add(eos_token_id)
         self._bad_words_token_ids = bad_words_ids or None
 

@@ -128,7 +128,9 @@ def test_offline_llm_with_two_replicas_matches_one(model_dir, reference):
     try:
         outs = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == reference
-        two = llm.generate(PROMPTS[0], SamplingParams(**GREEDY, n=2), use_tqdm=False)[0]
+        # n > 1 needs sampling (vLLM refuses greedy n > 1): top_k=1 samples the greedy token
+        top1 = SamplingParams(**{**GREEDY, "temperature": 1.0}, top_k=1, n=2)
+        two = llm.generate(PROMPTS[0], top1, use_tqdm=False)[0]
         assert [c.token_ids for c in two.outputs] == [reference[0]] * 2
         assert llm.reset_prefix_cache() is True
         assert llm.llm_engine.last_stats.num_running_reqs == 0

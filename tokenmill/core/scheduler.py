@@ -440,7 +440,7 @@ class Scheduler:
             req.stop_reason = None if last == params._eos_token_id else last
             return True
         if req.num_output_tokens >= params.min_tokens:
-            if last in params.all_stop_token_ids:
+            if last in params.stopping_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 # vLLM checks EOS first: it stops with stop_reason None even when stop_token_ids names it too
                 # (unless ignore_eos, when only stop_token_ids can stop on it).

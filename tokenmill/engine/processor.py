@@ -207,8 +207,7 @@ class Processor:
                              "them by cumulative_logprob.")
         params = params.clone()
         params.update_from_tokenizer(self.eos_token_id, self._bad_words_ids(params))
-        if not params.ignore_eos:
-            params.all_stop_token_ids.update(self.extra_eos_ids)
+        params.all_stop_token_ids.update(self.extra_eos_ids)  # with ignore_eos too: min_tokens masks them
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             return text, [EngineCoreRequest(request_id, ids, params, arrival, priority, salt, lora_request)]

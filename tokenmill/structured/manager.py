@@ -46,7 +46,7 @@ class StructuredOutputManager:
         exc = fut.exception()
         if exc is not None:
             raise ValueError(f"structured outputs: {exc}")
-        stops = request.sampling_params.all_stop_token_ids or None
+        stops = set(request.sampling_params.stopping_token_ids) or None
         request.grammar = self.compiler.new_request_grammar(fut.result(), stop_token_ids=stops)
         # Outputs produced before the matcher existed (resumed requests, or a reasoning block that has ended).
         if request.grammar_start is not None and request.output_token_ids[request.grammar_start:]:

@@ -313,7 +313,7 @@ def test_vllm_metric_set(http):
     wait_idle(http)
     before = samples(http)
     bodies = [{"model": MODEL, "prompt": f"metrics probe {i} " * (i + 3), "max_tokens": 5, "ignore_eos": True,
-               "temperature": 0, "n": 2 if i == 2 else 1} for i in range(3)]
+               "temperature": 1.0 if i == 2 else 0, "n": 2 if i == 2 else 1} for i in range(3)]  # n > 1 samples
     prompt_tokens = 0
     for b in bodies:
         r = http.post("/v1/completions", json=b).json()

@@ -266,7 +266,15 @@ class OpenAIServing:
             kwargs["prompt_logprobs"] = prompt_logprobs
             kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
             kwargs["structured_outputs"] = self.structured_params(request)
+            # With use_beam_search, n is the beam width (beam_params checks it), not n samples: greedy sampling's
+            # n == 1 rule does not apply, so the params are built for one and carry n for beam_params.
+            width = kwargs["n"] if getattr(request, "use_beam_search", False) else None
+            if width is not None:
+                SamplingParams(n=width)  # the width's checks as n (an integer >= 1, VLLM_MAX_N_SEQUENCES)
+                kwargs["n"] = 1
             params = SamplingParams.from_optional(**kwargs)
+            if width is not None:
+                params.n = width
         except (TypeError, ValueError) as e:   # a FieldError names its request field; SamplingParams' messages do
             raise ServingError(str(e), 400, getattr(e, "param", None)) from None
         if stream and params.best_of is not None and params.best_of > params.n:
