@@ -35,8 +35,12 @@ CASES = [
     (8, 2, 33, 192, 16, False, False, IntGemvConfig(32, 64, 3)),
     (8, 1, 48, 256, 64, False, True, IntGemvConfig(16, 64, 1)),
     (4, 2, 64, 256, 128, False, False, IntGemvConfig(64, 128, 2, magic=False)),
-    # one row: the register-FMA kernel (with and without splits, float offsets, 8-bit), and the tile kernel
+    # one row: the register-FMA kernels (4-bit codes shifted to the top of a float's mantissa for 16-bit x, with
+    # and without splits, float offsets, a K past the last whole step; the per-code kernel: 8-bit, fp32 x, or
+    # asked for), and the tile kernel
     (4, 1, 72, 512, 128, False, False, IntGemvConfig(64, 128, 3)),
+    (4, 1, 40, 200, 128, False, False, IntGemvConfig(32, 128, 2)),
+    (4, 1, 72, 512, 128, False, False, IntGemvConfig(64, 128, 3, nibble_words=False)),
     (4, 1, 40, 256, 64, False, True, IntGemvConfig(32, 64, 2)),
     (8, 1, 33, 256, 128, False, False, IntGemvConfig(16, 128, 1)),
     (4, 1, 40, 256, 128, False, False, IntGemvConfig(64, 128, 2, row_kernel=False)),
@@ -95,9 +99,15 @@ for bits in (4, 8):
     src = ASTSource(fn=_int_gemv_row_kernel, signature=row, constexprs={
         "BITS": bits, "FLOAT_ZERO": False, "SPLIT": True, "BLOCK_N": 128, "BLOCK_K": 128})
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
+from tokenmill.kernels.triton_int_gemv import _int4_gemv_row_kernel
+row4 = {k: v for k, v in row.items() if k != "BITS"}
+for fz in (False, True):
+    src = ASTSource(fn=_int4_gemv_row_kernel, signature={**row4, "z_ptr": "*bf16" if fz else "*u8"}, constexprs={
+        "FLOAT_ZERO": fz, "SPLIT": True, "BLOCK_N": 128, "BLOCK_K": 128})
+    print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 """
 
 
 def test_the_kernel_compiles_for_sm90():
     """The interpreter accepts code the compiler rejects (the codes-as-float-bits bitcast among them)."""
-    assert compile_for_sm90(_COMPILE).count("ttgir") == 6
+    assert compile_for_sm90(_COMPILE).count("ttgir") == 8

@@ -6,8 +6,9 @@ w = q * s + m with float offsets (GGUF blocks). At a few rows the cost is the we
 every word of its tile exactly once, coalesced along N, and unpacks the PACK values of a word in registers by
 shifts (int_matmul's tile instead has each word loaded by the PACK rows that share it). When a K step lies inside
 one quantization group (group 128, no act-order) the scale and zero point are one row per step; otherwise they
-are gathered per input (act-order `g_idx`, small groups). One row with such steps takes `_int_gemv_row_kernel`
-(register FMAs, no tensor-core tile); more rows take `_int_gemv_kernel` (a 16-row tl.dot tile).
+are gathered per input (act-order `g_idx`, small groups). One row with such steps takes a register-FMA kernel (no
+tensor-core tile): `_int4_gemv_row_kernel` for 4-bit codes and 16-bit x, `_int_gemv_row_kernel` otherwise; more
+rows take `_int_gemv_kernel` (a 16-row tl.dot tile).
 
 K is split across programs when the N tiles alone leave SMs idle; each split writes an fp32 partial product and
 one sum in a fixed order adds them (deterministic: seeded sampling stays reproducible).
@@ -39,7 +40,8 @@ class IntGemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     magic: bool = True      # 4-bit codes as float bit patterns where the K step lies in one group (see the kernel)
-    row_kernel: bool = True  # one row, K steps inside one group: the register-FMA kernel (_int_gemv_row_kernel)
+    row_kernel: bool = True  # one row, K steps inside one group: a register-FMA kernel (not the tl.dot tile)
+    nibble_words: bool = True  # there, 4-bit codes and 16-bit x: _int4_gemv_row_kernel (else _int_gemv_row_kernel)
 
 
 @triton.jit(do_not_specialize=["M", "N", "k_per_split"])
@@ -142,19 +144,84 @@ def _int_gemv_row_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, GROUP, k_per_s
         q = ((words[:, None, :] >> shifts[None, :, None]) & MASK) | 0x4B000000           # [WROWS, PACK, BLOCK_N]
         qf = q.to(tl.float32, bitcast=True) - 8388608.0
         part = tl.sum(qf * xk[:, :, None], axis=1)                                       # [WROWS, BLOCK_N]
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * N + n_safe).to(tl.float32)
-        z = tl.load(z_ptr + g * N + n_safe).to(tl.float32)
-        xs = tl.sum(tl.sum(xk, axis=1), axis=0)
-        acc += part * s[None, :]
-        if FLOAT_ZERO:
-            acc_z -= z * xs
-        else:
-            acc_z += z * s * xs
+        acc, acc_z = _group_step(acc, acc_z, part, tl.sum(tl.sum(xk, axis=1), axis=0), s_ptr, z_ptr,
+                                 k0 // GROUP, N, n_safe, FLOAT_ZERO)
+    _row_store(acc, acc_z, y_ptr, rn, N, pid_k, SPLIT)
+
+
+@triton.jit
+def _group_step(acc, acc_z, part, xs, s_ptr, z_ptr, g, N, n_safe, FLOAT_ZERO: tl.constexpr):
+    """A row kernel's K step inside group g: its codes' products `part` [rows, BLOCK_N] scaled by the group's scale
+    into acc; the zero point (or float offset) times sum(x) = xs into acc_z."""
+    s = tl.load(s_ptr + g * N + n_safe).to(tl.float32)
+    z = tl.load(z_ptr + g * N + n_safe).to(tl.float32)
+    acc += part * s[None, :]
+    if FLOAT_ZERO:
+        acc_z -= z * xs
+    else:
+        acc_z += z * s * xs
+    return acc, acc_z
+
+
+@triton.jit
+def _row_store(acc, acc_z, y_ptr, rn, N, pid_k, SPLIT: tl.constexpr):
     y = tl.sum(acc, axis=0) - acc_z
     if SPLIT:
         y_ptr += pid_k.to(tl.int64) * N
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _nibbles(w, x_lo, x_hi):
+    """The two 4-bit codes at bits 15-18 and 19-22 of `w` (the top of a float's mantissa) times their inputs, each
+    code as mantissa bits: (w & 0x78000) | 1.0f is 1 + q / 256 exactly (0x780000: 1 + q / 16), so one AND-OR per
+    code widens it and the FMA with x * 256 (x * 16) is exact for 16-bit x (at most 9 + 11 significant bits); the
+    leading 1's share, x * 256 + x * 16, is the caller's to subtract."""
+    f_lo = ((w & 0x78000) | 0x3F800000).to(tl.float32, bitcast=True)
+    f_hi = ((w & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+    return f_lo * x_lo[:, None] + f_hi * x_hi[:, None]
+
+
+@triton.jit(do_not_specialize=["N", "k_per_split"])
+def _int4_gemv_row_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, N, K, GROUP, k_per_split,
+                          FLOAT_ZERO: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """One row of 16-bit x, 4-bit codes, every K step inside one group. `_int_gemv_row_kernel` spends a shift, an
+    AND, an OR, a subtract and an FMA on each code; here a word is shifted four times (<< 15, << 7, >> 1, >> 9) so
+    that each of its eight codes lies at bits 15-18 or 19-22 of one of the four, and a code then costs one AND-OR
+    and one FMA (`_nibbles`). Each word row's leading-1 share is subtracted once per step: it is the same for every
+    column, and at most 2^8 times a product, so the fp32 sums keep ~16 bits of each product."""
+    WROWS: tl.constexpr = BLOCK_K // 8
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_safe = tl.minimum(rn, N - 1)
+    rw = tl.arange(0, WROWS)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros((WROWS, BLOCK_N), dtype=tl.float32)
+    acc_z = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        wrow = k0 // 8 + rw
+        ok = wrow < K // 8
+        w = tl.load(q_ptr + wrow[:, None] * N + n_safe[None, :], mask=ok[:, None], other=0)
+        xp = x_ptr + k0 + rw * 8
+        x0 = tl.load(xp + 0, mask=ok, other=0.0).to(tl.float32)
+        x1 = tl.load(xp + 1, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + 2, mask=ok, other=0.0).to(tl.float32)
+        x3 = tl.load(xp + 3, mask=ok, other=0.0).to(tl.float32)
+        x4 = tl.load(xp + 4, mask=ok, other=0.0).to(tl.float32)
+        x5 = tl.load(xp + 5, mask=ok, other=0.0).to(tl.float32)
+        x6 = tl.load(xp + 6, mask=ok, other=0.0).to(tl.float32)
+        x7 = tl.load(xp + 7, mask=ok, other=0.0).to(tl.float32)
+        # code j sits at bits 4j..4j+3: codes 2i and 2i+1 reach bits 15-22 by a shift of 15 - 8i (the sign bits an
+        # arithmetic >> brings in are masked off)
+        part = _nibbles(w << 15, x0 * 256.0, x1 * 16.0) + _nibbles(w << 7, x2 * 256.0, x3 * 16.0) \
+            + _nibbles(w >> 1, x4 * 256.0, x5 * 16.0) + _nibbles(w >> 9, x6 * 256.0, x7 * 16.0)
+        lead = (x0 + x2 + x4 + x6) * 256.0 + (x1 + x3 + x5 + x7) * 16.0
+        xs = tl.sum(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, axis=0)
+        acc, acc_z = _group_step(acc, acc_z, part - lead[:, None], xs, s_ptr, z_ptr, k0 // GROUP, N, n_safe,
+                                 FLOAT_ZERO)
+    _row_store(acc, acc_z, y_ptr, rn, N, pid_k, SPLIT)
 
 
 def default_config(m: int, n: int, k: int, bits: int, num_sms: int) -> IntGemvConfig:
@@ -195,10 +262,17 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         torch.empty(m, n, dtype=x.dtype, device=x.device)
     group_step = g_idx is None and group_size % bk == 0
     if m == 1 and group_step and config.row_kernel:
-        _int_gemv_row_kernel[(triton.cdiv(n, config.block_n), split)](
-            x2, qweight, scales, zeros, y, n, k, group_size, k_per_split, BITS=bits,
-            FLOAT_ZERO=zeros.is_floating_point(), SPLIT=split > 1, BLOCK_N=config.block_n, BLOCK_K=bk,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        grid = (triton.cdiv(n, config.block_n), split)
+        if bits == 4 and x.dtype in _MAGIC and config.nibble_words:
+            _int4_gemv_row_kernel[grid](
+                x2, qweight, scales, zeros, y, n, k, group_size, k_per_split, FLOAT_ZERO=zeros.is_floating_point(),
+                SPLIT=split > 1, BLOCK_N=config.block_n, BLOCK_K=bk, num_warps=config.num_warps,
+                num_stages=config.num_stages)
+        else:
+            _int_gemv_row_kernel[grid](
+                x2, qweight, scales, zeros, y, n, k, group_size, k_per_split, BITS=bits,
+                FLOAT_ZERO=zeros.is_floating_point(), SPLIT=split > 1, BLOCK_N=config.block_n, BLOCK_K=bk,
+                num_warps=config.num_warps, num_stages=config.num_stages)
         if split > 1:
             y = y.sum(0).to(x.dtype)
         return y.reshape(*x.shape[:-1], n)
