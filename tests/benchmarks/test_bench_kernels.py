@@ -163,8 +163,9 @@ def test_measures_writes_and_checks_a_table_on_cuda(tmp_path, capsys):
     assert table.device == torch.cuda.get_device_name() and "tokenmill bench kernels" in table.measured
     assert bk.main(["--check", str(out)]) == 0
     keep = {(16, 999, 999, None, None): GemvEntry(GemvConfig())}
-    gc.write_table(str(out), gc.GemvTable({**table.entries, **keep}, device=table.device))
+    gc.write_table(str(out), gc.GemvTable({**table.entries, **keep}, device=table.device, measured=table.measured))
     assert bk.main(["--model", str(tmp_path), "--max-rows", "1", "--quick", "--update", "-o", str(out)]) == 0
     after = gc.read_table(str(out)).entries
     assert keep.items() <= after.items()
+    assert "entries kept from before: `tokenmill bench kernels" in gc.read_table(str(out)).measured
     assert {k: v for k, v in after.items() if k[0] == 2} == {k: v for k, v in table.entries.items() if k[0] == 2}

@@ -310,17 +310,18 @@ def test_gemv_gpu_prologues(dtype):
 
 @pytest.mark.gpu
 def test_gemv_gpu_measured_table():
-    """Every entry of this GPU model's shipped table, at its own shape, row count and prologue, against float64;
-    entries without the SiLU prologue also with the SiLU-and-mul epilogue (gate_up_proj's)."""
+    """Every entry of this GPU model's shipped table, at its own shape, row count, prologue and weight (bf16, or fp8
+    with row scales), against float64; bf16 entries without the SiLU prologue also with the SiLU-and-mul epilogue
+    (gate_up_proj's)."""
     name = torch.cuda.get_device_name()
     path = os.path.join(gemv_config.CONFIG_DIR, gemv_config.device_file_name(name))
     if not os.path.isfile(path):
         pytest.skip(f"no gemv table is shipped for {name}")
     table = gemv_config.read_table(path)
-    for i, ((m, n, k, pro), e) in enumerate(sorted(table.entries.items(), key=str)):
+    for i, ((m, n, k, pro, wt), e) in enumerate(sorted(table.entries.items(), key=str)):
         _check(m, n, k, torch.bfloat16, seed=300 + i, config=e.config, act="silu_mul" if pro == "silu_mul" else None,
-               norm=pro == "rmsnorm", residual=pro == "rmsnorm")
-        if pro != "silu_mul" and n % 2 == 0:       # any even N can be a [gate | up] product
+               norm=pro == "rmsnorm", residual=pro == "rmsnorm", fp8=wt == "fp8")
+        if pro != "silu_mul" and n % 2 == 0 and wt is None:       # any even N can be a [gate | up] product
             _check(m, n, k, torch.bfloat16, seed=400 + i, config=e.config, epilogue="silu_mul",
                    norm=pro == "rmsnorm", residual=pro == "rmsnorm")
 

@@ -519,12 +519,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path}: {'all entries match float64' if not failures else f'{failures} wrong'}")
         return 1 if failures else 0
     output = args.output or gc.device_file_name(name)
-    old = {}
+    old, before = {}, None
     if args.update and os.path.isfile(output):
         previous = gc.read_table(output)
         if previous.device not in (None, name):
             raise SystemExit(f"{PROG}: --update: {output} holds the table of {previous.device}, this is {name}")
-        old = previous.entries
+        old, before = previous.entries, previous.measured
     print(f"# {name}, {gc.sm_count(device)} SMs, torch {torch.__version__}, triton "
           f"{__import__('triton').__version__}; rows {args.rows}")
     t0 = time.time()
@@ -537,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         f"`{cmd}` on {datetime.date.today()} ({name}, torch {torch.__version__}, triton "
         f"{__import__('triton').__version__}): each product timed as a CUDA-graph replay of 20 back-to-back calls "
         f"with rotating weights; cublas_us is F.linear after the separate norm or SiLU-and-mul kernel (an fp8 "
-        f"entry's: the gemv's untuned config); an entry beat it by more than {args.min_gain:.0%}."))
+        f"entry's: the gemv's untuned config); an entry beat it by more than {args.min_gain:.0%}."
+        + (f" The {kept} entries kept from before: {before}" if kept and before else "")))
     gc.write_table(output, table)
     print(f"wrote {output}: {len(entries)} measured entries" + (f", {kept} kept" if kept else "")
           + f" ({time.time() - t0:.0f} s)")
