@@ -76,6 +76,23 @@ CASES = [
     ("empty", QWEN3, "", {}, (None, None)),
     ("r1-empty", R1, "", {}, (None, None)),
     ("qwen3-only-newlines-after", QWEN3, "<think>r</think>\n\n", {}, ("r", None)),
+    # Qwen3.5 calls a tool from inside an unclosed block: the call is content (the tool parser's), not reasoning.
+    ("qwen3.5-call-inside-thinking", QWEN3,
+     "I need the weather.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n北京\n</parameter>\n</function>\n"
+     "</tool_call>", {"prompt_opens_reasoning": True},
+     ("I need the weather.\n", "<tool_call>\n<function=get_weather>\n<parameter=city>\n北京\n</parameter>\n"
+      "</function>\n</tool_call>")),
+    ("qwen3-call-inside-own-block", QWEN3, "<think>look it up<tool_call> <function name=\"f\">", {},
+     ("look it up", "<tool_call> <function name=\"f\">")),
+    ("qwen3-tool-call-mentioned", QWEN3, "<think>the <tool_call> tag wraps a call</think>ok", {},
+     ("the <tool_call> tag wraps a call", "ok")),
+    ("qwen3-json-call-stays-reasoning", QWEN3, "<think>x<tool_call>\n{\"name\": \"f\"}", {},
+     ("x<tool_call>\n{\"name\": \"f\"}", None)),
+    ("qwen3-truncated-before-function", QWEN3, "<think>x<tool_call>\n<func", {}, ("x<tool_call>\n<func", None)),
+    ("qwen3-call-after-end-is-content", QWEN3, "<think>r</think><tool_call><function=f>", {},
+     ("r", "<tool_call><function=f>")),
+    ("r1-call-inside-thinking-stays-reasoning", R1, "r<tool_call>\n<function=f>", {},
+     ("r<tool_call>\n<function=f>", None)),
 ]
 
 
@@ -101,6 +118,12 @@ def test_holds_back_only_partial_tags():
     assert s.feed("<th").content == "" and not s.reasoning_ended
     assert s.feed("ink>x<").reasoning == "x"
     assert s.feed("b").reasoning == "<b"
+
+    s = QWEN3.new_stream(prompt_opens_reasoning=True)
+    assert s.feed("r<tool").reasoning == "r"                  # a partial <tool_call> is held
+    assert s.feed("_call>\n").reasoning == ""                 # so is the tag until what follows shows a call
+    d = s.feed("<function=f>")
+    assert (d.reasoning, d.content) == ("", "<tool_call>\n<function=f>") and s.reasoning_ended
 
     s = QWEN3.new_stream()
     assert s.feed("Hi").content == "Hi" and s.reasoning_ended
@@ -133,7 +156,8 @@ def test_prompt_opens_reasoning():
 
 def test_random_texts_stream_equals_extract():
     rng = random.Random(0)
-    alphabet = ["<think>", "</think>", "<", "</", "<th", "</thi", ">", "\n", "a", "思", " ", "k>"]
+    alphabet = ["<think>", "</think>", "<", "</", "<th", "</thi", ">", "\n", "a", "思", " ", "k>", "<tool_call>",
+                "<function=", "<func", "<tool_", "tion "]
     for _ in range(300):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
         for parser in (R1, QWEN3):

@@ -103,6 +103,23 @@ def test_tool_calls_whole_and_streamed(make_client, scripted):
     assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 3}
 
 
+def test_qwen3_5_call_inside_an_unclosed_think_block_is_a_tool_call(make_client, scripted):
+    """Qwen3.5 calls a tool before closing its reasoning: with --reasoning-parser qwen3 and --tool-call-parser
+    qwen3_coder the call is a tool call (not reasoning text), whole and streamed."""
+    text = ("<think>The user wants the weather; I will call the tool.\n<tool_call>\n<function=get_weather>\n"
+            "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>")
+    msg, content, reasoning, calls, finish = run_both(
+        make_client, scripted, text, {"tools": TOOLS}, reasoning_parser="qwen3", enable_auto_tool_choice=True,
+        tool_call_parser="qwen3_coder")
+    m = msg["message"]
+    assert m["reasoning_content"] == reasoning == "The user wants the weather; I will call the tool.\n"
+    assert msg["finish_reason"] == "tool_calls" and finish == "tool_calls"
+    assert not m["content"] and not content
+    (tc,) = m["tool_calls"]
+    assert tc["function"]["name"] == "get_weather" and json.loads(tc["function"]["arguments"]) == {"city": "Paris"}
+    assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+
+
 def test_tools_without_parser_or_with_tool_choice_none_are_not_parsed(make_client, scripted):
     text = '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
     msg, _, _, calls, _ = run_both(make_client, scripted, text, {"tools": TOOLS, "tool_choice": "none"},

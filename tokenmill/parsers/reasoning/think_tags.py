@@ -16,19 +16,28 @@ Rules shared by both parsers (whole and streamed output give exactly the same re
     * Qwen3 starts inside the block only if `prompt_opens_reasoning` (the rendered prompt ends in an unclosed
       `<think>`). Otherwise the output is reasoning only when it starts with `<think>` (after optional newlines);
       an output that starts with anything else is all content and tags in it are not interpreted. A `<think>`
-      without `</think>` (max_tokens hit mid-thought) makes the rest all reasoning.
+      without `</think>` (max_tokens hit mid-thought) makes the rest all reasoning, except that a tool call in
+      Qwen3-Coder / Qwen3.5 form (`<tool_call>`, optional whitespace, then `<function=` or `<function `) ends the
+      reasoning too: Qwen3.5 emits its calls inside an unclosed block, and they belong to the content (where the
+      tool parser finds them). A `<tool_call>` tag not followed by that is reasoning text.
 - Tags are matched in the text, not token ids. The tokenizer must still have `<think>` and `</think>` as tokens
   (ReasoningParser refuses it otherwise); None skips that check.
 
-Streaming holds back only a possible partial tag at the end of the buffer (e.g. "</thi"), never more.
+Streaming holds back only a possible partial tag at the end of the buffer (e.g. "</thi"), never more; for Qwen3 also
+a `<tool_call>` until what follows it shows whether a call starts.
 """
 from __future__ import annotations
+
+import re
 
 from tokenmill.parsers.text_utils import partial_tag_len
 from tokenmill.parsers.reasoning import ReasoningDelta, ReasoningParser, ReasoningStream
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+TOOL_CALL = "<tool_call>"
+_FUNCTION = "<function"
+_FUNCTION_OPEN = re.compile(r"<function[\s=]")
 _NEWLINES = "\r\n"
 
 # Stream modes.
@@ -51,8 +60,9 @@ class ThinkTagStream(ReasoningStream):
     start with `<think>`. While it is still undecided (only newlines or a prefix of `<think>` seen) it is False.
     """
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, tool_call_ends: bool = False) -> None:
         self._mode = mode
+        self._tool_call_ends = tool_call_ends
         self._buf = ""
         self._content_started = False  # leading newlines of the content are dropped until this is set
 
@@ -84,6 +94,21 @@ class ThinkTagStream(ReasoningStream):
             if self._mode == _REASONING:
                 i = self._buf.find(THINK_START)
                 j = self._buf.find(THINK_END)
+                t = self._buf.find(TOOL_CALL) if self._tool_call_ends else -1
+                if t >= 0 and all(x < 0 or t < x for x in (i, j)):
+                    after = self._buf[t + len(TOOL_CALL):].lstrip()
+                    if _FUNCTION_OPEN.match(after):        # a call: it and all after it are content
+                        reasoning.append(self._buf[:t])
+                        self._buf = self._buf[t:]
+                        self._mode = _CONTENT
+                        continue
+                    if not final and _FUNCTION.startswith(after):
+                        reasoning.append(self._buf[:t])    # undecided: hold the tag back
+                        self._buf = self._buf[t:]
+                        break
+                    reasoning.append(self._buf[:t + len(TOOL_CALL)])   # a mention, not a call
+                    self._buf = self._buf[t + len(TOOL_CALL):]
+                    continue
                 if j >= 0 and (i < 0 or j < i):
                     reasoning.append(self._buf[:j])
                     self._buf = self._buf[j + len(THINK_END):]
@@ -93,7 +118,8 @@ class ThinkTagStream(ReasoningStream):
                     reasoning.append(self._buf[:i])
                     self._buf = self._buf[i + len(THINK_START):]
                     continue
-                keep = 0 if final else partial_tag_len(self._buf, (THINK_START, THINK_END))
+                tags = (THINK_START, THINK_END, TOOL_CALL) if self._tool_call_ends else (THINK_START, THINK_END)
+                keep = 0 if final else partial_tag_len(self._buf, tags)
                 cut = len(self._buf) - keep
                 reasoning.append(self._buf[:cut])
                 self._buf = self._buf[cut:]
@@ -115,6 +141,8 @@ class _ThinkTagReasoningParser(ReasoningParser):
 
     #: True: the output is reasoning from its first character (DeepSeek-R1's template opens the block).
     always_starts_in_reasoning: bool = False
+    #: True: a Qwen3-Coder-form tool call inside the reasoning block ends it (see the module docstring).
+    tool_call_ends_reasoning: bool = False
     required_tokens = (THINK_START, THINK_END)
 
     def _initial_mode(self, prompt_opens_reasoning: bool, enabled: bool) -> str:
@@ -127,6 +155,11 @@ class _ThinkTagReasoningParser(ReasoningParser):
     def extract(self, text: str, prompt_opens_reasoning: bool = False,
                 enabled: bool = True) -> tuple[str | None, str | None]:
         mode = self._initial_mode(prompt_opens_reasoning, enabled)
+        if self.tool_call_ends_reasoning and mode != _CONTENT:
+            # The rules this adds depend on what follows a tag: one pass of the stream keeps them in one place.
+            stream = self.new_stream(prompt_opens_reasoning, enabled)
+            first, last = stream.feed(text), stream.finish()
+            return (first.reasoning + last.reasoning) or None, (first.content + last.content) or None
         if mode == _CONTENT:
             return None, _content(text)
         if mode == _PRE:
@@ -139,7 +172,7 @@ class _ThinkTagReasoningParser(ReasoningParser):
         return reasoning or None, (_content(rest) if end_tag else None)
 
     def new_stream(self, prompt_opens_reasoning: bool = False, enabled: bool = True) -> ThinkTagStream:
-        return ThinkTagStream(self._initial_mode(prompt_opens_reasoning, enabled))
+        return ThinkTagStream(self._initial_mode(prompt_opens_reasoning, enabled), self.tool_call_ends_reasoning)
 
     def prompt_opens_reasoning(self, prompt_text: str) -> bool:
         """True when the prompt ends inside an unclosed `<think>` (its last `<think>` is after its last `</think>`)."""
@@ -157,8 +190,10 @@ class DeepSeekR1ReasoningParser(_ThinkTagReasoningParser):
 
 class Qwen3ReasoningParser(_ThinkTagReasoningParser):
     """Qwen3: reasoning is the `<think>...</think>` block the output starts with (or, when the prompt opened the
-    block, everything up to `</think>`); no opening tag means all content; an unclosed block is all reasoning.
-    `enabled=False` (enable_thinking false: the template put an empty think block in the prompt) is all content."""
+    block, everything up to `</think>` or a Qwen3-Coder-form tool call); no opening tag means all content; an
+    unclosed block is all reasoning. `enabled=False` (enable_thinking false: the template put an empty think block
+    in the prompt) is all content."""
 
     name = "qwen3"
     always_starts_in_reasoning = False
+    tool_call_ends_reasoning = True
