@@ -52,9 +52,17 @@ class _LayerSlots:
         if self.offsets != [sum(self.sizes[:j]) for j in range(len(self.sizes))]:
             raise ValueError(f"{layer.prefix}: LoRA needs the output slices contiguous from 0, got offsets "
                              f"{self.offsets} for sizes {self.sizes}")
-        fin = layer.shape.input_size_per_rank
-        self.a = torch.zeros(max_loras, len(self.sizes) * rank, fin, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, sum(self.sizes), rank, dtype=dtype, device=device)
+        self._shapes = ((max_loras, len(self.sizes) * rank, layer.shape.input_size_per_rank),
+                        (max_loras, sum(self.sizes), rank))
+        self._dtype, self._device = dtype, device
+        self.allocate()
+
+    def allocate(self) -> None:
+        """Empty (zero) slot buffers: at start-up, and on waking from sleep."""
+        self.a, self.b = (torch.zeros(shape, dtype=self._dtype, device=self._device) for shape in self._shapes)
+
+    def release(self) -> None:
+        self.a = self.b = torch.empty(0, dtype=self._dtype, device=self._device)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -156,6 +164,18 @@ class LoRAModelManager:
         self.host.pop(lora_int_id, None)
         if lora_int_id in self.slots:
             self.slots[self.slots.index(lora_int_id)] = None
+
+    def release_slots(self) -> None:
+        """Sleep: the slot buffers' device memory goes back and every slot is empty; the adapters stay in the host
+        LRU. `restore_slots` brings empty buffers back, and the next steps write their adapters again (the deltas
+        read the buffers when called, and the CUDA graphs are captured again after waking)."""
+        for ls in self.layers.values():
+            ls.release()
+        self.slots = [None] * len(self.slots)
+
+    def restore_slots(self) -> None:
+        for ls in self.layers.values():
+            ls.allocate()
 
     def _slot_for(self, lora: LoRARequest, needed: set[int]) -> int:
         lid = lora.lora_int_id

@@ -11,6 +11,8 @@ Two parts sleep, and wake on their own (`wake_up(tags)`):
   weights (another layout's copy) would outlive a level-2 weight sync, so a module with `discard_weight_copies()`
   has it called at level 2.
 - "kv_cache": discarded at both levels, with the recurrent state, the drafter's cache and the CUDA graphs.
+- LoRA slot buffers (enable_lora) go with the weights at both levels and come back empty; the adapters stay in the
+  host LRU and are written into slots again by the next steps that use them.
 
 Waking rebuilds the KV cache and recaptures the CUDA graphs (ModelRunner.initialize_kv_cache, the start-up path)
 rather than putting the memory back at its old addresses. The graphs hold raw pointers into the KV cache and the
@@ -67,6 +69,8 @@ class SleepState:
         before = _free_bytes(device)
         if "weights" not in self.asleep:
             self._offload_weights(keep_params=level == 1)
+            if getattr(self.runner, "lora", None) is not None:
+                self.runner.lora.release_slots()
         if "kv_cache" not in self.asleep:
             self.runner.release_kv_cache()
             self._kv_released = True
@@ -81,6 +85,8 @@ class SleepState:
     def wake_up(self, tags: list[str]) -> None:
         if "weights" in tags and "weights" in self.asleep:
             self._restore_weights()
+            if getattr(self.runner, "lora", None) is not None:
+                self.runner.lora.restore_slots()
             self.asleep.discard("weights")
         if "kv_cache" in tags:
             self.asleep.discard("kv_cache")
