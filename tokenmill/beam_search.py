@@ -24,6 +24,8 @@ class BeamSearchSequence:
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None  # "stop" (EOS) or "length"
+    stop_reason: int | str | None = None  # vLLM's field: None, as a beam ends on EOS or length only
+    lora_request: Any = None  # vLLM's field: beam search runs without an adapter here
 
 
 @dataclass

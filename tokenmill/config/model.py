@@ -76,7 +76,8 @@ class ModelConfig:
                     "vLLM); without it, such a model runs only with max_model_len up to the window.")
     skip_tokenizer_init: bool = config_field(False, help="Load no tokenizer; prompts must be token ids.")
     served_model_name: str | list[str] | None = config_field(None, help="Name(s) the API serves the model as.")
-    hf_overrides: dict = config_field(help="Values merged into the HF config.", default_factory=dict)
+    hf_overrides: dict = config_field(help="Values merged into the HF config (offline LLM: also a function that "
+                                           "takes the HF config and returns it, as in vLLM).", default_factory=dict)
     generation_config: str = config_field("auto", help="auto: the model's generation_config.json; vllm: none; "
                                                        "or a folder holding one.")
     override_generation_config: dict = config_field(help="Generation defaults to override.", default_factory=dict)
@@ -100,6 +101,12 @@ class ModelConfig:
     download_dir: InitVar[str | None] = None
 
     def __post_init__(self, download_dir: str | None = None) -> None:
+        if isinstance(self.dtype, torch.dtype):  # vLLM's LLM(dtype=torch.bfloat16): its name, as vLLM takes it
+            name = str(self.dtype).removeprefix("torch.")
+            if name not in DTYPES:
+                raise ValueError(f"Invalid value {self.dtype} for `dtype`; allowed values: "
+                                 f"{', '.join(DTYPES)} (or torch.float16, torch.bfloat16, torch.float32).")
+            self.dtype = name
         check_choices(self)
         if self.seed is None:
             # vLLM V1 has no unseeded engine (every worker must sample alike): seed=None means its default, 0.
@@ -130,6 +137,10 @@ class ModelConfig:
         self.hf_config = get_hf_config(self.resolved, trust_remote_code=self.trust_remote_code,
                                        revision=self.revision, hf_overrides=self.hf_overrides,
                                        hf_config_path=self.hf_config_path, code_revision=self.code_revision)
+        if callable(self.hf_overrides):
+            # Applied: hf_config carries its result. Keep no function in the config, which worker processes get
+            # pickled (a lambda does not pickle).
+            self.hf_overrides = {}
         archs = getattr(self.hf_config, "architectures", None) or []
         if archs:
             self.architecture = archs[0]

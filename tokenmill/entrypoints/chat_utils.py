@@ -1,6 +1,7 @@
 """Rendering chat conversations through the tokenizer's chat template."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -20,10 +21,40 @@ def load_chat_template(template: str | None) -> str | None:
     return template
 
 
+@functools.lru_cache(maxsize=32)
+def detect_content_format(template: str) -> str:
+    """'openai' when the template loops over a message's content (it expects a list of typed parts, as vLLM's
+    auto-detection decides), else 'string'. A template that does not parse is left to fail at render time."""
+    import jinja2
+    from jinja2 import nodes
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return "string"
+
+    def is_content(node: Any) -> bool:
+        if isinstance(node, nodes.Getattr):
+            return node.attr == "content"
+        if isinstance(node, nodes.Getitem):
+            return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+        return False
+    # Also follow one assignment: {% set content = message['content'] %}{% for part in content %}
+    aliases = {a.target.name for a in ast.find_all(nodes.Assign)
+               if isinstance(a.target, nodes.Name) and is_content(a.node)}
+    for loop in ast.find_all(nodes.For):
+        it = loop.iter
+        while isinstance(it, nodes.Filter):  # {% for part in message.content | selectattr(...) %}
+            it = it.node
+        if is_content(it) or (isinstance(it, nodes.Name) and it.name in aliases):
+            return "openai"
+    return "string"
+
+
 def _flatten_content(content: Any, content_format: str, where: str = "content") -> Any:
-    """OpenAI-style content parts -> what the template expects ('string': joined text; 'openai': parts)."""
+    """OpenAI-style content parts -> what the template expects ('string': joined text; 'openai': parts, a plain
+    string becoming one text part, as in vLLM)."""
     if isinstance(content, str):
-        return content
+        return [{"type": "text", "text": content}] if content_format == "openai" else content
     if not isinstance(content, list):
         # Caught here: the template would fail on it with a Jinja error that names neither the message nor the field.
         raise ValueError(f"{where} must be a string or a list of content parts; got {type(content).__name__}.")
@@ -68,6 +99,17 @@ def render_chat(tokenizer: Any, conversation: Conversation, *, chat_template: st
     """Returns the prompt text. Raises ValueError for malformed conversations or a missing template."""
     if tokenizer is None:
         raise ValueError("Chat needs a tokenizer (skip_tokenizer_init is set).")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict of template variables, got "
+                         f"{type(chat_template_kwargs).__name__}.")
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in ("conversation", "tokenize"):
+        if reserved in kwargs:
+            raise ValueError(f"chat_template_kwargs may not set {reserved!r}.")
+    # As in vLLM, chat_template_kwargs may set these three too; its values win over the arguments.
+    add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+    continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+    tools = kwargs.pop("tools", tools)
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true.")
     if content_format not in ("auto", "string", "openai"):
@@ -75,13 +117,13 @@ def render_chat(tokenizer: Any, conversation: Conversation, *, chat_template: st
     template = load_chat_template(chat_template)
     if template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("The tokenizer has no chat template; pass chat_template (a file or a Jinja string).")
-    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-        raise ValueError(f"chat_template_kwargs must be a dict of template variables, got "
-                         f"{type(chat_template_kwargs).__name__}.")
     if tools is not None and (not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) or callable(t) for t in tools)):
         raise ValueError("tools must be a list of tool definitions (dicts such as {'type': 'function', 'function': "
                          f"{{'name': ..., 'parameters': {{...}}}}}}), got {tools!r:.80}.")
-    fmt = "string" if content_format == "auto" else content_format
+    if content_format == "auto":
+        source = template if template is not None else tokenizer.chat_template
+        content_format = detect_content_format(source) if isinstance(source, str) else "string"
+    fmt = content_format
     msgs = []
     for i, m in enumerate(conversation):
         if not isinstance(m, dict) or "role" not in m:
@@ -97,10 +139,6 @@ def render_chat(tokenizer: Any, conversation: Conversation, *, chat_template: st
         if m.get("tool_calls"):
             m["tool_calls"] = [_parse_arguments(tc) for tc in m["tool_calls"]]
         msgs.append(m)
-    kwargs = dict(chat_template_kwargs or {})
-    for reserved in ("conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools"):
-        if reserved in kwargs:
-            raise ValueError(f"chat_template_kwargs may not set {reserved!r}.")
     try:
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, tools=tools,

@@ -108,13 +108,21 @@ def get_hf_config(
     (transformers reads it only with trust_remote_code). `hf_overrides` sets attributes; a dict value merges into an
     existing dict attribute or sub-config (e.g. {"text_config": {"num_hidden_layers": 2}}). RoPE keys are routed to
     where the config keeps them: {"rope_theta": x} and {"rope_scaling": {...}} update `config.rope_parameters` on
-    transformers 5.
+    transformers 5. A callable `hf_overrides` (vLLM's offline form) gets the loaded config and returns the one to use.
     """
+    from transformers import PretrainedConfig
     source = resolve_model(hf_config_path, revision) if hf_config_path is not None else resolved
     config = _load_config(source, trust_remote_code, revision, code_revision)
+    if callable(hf_overrides):  # vLLM's offline form: a function of the loaded config that returns the config
+        updated = hf_overrides(config)
+        if not isinstance(updated, PretrainedConfig):
+            raise TypeError(f"hf_overrides: the function {getattr(hf_overrides, '__name__', hf_overrides)!s} must "
+                            f"return the (updated) HF config, got {type(updated).__name__}")
+        return updated
     if hf_overrides:
         if not isinstance(hf_overrides, dict):
-            raise TypeError(f"hf_overrides must be a dict (JSON object), got {type(hf_overrides).__name__}")
+            raise TypeError(f"hf_overrides must be a dict (JSON object) or a function of the HF config, got "
+                            f"{type(hf_overrides).__name__}")
         apply_hf_overrides(config, hf_overrides)
     return config
 
