@@ -78,6 +78,18 @@ def _flatten_content(content: Any, content_format: str, where: str = "content") 
     return "\n".join(texts)
 
 
+def message_text(message: dict[str, Any]) -> str:
+    """A message's text as a string-format template receives it (its text parts joined by newlines); "" for no
+    content or content the renderer would refuse."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    try:
+        return _flatten_content(content, "string")
+    except ValueError:
+        return ""
+
+
 def _parse_arguments(tool_call: Any) -> Any:
     """OpenAI sends a call's arguments as JSON text; chat templates (Qwen, Llama, Hermes) expect the object."""
     if not isinstance(tool_call, dict):

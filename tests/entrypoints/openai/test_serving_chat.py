@@ -34,3 +34,17 @@ def test_logprobs_bytes_rebuild_the_text_in_stream_and_one_shot(detok_client, ch
         for e in content:
             assert len(e.top_logprobs) == 2
             assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].bytes == e.bytes
+
+
+def test_echo_repeats_the_last_messages_text_parts(detok_client):
+    """echo: the last message (of the role being generated) comes back before the answer, its text parts joined as
+    the template received them, input_text parts included; whole and streamed."""
+    oai = detok_client(TEXTS)
+    msgs = M + [{"role": "assistant", "content": [{"type": "input_text", "text": "Sure: "},
+                                                 {"type": "text", "text": "好的"}]}]
+    kw = dict(model="fake-model", messages=msgs, max_tokens=40, extra_body={"echo": True})
+    one = oai.chat.completions.create(**kw)
+    assert one.choices[0].message.content == "Sure: \n好的" + TEXTS[0]
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == one.choices[0].message.content

@@ -6,7 +6,7 @@ from typing import Any, AsyncIterator
 
 from tokenmill.config.frontend import FrontendConfig
 from tokenmill.engine.protocol import EngineClient, EngineDeadError
-from tokenmill.entrypoints.chat_utils import load_chat_template, render_chat
+from tokenmill.entrypoints.chat_utils import load_chat_template, message_text, render_chat
 from tokenmill.entrypoints.openai.chat_parsing import ChatParsing, RequestParsing
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                    ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -56,15 +56,6 @@ class ChatRenderer:
         it would drop it: a request field passed that way must then be refused, not ignored)."""
         template = request_template or self.chat_template or getattr(self.tokenizer, "chat_template", None)
         return name in str(template or "")
-
-
-def _message_text(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return ""
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -212,7 +203,7 @@ class OpenAIServingChat(OpenAIServing):
         if not request.echo:
             return ""
         last = request.messages[-1]
-        return _message_text(last) if last.get("role") == role else ""
+        return message_text(last) if last.get("role") == role else ""
 
     # ----- one-shot -----
     def _response(self, request: ChatCompletionRequest, response_id: str, created: int, prompt_ids: list[int],
