@@ -2,8 +2,8 @@
 
 Which decode products run on the gemv instead of cuBLAS is a measurement of one GPU model, so it is data: one JSON
 file per device name in tokenmill/kernels/configs/ (`device_file_name`), written by `tokenmill bench kernels` and
-loaded once per device (`table_for`). Each entry names a product (rows, N, K, prologue) and the launch config that
-beat cuBLAS there. `rows` is a bucket: a product of m rows uses the entry of the next power of two >= m (at most 16).
+loaded once per device (`table_for`). Each entry names a product (rows, N, K, prologue, weight) and the launch
+config that beat cuBLAS there. `rows` is a bucket: a product of m rows uses the entry of the next power of two >= m (at most 16).
 The prologue is None (a plain product), "rmsnorm" (the RMSNorm, with the residual add when there is one, folded in
 before the product) or "silu_mul" (down_proj's SiLU-and-mul folded in). The weight is None (the activations' bf16 /
 fp16) or "fp8" (float8 e4m3 with one scale per row, a plain product: the FP8 linear method's decode path, which has
