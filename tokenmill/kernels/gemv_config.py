@@ -3,11 +3,12 @@
 Which decode products run on the gemv instead of cuBLAS is a measurement of one GPU model, so it is data: one JSON
 file per device name in tokenmill/kernels/configs/ (`device_file_name`), written by `tokenmill bench kernels` and
 loaded once per device (`table_for`). Each entry names a product (rows, N, K, prologue, weight) and the launch
-config that beat cuBLAS there. `rows` is a bucket: a product of m rows uses the entry of the next power of two >= m (at most 16).
-The prologue is None (a plain product), "rmsnorm" (the RMSNorm, with the residual add when there is one, folded in
-before the product) or "silu_mul" (down_proj's SiLU-and-mul folded in). The weight is None (the activations' bf16 /
-fp16) or "fp8" (float8 e4m3 with one scale per row, a plain product: the FP8 linear method's decode path, which has
-no cuBLAS alternative, so its entries are the measured config against the gemv's untuned one).
+config that beat cuBLAS there. `rows` is a bucket: a product of m rows uses the entry of the next power of two >= m
+(at most 16). The prologue is None (a plain product), "rmsnorm" (the RMSNorm, with the residual add when there is
+one, folded in before the product) or "silu_mul" (down_proj's SiLU-and-mul folded in). The weight is None (the
+activations' bf16 / fp16) or "fp8" (float8 e4m3 with one scale per row, a plain product: the FP8 linear method's
+decode path, which has no cuBLAS alternative, so its entries are the measured config against the gemv's untuned
+one).
 
 A device without a file gets an empty table (one info line says so): every product stays on cuBLAS, which is correct
 everywhere; the gemv then runs only where it is called explicitly or forced by TOKENMILL_GEMV=always, with
