@@ -115,6 +115,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "Invalid request.", param
 
 
+def _non_json_media_type(request: Request) -> str | None:
+    """The request's Content-Type when it names something other than JSON (the body was then never parsed)."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if request.method != "POST" or not media or media == "application/json" or media.endswith("+json"):
+        return None
+    return media
+
+
+def _body_parse_message(exc: StarletteHTTPException) -> str | None:
+    """A clearer message for FastAPI's bare "There was an error parsing the body", from the error behind it."""
+    cause = exc.__cause__
+    if exc.status_code != 400 or cause is None or exc.detail != "There was an error parsing the body":
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"The request body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset "
+                f"{cause.start}); send JSON encoded as UTF-8.")
+    if isinstance(cause, RecursionError):
+        return "The request body's JSON is nested too deeply to parse."
+    return f"The request body could not be parsed as JSON: {type(cause).__name__}: {cause}"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the app
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,13 +246,17 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
 
     # ----- errors -----
     @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        media = _non_json_media_type(request)
+        if media is not None:
+            return error_response(f"Unsupported Media Type: the body was sent as {media!r}; send it as JSON "
+                                  "with 'Content-Type: application/json'.", 415, None, "UnsupportedMediaTypeError")
         message, param = _validation_message(exc)
         return error_response(message, 400, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(exc.detail), exc.status_code)
+        return error_response(_body_parse_message(exc) or str(exc.detail), exc.status_code)
 
     @app.exception_handler(ServingError)
     async def _on_serving(_: Request, exc: ServingError) -> JSONResponse:
