@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.kernel_check import DEV, compile_for_sm90, rel_err
+from tests.kernels.kernel_check import DEV, check_pdl_chain, compile_for_sm90, rel_err
 from tests.kernels.test_triton_quant_matmul import pack_along_k
 from tokenmill.kernels.triton_int_gemv import IntGemvConfig, int_gemv
 
@@ -36,14 +36,19 @@ CASES = [
     (8, 1, 48, 256, 64, False, True, IntGemvConfig(16, 64, 1)),
     (4, 2, 64, 256, 128, False, False, IntGemvConfig(64, 128, 2, magic=False)),
     # one row: the register-FMA kernels (4-bit codes shifted to the top of a float's mantissa for 16-bit x, with
-    # and without splits, float offsets, a K past the last whole step; the per-code kernel: 8-bit, fp32 x, or
-    # asked for), and the tile kernel
+    # and without splits (summed in-kernel by the last split to arrive), float offsets, a K past the last whole step;
+    # the per-code kernel: 8-bit, fp32 x, or asked for), and the tile kernel
     (4, 1, 72, 512, 128, False, False, IntGemvConfig(64, 128, 3)),
     (4, 1, 40, 200, 128, False, False, IntGemvConfig(32, 128, 2)),
     (4, 1, 72, 512, 128, False, False, IntGemvConfig(64, 128, 3, nibble_words=False)),
     (4, 1, 40, 256, 64, False, True, IntGemvConfig(32, 64, 2)),
     (8, 1, 33, 256, 128, False, False, IntGemvConfig(16, 128, 1)),
     (4, 1, 40, 256, 128, False, False, IntGemvConfig(64, 128, 2, row_kernel=False)),
+    # the next step's words in flight: several steps a split, a partial last step, one step a split (N a multiple
+    # of the tile, as below: columns not clamped)
+    (4, 1, 72, 1000, 128, False, False, IntGemvConfig(32, 128, 2, prefetch=True)),
+    (4, 1, 64, 256, 128, False, True, IntGemvConfig(32, 128, 2, prefetch=True)),
+    (8, 1, 64, 256, 128, False, False, IntGemvConfig(16, 128, 2)),
 ]
 
 
@@ -64,6 +69,33 @@ def test_int_gemv_matches_dequantized_product(bits, m, n, k, group, act_order, f
     assert rel_err(got, ref) < (1e-6 if dtype == torch.float32 else 8e-3)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (PDL and CUDA graphs)")
+def test_row_kernels_in_a_pdl_graph_chain():
+    """One-row products feeding each other, with in-kernel split sums, prefetch and PDL, in a CUDA graph: the same
+    bits as plain stream order, and the arrival counters left at zero."""
+    from tokenmill.kernels import triton_gemv
+    # (N, K, config): K splits with and without prefetch, one split, the per-code kernel
+    steps = [(2048, 1024, IntGemvConfig(128, 128, 4)), (1024, 2048, IntGemvConfig(64, 128, 8, prefetch=True)),
+             (3072, 1024, IntGemvConfig(128, 128, 1, prefetch=True)),
+             (1024, 3072, IntGemvConfig(64, 128, 3, nibble_words=False))] * 2
+    packed = []
+    for i, (n, k, _) in enumerate(steps):
+        q, scales, zeros, _, _, _ = _case(4, 1, n, k, 128, False, False, seed=i)
+        packed.append((pack_along_k(q, 4).cuda(), (scales * k ** -0.5).to(torch.bfloat16).cuda(),
+                       zeros.to(torch.uint8).cuda()))
+    x0 = torch.randn(1, 1024, device="cuda").to(torch.bfloat16)
+
+    def chain():
+        x = x0
+        for (_, _, cfg), (q, s, z) in zip(steps, packed):
+            x = int_gemv(x, q, s, z, 4, 128, config=cfg)      # each N is the next step's K
+            x = x / x.float().abs().amax().clamp_min(1e-6).to(x.dtype)
+        return x
+
+    check_pdl_chain(chain)
+    assert not any(c.any() for c in triton_gemv._COUNTERS.values())
+
+
 def test_int_gemv_refuses_more_rows_and_bad_steps():
     q, scales, zeros, _, _, x = _case(4, 17, 32, 64, 32, False, False, seed=0)
     with pytest.raises(ValueError, match="at most 16"):
@@ -78,36 +110,52 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tokenmill.kernels.triton_int_gemv import _int_gemv_kernel
+
+
+def aligned(sig):
+    # what a launch specializes on: 16-aligned pointers and sizes divisible by 16
+    return {(i,): [["tt.divisibility", 16]] for i, (a, t) in enumerate(sig.items())
+            if t.startswith("*") or a in ("N", "K", "GROUP")}
+
+
 sig = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", g_ptr="*i32", y_ptr="*fp32", M="i32", N="i32",
            K="i32", stride_xm="i32", stride_ym="i32", GROUP="i32", k_per_split="i32")
 const = ("BITS", "HAS_G_IDX", "FLOAT_ZERO", "GROUP_STEP", "SPLIT", "DOT_F32", "BLOCK_M", "BLOCK_N", "BLOCK_K",
-         "MAGIC", "OFFSET")
+         "MAGIC", "OFFSET", "EVEN_N")
 for bits, g_idx, fz, step, magic, off in ((4, False, False, True, 0x4300, 128.0), (4, False, True, True, 0x4300, 128.0),
                                          (4, True, False, False, 0, 0.0), (8, False, False, True, 0, 0.0)):
     s = {**sig, **{c: "constexpr" for c in const}}
     if fz:
         s = {**s, "z_ptr": "*bf16"}
-    src = ASTSource(fn=_int_gemv_kernel, signature=s, constexprs={
+    src = ASTSource(fn=_int_gemv_kernel, signature=s, attrs=aligned(s), constexprs={
         "BITS": bits, "HAS_G_IDX": g_idx, "FLOAT_ZERO": fz, "GROUP_STEP": step, "SPLIT": True, "DOT_F32": False,
-        "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "MAGIC": magic, "OFFSET": off})
+        "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "MAGIC": magic, "OFFSET": off, "EVEN_N": not fz})
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 from tokenmill.kernels.triton_int_gemv import _int_gemv_row_kernel
-row = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", y_ptr="*fp32", N="i32", K="i32", GROUP="i32",
-           k_per_split="i32", BITS="constexpr", FLOAT_ZERO="constexpr", SPLIT="constexpr", BLOCK_N="constexpr",
-           BLOCK_K="constexpr")
+row = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", y_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32",
+           N="i32", K="i32", GROUP="i32", k_per_split="i32", split_k="i32", BITS="constexpr", FLOAT_ZERO="constexpr",
+           SPLIT="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", EVEN_N="constexpr", PDL="constexpr")
 for bits in (4, 8):
-    src = ASTSource(fn=_int_gemv_row_kernel, signature=row, constexprs={
-        "BITS": bits, "FLOAT_ZERO": False, "SPLIT": True, "BLOCK_N": 128, "BLOCK_K": 128})
+    src = ASTSource(fn=_int_gemv_row_kernel, signature=row, attrs=aligned(row), constexprs={
+        "BITS": bits, "FLOAT_ZERO": False, "SPLIT": True, "BLOCK_N": 128, "BLOCK_K": 128, "EVEN_N": bits == 4,
+        "PDL": 0})
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 from tokenmill.kernels.triton_int_gemv import _int4_gemv_row_kernel
-row4 = {k: v for k, v in row.items() if k != "BITS"}
-for fz in (False, True):
-    src = ASTSource(fn=_int4_gemv_row_kernel, signature={**row4, "z_ptr": "*bf16" if fz else "*u8"}, constexprs={
-        "FLOAT_ZERO": fz, "SPLIT": True, "BLOCK_N": 128, "BLOCK_K": 128})
-    print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
+row4 = {**{k: v for k, v in row.items() if k != "BITS"}, "PREFETCH": "constexpr"}
+for fz, split, pre, even, pdl in ((False, True, False, True, 2), (True, True, True, False, 0),
+                                  (False, False, True, True, 2)):
+    sig4 = {**row4, "z_ptr": "*bf16" if fz else "*u8"}
+    src = ASTSource(fn=_int4_gemv_row_kernel, signature=sig4, attrs=aligned(sig4), constexprs={
+        "FLOAT_ZERO": fz, "SPLIT": split, "BLOCK_N": 128, "BLOCK_K": 128, "PREFETCH": pre, "EVEN_N": even,
+        "PDL": pdl})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    print(sorted(k.asm))
+    if even:
+        # whole tiles along N: the words arrive in 16-byte loads
+        assert ".v4.b32" in k.asm["ptx"], "the words are not loaded 16 bytes at a time"
 """
 
 
 def test_the_kernel_compiles_for_sm90():
     """The interpreter accepts code the compiler rejects (the codes-as-float-bits bitcast among them)."""
-    assert compile_for_sm90(_COMPILE).count("ttgir") == 8
+    assert compile_for_sm90(_COMPILE).count("ttgir") == 9
