@@ -20,3 +20,16 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
+
+
+def gated_activation(name: str) -> nn.Module:
+    """HF's activation `name` (a config's hidden_act) for a gated MLP's gate, as HF's own module so the values match
+    it bit for bit. Only parameter-free ones: a learned activation (prelu, xielu) would need checkpoint weights
+    that the models here do not load."""
+    from transformers.activations import ACT2CLS, ACT2FN
+    if name not in ACT2CLS:
+        raise ValueError(f"Unsupported hidden_act {name!r}; supported: {', '.join(sorted(ACT2CLS))}.")
+    act = ACT2FN[name]
+    if any(True for _ in act.parameters()):
+        raise ValueError(f"Unsupported hidden_act {name!r}: it has learned parameters.")
+    return act

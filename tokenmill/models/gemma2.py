@@ -18,6 +18,7 @@ from tokenmill.attention.layer import Attention
 from tokenmill.core.kv_cache_spec import layer_sliding_windows
 from tokenmill.distributed import get_parallel_state
 from tokenmill.distributed.pp import IntermediateTensors, PPMissingLayer, pp_layer_range
+from tokenmill.layers.activation import gated_activation
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -54,8 +55,8 @@ class GemmaMLP(nn.Module):
     def __init__(self, cfg, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
-        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"Unsupported hidden_activation {act!r} for Gemma (only gelu_pytorch_tanh).")
+        # HF's Gemma applies ACT2FN[hidden_activation]; the released checkpoints' tanh GELU stays inline.
+        self.act_fn = None if act in ("gelu_pytorch_tanh", "gelu_tanh") else gated_activation(act)
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False,
                                                        quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False,
@@ -63,7 +64,8 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        act = F.gelu(gate, approximate="tanh") if self.act_fn is None else self.act_fn(gate)
+        return self.down_proj(act * up)
 
 
 class GemmaAttention(nn.Module):

@@ -15,6 +15,7 @@ from tokenmill.core.kv_cache_spec import layer_sliding_windows
 from tokenmill.distributed import get_parallel_state
 from tokenmill.distributed.pp import IntermediateTensors, PPMissingLayer, pp_layer_range
 from tokenmill.layers import opaque_attention
+from tokenmill.layers.activation import gated_activation
 from tokenmill.layers.layernorm import RMSNorm
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.quantization.base import QuantizationConfig
@@ -96,21 +97,28 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, quant_config: QuantizationConfig | None, prefix: str) -> None:
+    """down(act(gate) * up). bias: the projections' (None: the config's `mlp_bias`, which HF's Llama reads and its
+    Mistral / Qwen / Phi-3 ignore)."""
+
+    def __init__(self, cfg, quant_config: QuantizationConfig | None, prefix: str, bias: bool | None = None) -> None:
         super().__init__()
-        bias = getattr(cfg, "mlp_bias", False)
+        bias = bool(getattr(cfg, "mlp_bias", False)) if bias is None else bias
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias,
                                                        quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias,
                                            quant_config=quant_config, prefix=f"{prefix}.down_proj")
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"Unsupported hidden_act {act!r} (only silu).")
+        act = getattr(cfg, "hidden_act", None) or "silu"
+        # SiLU rides in the products' fused epilogues; any other activation runs between them, as HF computes it.
+        self.act_fn = None if act in ("silu", "swish") else gated_activation(act)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """mlp(norm(x + residual)) and the new residual; SiLU-and-mul is folded into gate_up_proj's epilogue or
         down_proj's prologue where it pays."""
+        if self.act_fn is not None:
+            gate_up, residual = self.gate_up_proj.forward_norm(x, residual, norm)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(self.act_fn(gate) * up), residual
         fused = self.gate_up_proj.forward_norm_silu(x, residual, norm, self.down_proj)
         if fused is not None:
             act, residual = fused
@@ -122,11 +130,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, backend_cls: type,
                  biases: tuple[bool, bool], qk_norm: bool, quant_config: QuantizationConfig | None,
-                 prefix: str) -> None:
+                 prefix: str, mlp_bias: bool | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, backend_cls, biases, qk_norm, quant_config,
                                         f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}.mlp")
+        self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}.mlp", mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -143,7 +151,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg, max_model_len: int, backend_cls: type, biases: tuple[bool, bool],
                  qk_norm: bool, quant_config: QuantizationConfig | None = None, prefix: str = "model",
-                 partial_rotary: bool = False) -> None:
+                 partial_rotary: bool = False, mlp_bias: bool | None = None) -> None:
         super().__init__()
         pp = get_parallel_state()
         self.is_first, self.is_last = pp.pp_rank == 0, pp.pp_rank == pp.pp_size - 1
@@ -152,7 +160,8 @@ class LlamaModel(nn.Module):
             else PPMissingLayer()
         self.rotary = rotary = make_rotary(cfg, max_model_len, partial_rotary)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary, backend_cls, biases, qk_norm, quant_config, f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(cfg, i, rotary, backend_cls, biases, qk_norm, quant_config, f"{prefix}.layers.{i}",
+                              mlp_bias)
             if self.start <= i < self.end
             else PPMissingLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else PPMissingLayer()
@@ -196,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.model = LlamaModel(hf_config, max_model_len, backend_cls, self.attention_biases(hf_config),
-                                self.qk_norm, quant_config, partial_rotary=self.partial_rotary)
+                                self.qk_norm, quant_config, partial_rotary=self.partial_rotary,
+                                mlp_bias=self.mlp_bias(hf_config))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.rope_long_switch = rope_long_switch(self.model.rotary)
         if not self.model.is_last:
@@ -210,9 +220,16 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
-        """(bias on q/k/v, bias on o_proj): Llama and Qwen3 configs say `attention_bias` for all four."""
+        """(bias on q/k/v, bias on o_proj), as HF's modeling code of the architecture decides: Llama and Qwen3
+        read `attention_bias` for all four; Mistral and Phi-3 have none whatever the config says."""
         b = bool(getattr(cfg, "attention_bias", False))
         return b, b
+
+    @staticmethod
+    def mlp_bias(cfg) -> bool:
+        """Whether the MLP's projections have biases: Llama reads `mlp_bias`; Mistral, Qwen2, Qwen3 and Phi-3
+        never have them (HF ignores the key there, so must we: the checkpoint holds no such tensors)."""
+        return bool(getattr(cfg, "mlp_bias", False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
@@ -234,7 +251,13 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    @staticmethod
+    def attention_biases(cfg) -> tuple[bool, bool]:
+        return False, False
+
+    @staticmethod
+    def mlp_bias(cfg) -> bool:
+        return False
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -242,9 +265,17 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def attention_biases(cfg) -> tuple[bool, bool]:
         return True, False  # Qwen2 always has q/k/v biases and never an o_proj bias
 
+    @staticmethod
+    def mlp_bias(cfg) -> bool:
+        return False
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+    @staticmethod
+    def mlp_bias(cfg) -> bool:
+        return False
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -254,3 +285,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     partial_rotary = True
     weight_mapping = WeightMapping(skipped=(r"rotary_emb\.inv_freq$",))
+
+    @staticmethod
+    def attention_biases(cfg) -> tuple[bool, bool]:
+        return False, False
+
+    @staticmethod
+    def mlp_bias(cfg) -> bool:
+        return False
