@@ -139,6 +139,9 @@ class StreamOptions(OpenAIBaseModel):
     # Unset: no usage chunk (OpenAI's reading of stream_options: {}), unless continuous_usage_stats asks for usage.
     include_usage: Optional[bool] = None
     continuous_usage_stats: Optional[bool] = False
+    # OpenAI pads chunks with a random `obfuscation` field against a network side channel; no client reads it and
+    # the text is the same either way, so it is accepted and none is sent (as on /v1/responses).
+    include_obfuscation: Optional[bool] = None
 
 
 class ResponseFormat(OpenAIBaseModel):
@@ -377,7 +380,7 @@ class CompletionStreamResponse(OpenAIBaseModel):
 # ----------------------------------------------------------------------------------------------------------------
 # /v1/chat/completions
 # ----------------------------------------------------------------------------------------------------------------
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's values
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's values
 
 
 def _check_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any) -> None:
@@ -432,23 +435,28 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: Optional[str] = None
     # OpenAI fields that change no output here, so they are accepted (not logged as ignored): metadata and store
     # tag a stored completion (tokenmill stores none; fetching one is a clear 404), service_tier picks a billing
-    # tier, prediction only speeds up decoding, prompt_cache_key and safety_identifier are routing / abuse hints.
+    # tier, prediction only speeds up decoding, the prompt_cache_* fields tune a cache that works without them,
+    # safety_identifier is an abuse hint.
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
     prediction: Optional[dict[str, Any]] = None
     prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
     safety_identifier: Optional[str] = None
-    # OpenAI fields that would change the output but cannot be honoured: setting them is a 400 naming them.
+    # OpenAI fields that would change the output but cannot be honoured: setting them is a 400 naming them
+    # (moderation can block a request or its answer; there is no moderation model here).
     modalities: Optional[list[str]] = None
     audio: Optional[dict[str, Any]] = None
     web_search_options: Optional[dict[str, Any]] = None
     verbosity: Optional[str] = None
+    moderation: Optional[dict[str, Any]] = None
     _tool_choice_defaulted: bool = PrivateAttr(default=False)
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        bad += [name for name in ("functions", "function_call", "audio", "web_search_options")
+        bad += [name for name in ("functions", "function_call", "audio", "web_search_options", "moderation")
                 if getattr(self, name) is not None]
         if self.verbosity not in (None, "medium"):  # OpenAI's default; as text.verbosity on /v1/responses
             bad.append(f"verbosity {self.verbosity!r} (only 'medium')")

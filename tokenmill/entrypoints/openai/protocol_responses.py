@@ -40,11 +40,12 @@ class ResponsesRequest(OpenAIBaseModel):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     # Hints that change nothing here: max_tool_calls bounds built-in tools (there are none), and the prefix cache
-    # works without a key.
+    # works without a key, retention or options.
     max_tool_calls: Optional[int] = None
     service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
     # Fields tokenmill cannot honour: setting them is a 400.
     previous_response_id: Optional[str] = None
     conversation: Optional[Union[str, dict[str, Any]]] = None
@@ -55,6 +56,7 @@ class ResponsesRequest(OpenAIBaseModel):
     top_logprobs: Optional[int] = None
     truncation: Optional[str] = None
     context_management: Optional[Any] = None
+    moderation: Optional[dict[str, Any]] = None
 
     def unsupported_fields(self) -> list[tuple[str, str]]:
         """(field, why) for each field set to something tokenmill cannot honour; any one makes the request a 400."""
@@ -81,6 +83,8 @@ class ResponsesRequest(OpenAIBaseModel):
                                       "for the context is a 400)"))
         if self.context_management is not None:
             bad.append(("context_management", "not supported by tokenmill"))
+        if self.moderation is not None:
+            bad.append(("moderation", "tokenmill runs no moderation model, so nothing could be scored or blocked"))
         return bad
 
 

@@ -1,0 +1,54 @@
+"""OpenAI-API conformance as current clients send requests (second sweep): the newest `openai` client's fields, roles
+and HTTP details. Fake engine, the official client through the TestClient's transport; no model, no engine process."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.entrypoints.openai.test_openai_conformance import MSGS, oai
+from tests.entrypoints.openai.test_openai_protocol_unit import assert_error
+
+EFFORT_TEMPLATE = "{{ reasoning_effort | default('unset') }}{% for m in messages %}[{{ m.role }}]{{ m.content }}" \
+                  "{% endfor %}"
+
+
+def test_newer_openai_hints_are_accepted_and_moderation_is_a_400(make_client, tm_log):
+    """The prompt-cache fields and stream_options.include_obfuscation change no text: accepted, not logged as
+    ignored (the warning said the server dropped them). moderation can block a request or its answer and there is
+    no moderation model: a 400 naming it on both routes, before the engine sees the request."""
+    c, engine = make_client()
+    client = oai(c)
+    r = client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=2, prompt_cache_key="k",
+                                       prompt_cache_retention="24h",
+                                       extra_body={"prompt_cache_options": {"mode": "implicit", "ttl": "30m"}})
+    assert r.choices[0].finish_reason == "length"
+    for create in (client.chat.completions.create, client.completions.create):
+        kw = {"messages": MSGS} if create == client.chat.completions.create else {"prompt": "Hello"}
+        chunks = list(create(model="fake-model", max_tokens=2, stream=True, **kw,
+                             stream_options={"include_usage": True, "include_obfuscation": False}))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    r = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 1, "prompt_cache_options": {"ttl": "30m"},
+                                      "prompt_cache_retention": "24h"})
+    assert r.status_code == 200, r.text
+    assert "ignored" not in tm_log.text
+    calls = len(engine.calls)
+    moderation = {"model": "omni-moderation-latest", "policy": {"input": {"mode": "block"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=2, moderation=moderation)
+    assert e.value.body["param"] == "moderation" and "not supported" in e.value.body["message"]
+    err = assert_error(c.post("/v1/responses", json={"input": "hi", "moderation": moderation}), 400, "moderation")
+    assert "moderation" in err["message"]
+    assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "prompt_cache_retention": "forever"}), 400,
+                 "prompt_cache_retention")
+    assert len(engine.calls) == calls
+
+
+def test_every_reasoning_effort_the_client_defines_reaches_the_template(make_client):
+    """The client's ReasoningEffort now includes "xhigh" and "max"; they were 400s ("must be one of ... high")."""
+    c, engine = make_client(chat_template=EFFORT_TEMPLATE)
+    client = oai(c)
+    for effort in ("none", "minimal", "low", "medium", "high", "xhigh", "max"):
+        client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=1, reasoning_effort=effort)
+        assert engine.calls[-1][0]["prompt"].startswith(effort + "[")
+        client.responses.create(model="fake-model", input="hi", max_output_tokens=1, reasoning={"effort": effort})
+        assert engine.calls[-1][0]["prompt"].startswith(effort + "[user]")
