@@ -52,3 +52,25 @@ def test_every_reasoning_effort_the_client_defines_reaches_the_template(make_cli
         assert engine.calls[-1][0]["prompt"].startswith(effort + "[")
         client.responses.create(model="fake-model", input="hi", max_output_tokens=1, reasoning={"effort": effort})
         assert engine.calls[-1][0]["prompt"].startswith(effort + "[user]")
+
+
+def test_developer_messages_are_the_system_prompt_on_the_chat_route(make_client):
+    """Codex, the Agents SDK and reasoning-model clients send the system prompt as role "developer". SmolLM2's
+    template rendered it as an unknown "developer" turn after its own default system prompt (which it then kept);
+    now it is the system prompt, as /v1/responses renders it. A template that knows the role keeps it."""
+    c, engine = make_client()
+    dev = [{"role": "developer", "content": "Answer in French."}, *MSGS]
+    sysm = [{"role": "system", "content": "Answer in French."}, *MSGS]
+    oai(c).chat.completions.create(model="fake-model", messages=dev, max_tokens=1)
+    prompt = engine.calls[-1][0]["prompt"]
+    oai(c).chat.completions.create(model="fake-model", messages=sysm, max_tokens=1)
+    assert prompt == engine.calls[-1][0]["prompt"]
+    assert prompt.startswith("<|im_start|>system\nAnswer in French.<|im_end|>") and "developer" not in prompt
+    assert c.post("/tokenize", json={"messages": dev}).json() == c.post("/tokenize", json={"messages": sysm}).json()
+    c.post("/v1/responses", json={"input": dev, "max_output_tokens": 1})
+    assert engine.calls[-1][0]["prompt"] == prompt
+    c, engine = make_client(chat_template="{% for m in messages %}{% if m.role == 'developer' %}<dev>"
+                                          "{% else %}[{{ m.role }}]{% endif %}{{ m.content }}{% endfor %}")
+    r = c.post("/v1/chat/completions", json={"messages": dev, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert engine.calls[-1][0]["prompt"].startswith("<dev>Answer in French.[user]")

@@ -42,6 +42,13 @@ class ChatRenderer:
                                    "variable, so they would not reach the model (put them in a message instead).",
                                    400, "documents")
             kwargs["documents"] = documents
+        if any(isinstance(m, dict) and m.get("role") == "developer" for m in messages) \
+                and not self.reads_variable("developer", request_template):
+            # OpenAI's newer name for the system prompt (Codex, the Agents SDK and reasoning-model clients send it).
+            # A template without the role would render a role the model never saw, or drop or refuse it; the
+            # Responses route renders it as "system" too, so one conversation gets one prompt on either route.
+            messages = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+                        for m in messages]
         try:
             return render_chat(self.tokenizer, messages, chat_template=request_template or self.chat_template,
                                content_format=self.frontend.chat_template_content_format,
