@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.test_openai_conformance import MSGS, oai
-from tests.entrypoints.openai.test_openai_protocol_unit import assert_error
+from tests.entrypoints.openai.test_openai_protocol_unit import assert_error, sse_events
 
 EFFORT_TEMPLATE = "{{ reasoning_effort | default('unset') }}{% for m in messages %}[{{ m.role }}]{{ m.content }}" \
                   "{% endfor %}"
@@ -74,3 +74,34 @@ def test_developer_messages_are_the_system_prompt_on_the_chat_route(make_client)
     r = c.post("/v1/chat/completions", json={"messages": dev, "max_tokens": 1})
     assert r.status_code == 200, r.text
     assert engine.calls[-1][0]["prompt"].startswith("<dev>Answer in French.[user]")
+
+
+def test_method_not_allowed_names_the_allowed_methods(client):
+    """RFC 9110: a 405 carries an Allow header; the OpenAI-shaped error body used to drop it."""
+    for method, path, allowed in (("PUT", "/v1/chat/completions", "POST"), ("GET", "/v1/completions", "POST"),
+                                  ("POST", "/v1/models", "GET")):
+        r = client.request(method, path)
+        assert_error(r, 405)
+        assert allowed in r.headers["allow"], (method, path, r.headers)
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": MSGS}),
+                                        ("/v1/completions", {"prompt": "Hello there"})])
+def test_stream_chunk_order_per_choice_with_usage(client, path, body):
+    """The order clients assemble from, per choice: the role first (chat), text deltas, one finish chunk, and after
+    every choice's finish the usage chunk (no choices), then [DONE]; each chunk names the same id and created."""
+    r = client.post(path, json={**body, "n": 2, "max_tokens": 3, "stream": True,
+                                "stream_options": {"include_usage": True}})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 6
+    chunks = events[:-2]
+    assert {(ev["id"], ev["created"]) for ev in events[:-1]} == {(events[0]["id"], events[0]["created"])}
+    assert all(ev["usage"] is None and len(ev["choices"]) == 1 for ev in chunks)
+    for i in (0, 1):
+        mine = [ev["choices"][0] for ev in chunks if ev["choices"][0]["index"] == i]
+        finishes = [ch["finish_reason"] for ch in mine]
+        assert finishes[-1] == "length" and finishes[:-1] == [None] * (len(mine) - 1)
+        if path == "/v1/chat/completions":
+            assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+            assert all("role" not in ch["delta"] for ch in mine[1:])

@@ -256,7 +256,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig | None = None) -> F
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(_body_parse_message(exc) or str(exc.detail), exc.status_code)
+        # The exception's headers carry what the status needs, e.g. a 405's Allow (RFC 9110 requires it).
+        return error_response(_body_parse_message(exc) or str(exc.detail), exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ServingError)
     async def _on_serving(_: Request, exc: ServingError) -> JSONResponse:

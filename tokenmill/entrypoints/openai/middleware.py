@@ -21,8 +21,9 @@ from tokenmill.entrypoints.openai.serving_engine import GENERATED_REQUEST_ID, er
 _JSON_BY_MISTAKE = (b"application/x-www-form-urlencoded", b"text/plain")
 
 
-def error_response(message: str, status: int, param: str | None = None, err_type: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param, err_type), status_code=status)
+def error_response(message: str, status: int, param: str | None = None, err_type: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, err_type), status_code=status, headers=headers)
 
 
 def _route_path(scope: dict) -> str:
