@@ -74,6 +74,9 @@ VARIANTS = {
     "qwen2_window_layer_types": ("Qwen2Config", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=10,
                                                      layer_types=["sliding_attention", "full_attention",
                                                                   "sliding_attention"])),
+    # HF's Llama attends in full whatever `sliding_window` says (tokenmill slid its window over every layer). HF's
+    # generate does drop cached keys past it (a DynamicSlidingWindowLayer): only its forward is self-consistent.
+    "llama_window_key_ignored": ("LlamaConfig", dict(sliding_window=12)),
     "qwen3_window_all_layers": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=9, max_window_layers=0,
                                                     num_attention_heads=6, head_dim=40)),
 }
@@ -124,3 +127,16 @@ def test_learned_activation_is_refused():
         gated_activation("prelu")
     with pytest.raises(ValueError, match="hidden_act 'nope'"):
         gated_activation("nope")
+
+
+def test_sliding_window_only_where_hf_applies_it():
+    import transformers as tf
+
+    from tokenmill.core.kv_cache_spec import layer_sliding_windows
+    from tokenmill.transformers_utils.config import config_sliding_window
+    small = dict(TINY, vocab_size=100)
+    assert config_sliding_window(tf.LlamaConfig(**small, sliding_window=12)) is None
+    assert layer_sliding_windows(tf.LlamaConfig(**small, sliding_window=12)) == [None, None]
+    assert config_sliding_window(tf.Qwen2Config(**small, sliding_window=12)) is None  # no use_sliding_window
+    assert layer_sliding_windows(tf.MistralConfig(**small, sliding_window=12)) == [12, 12]
+    assert layer_sliding_windows(tf.Phi3Config(**small, sliding_window=12, pad_token_id=0)) == [12, 12]

@@ -166,12 +166,10 @@ class ModelConfig:
 
     @property
     def sliding_window(self) -> int | None:
-        """The model's attention window, None for full attention (Qwen2/3 configs name a window they do not use
-        unless use_sliding_window is set)."""
-        cfg = self.hf_config
-        if getattr(cfg, "model_type", "") in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
-            return None
-        return getattr(cfg, "sliding_window", None) or None
+        """The model's attention window, None for full attention (transformers_utils.config.config_sliding_window:
+        a window the architecture's HF code does not apply counts as none)."""
+        from tokenmill.transformers_utils.config import config_sliding_window
+        return config_sliding_window(self.hf_config)
 
     @property
     def is_gguf(self) -> bool:

@@ -80,16 +80,16 @@ KVCacheSpec = FullAttentionSpec  # the base of every paged-KV spec
 def layer_sliding_windows(hf_config, disable_sliding_window: bool = False) -> list[int | None]:
     """Each decoder layer's attention window (None: full attention), as HF's modeling code applies it.
 
-    Mistral: every layer takes `sliding_window` when set. Qwen2 / Qwen3: only with `use_sliding_window`, on the
-    layers HF's config marks sliding (`layer_types`, which it derives from `max_window_layers`). Gemma 2 / Gemma 3
-    and other configs with `layer_types`: the "sliding_attention" layers. disable_sliding_window (vLLM's flag) makes
-    every layer full attention (the context is then capped at the window, config/model.py)."""
+    Mistral: every layer takes `sliding_window` when set; Llama never does (config_sliding_window). Qwen2 / Qwen3:
+    only with `use_sliding_window`, on the layers HF's config marks sliding (`layer_types`, which it derives from
+    `max_window_layers`). Gemma 2 / Gemma 3 and other configs with `layer_types`: the "sliding_attention" layers.
+    disable_sliding_window (vLLM's flag) makes every layer full attention (the context is then capped at the
+    window, config/model.py)."""
+    from tokenmill.transformers_utils.config import config_sliding_window
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     n = cfg.num_hidden_layers
-    window = getattr(cfg, "sliding_window", None) or None
+    window = config_sliding_window(cfg)
     model_type = getattr(cfg, "model_type", "")
-    if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
-        window = None
     if window is None or disable_sliding_window:
         return [None] * n
     types = getattr(cfg, "layer_types", None)

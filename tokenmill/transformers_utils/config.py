@@ -268,6 +268,26 @@ def longrope_switch(hf_config, max_model_len: int) -> int | None:
     return original if max_model_len > original else None
 
 
+# ----------------------------------------------------------------------------------------------------- sliding window
+# Model types whose HF attention never slides, whatever `sliding_window` their config carries (HF's Llama passes no
+# window to attention; Qwen3.5's full-attention layers neither): Llama-architecture checkpoints converted from
+# Mistral often keep the key.
+_NEVER_SLIDING = ("llama", "qwen3_5_text", "qwen3_5")
+
+
+def config_sliding_window(config) -> int | None:
+    """The attention window the model's HF code applies (to every layer for Mistral and Phi-3, to the layers that
+    `layer_types` marks for Qwen2 / Qwen3 / Gemma), None where it attends in full: Qwen2 / Qwen3 name a window they
+    use only with `use_sliding_window`."""
+    cfg = _text_config(config)
+    model_type = getattr(cfg, "model_type", "") or ""
+    if model_type in _NEVER_SLIDING:
+        return None
+    if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+        return None
+    return int(getattr(cfg, "sliding_window", None) or 0) or None
+
+
 # --------------------------------------------------------------------------------------------------------- max length
 def get_max_model_len(config) -> int:
     """The longest sequence the model supports, as vLLM derives it.
