@@ -105,3 +105,24 @@ def test_stream_chunk_order_per_choice_with_usage(client, path, body):
         if path == "/v1/chat/completions":
             assert mine[0]["delta"] == {"role": "assistant", "content": ""}
             assert all("role" not in ch["delta"] for ch in mine[1:])
+
+
+PROMPT_TAKES = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists."
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": ["a", [1, 2]]}, "prompt", PROMPT_TAKES),
+    ("/v1/completions", {"prompt": [1.5, 2]}, "prompt", PROMPT_TAKES),
+    ("/v1/chat/completions", {"messages": MSGS, "stop": [1, 2]}, "stop", "stop must be a string or a list of strings."),
+    ("/v1/chat/completions", {"messages": MSGS, "tool_choice": 5}, "tool_choice",
+     'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.'),
+    ("/v1/responses", {"input": 5}, "input", "input must be a string or a list of input items."),
+    ("/v1/chat/completions", {"messages": [None]}, "messages", "messages[0]: Input should be a valid dictionary"),
+    ("/v1/chat/completions", {"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}, 3]},
+     "tools", "tools[1]: Input should be a valid dictionary"),
+])
+def test_type_errors_read_as_one_sentence_per_field(client, path, body, param, message):
+    """A value of the wrong type for a union field was reported once per union member ("prompt.list[int].0: ...;
+    prompt.list[list[int]].0: ...; prompt.str: ...; prompt.list[str].1: ..."); list places read messages.0."""
+    err = assert_error(client.post(path, json={**body, "max_tokens": 1}), 400, param)
+    assert err["message"] == message

@@ -89,12 +89,33 @@ async def _serve_generation(request: Request, coro: Any) -> Response:
     return Response(content=result.model_dump_json(), media_type="application/json")
 
 
+# Request fields typed as a union: pydantic reports one error per member ("prompt.list[int].0: ...; prompt.str: ...;
+# prompt.list[str].0: ..."), which buries what the field takes; one sentence saying it replaces them.
+_UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+                 "stop": "a string or a list of strings", "input": "a string or a list of input items",
+                 "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'}
+
+
+def _loc_text(loc: list) -> str:
+    """messages[0].content, as the handlers' own messages name places (pydantic writes messages.0.content)."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
+    parts, param, unions = [], None, set()
     for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [x for x in err.get("loc", ()) if x != "body"]
         if loc and loc[0] in UNION_TAGS:
             loc = loc[1:]
+        if len(loc) > 1 and loc[0] in _UNION_FIELDS and isinstance(loc[1], str):
+            if loc[0] not in unions:
+                unions.add(loc[0])
+                parts.append(f"{loc[0]} must be {_UNION_FIELDS[loc[0]]}.")
+            param = param or loc[0]
+            continue
         if err.get("type") == "json_invalid":
             parts.append(f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
             continue
@@ -104,10 +125,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if not loc and err.get("type") == "missing":  # no body at all (FastAPI reports the body as missing)
             parts.append("The request body is empty; send a JSON object.")
             continue
-        where = ".".join(loc)
+        where = _loc_text(loc)
         if param is None:
             # A model-level check has no location; a FieldError names the field itself.
-            param = loc[0] if loc else getattr(err.get("ctx", {}).get("error"), "param", None)
+            param = str(loc[0]) if loc else getattr(err.get("ctx", {}).get("error"), "param", None)
         msg = str(err.get("msg", "invalid value"))
         if err.get("type") == "value_error":  # our own validators' messages, without pydantic's "Value error, "
             msg = msg.removeprefix("Value error, ")
