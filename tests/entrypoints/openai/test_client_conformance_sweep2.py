@@ -126,3 +126,15 @@ def test_type_errors_read_as_one_sentence_per_field(client, path, body, param, m
     prompt.list[list[int]].0: ...; prompt.str: ...; prompt.list[str].1: ..."); list places read messages.0."""
     err = assert_error(client.post(path, json={**body, "max_tokens": 1}), 400, param)
     assert err["message"] == message
+
+
+def test_auto_tool_choice_with_a_template_that_never_shows_tools_warns_at_start(make_client, tm_log):
+    """SmolLM2's template ignores `tools`: with --enable-auto-tool-choice, "auto" requests offered the model tools
+    it never saw, and nothing said so. Start-up now warns; a template that renders tools does not."""
+    make_client(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    assert "never reads `tools`" in tm_log.text
+    tm_log.clear()
+    make_client(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                chat_template="{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    make_client()
+    assert "never reads `tools`" not in tm_log.text

@@ -16,7 +16,10 @@ from tokenmill.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCo
 from tokenmill.entrypoints.openai.serving_engine import (OpenAIServing, Primed, RequestTracker, ServingError,
                                                          SSEStream, prime_all, sse_error_event)
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
+from tokenmill.logger import init_logger
 from tokenmill.outputs import Logprob, RequestOutput
+
+logger = init_logger(__name__)
 
 
 class ChatRenderer:
@@ -73,6 +76,13 @@ class OpenAIServingChat(OpenAIServing):
         self.renderer = renderer or ChatRenderer(self.tokenizer, frontend)
         self.response_role = frontend.response_role
         self.parsing = ChatParsing(self.tokenizer, frontend)
+        if self.parsing.tools is not None and self.tokenizer is not None \
+                and not self.renderer.reads_variable("tools", None):
+            # Not a request error (the tools still shape "required" / named calls, and a template may be
+            # passed per request), but "auto" then offers the model tools it is never shown.
+            logger.warning("--enable-auto-tool-choice is set, but the chat template never reads `tools`: the tool "
+                           "definitions of a request will not reach the model, so tool_choice \"auto\" gets calls only "
+                           "if the model makes them unprompted. Pass a --chat-template that renders tools.")
 
     @staticmethod
     def _named_choice(parsing: RequestParsing) -> bool:
