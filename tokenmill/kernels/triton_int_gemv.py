@@ -281,14 +281,19 @@ def _int4_gemv_row_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, N,
 
 
 def default_config(m: int, n: int, k: int, bits: int, num_sms: int) -> IntGemvConfig:
-    """128-wide N tiles, 128-deep K steps, K split until there are about four programs per SM (each split at
-    least two K steps): the best of a sweep at the 8B shapes on an H200 at 1 and 8 rows, where the product is bound
-    by its unpacking, not by the bytes."""
-    block_n, block_k = 128, 128
+    """128-deep K steps. One row (the row kernels), from a sweep of the 8B products on an H100 (132 SMs): a product
+    with fewer 128-wide N tiles than SMs (q/k/v, o, down) runs fastest as 256-wide tiles split over K to about two
+    programs per SM; a wide one (gate/up, 224 tiles) as 64-wide tiles split to about eight programs per SM, each a
+    longer run of K steps. More rows (the tl.dot tile kernel): 128-wide tiles split to about four programs per SM
+    (each split at least two K steps), the best of a sweep at 1 and 8 rows on an H200."""
+    block_k = 128
+    if m == 1:
+        wide = triton.cdiv(n, 128) >= num_sms
+        block_n, programs = (64, 8 * num_sms) if wide else (256, 2 * num_sms)
+    else:
+        block_n, programs = 128, 4 * num_sms
     n_tiles = triton.cdiv(n, block_n)
-    split = 1
-    if n_tiles < 4 * num_sms:
-        split = max(1, min(triton.cdiv(4 * num_sms, n_tiles), k // (2 * block_k)))
+    split = max(1, min(triton.cdiv(programs, n_tiles), k // (2 * block_k)))
     return IntGemvConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
