@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.kernel_check import compile_for_sm90
-from tokenmill.kernels.triton_quant_matmul import fp8_matmul, int_matmul
+from tests.kernels.kernel_check import INTERPRETED, compile_for_sm90
+from tokenmill.kernels.triton_quant_matmul import fp8_matmul, int_dequantize, int_matmul
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP8 = torch.float8_e4m3fn
@@ -90,6 +90,48 @@ def test_int_weights_with_float_offsets(bits, group):
     torch.testing.assert_close(got, x @ w, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("bits, n, k, group, act_order, float_zero, dtype", [
+    (4, 200, 96, 32, False, False, torch.bfloat16), (4, 64, 256, 128, True, False, torch.float16),
+    (8, 33, 64, 16, False, True, torch.float32), (4, 130, 40, 8, False, True, torch.bfloat16)])
+def test_int_dequantize(bits, n, k, group, act_order, float_zero, dtype):
+    """The weight large-row products hand to cuBLAS: each value computed in fp32 and rounded once to `dtype`
+    (partial K and N blocks: k 40 / 96 against the 32-row blocks, n 130 / 200 / 33 against 128 columns)."""
+    g = torch.Generator().manual_seed(bits + n)
+    q = torch.randint(0, 2 ** bits, (k, n), generator=g)
+    groups = -(-k // group)
+    scales = torch.rand(groups, n, generator=g) * 0.1 + 0.01
+    zeros = torch.randn(groups, n, generator=g) * 0.3 if float_zero else torch.randint(0, 2 ** bits, (groups, n),
+                                                                                       generator=g)
+    g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=g)] if act_order else torch.arange(k) // group
+    w = q.float() * scales[g_idx] + zeros[g_idx] if float_zero else (q - zeros[g_idx]).float() * scales[g_idx]
+    got = int_dequantize(pack_along_k(q, bits).to(DEV), scales.to(DEV), (zeros if float_zero else
+                         zeros.to(torch.uint8)).to(DEV), bits, group,
+                         g_idx.to(torch.int32).to(DEV) if act_order else None, dtype).cpu()
+    assert got.dtype == dtype and got.shape == (k, n)
+    if INTERPRETED and dtype == torch.bfloat16:   # the interpreter truncates fp32 -> bf16 (the GPU rounds)
+        torch.testing.assert_close(got.float(), w, rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(got, w.to(dtype))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the cuBLAS path)")
+def test_int_matmul_many_rows_dequantizes_for_cublas():
+    from tokenmill.kernels import triton_quant_matmul as tqm
+    g = torch.Generator().manual_seed(7)
+    k, n, m = 512, 384, tqm.DEQUANT_MIN_ROWS + 3
+    q = torch.randint(0, 16, (k, n), generator=g)
+    scales = (torch.rand(k // 128, n, generator=g) * 0.02).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (k // 128, n), generator=g)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    args = (pack_along_k(q, 4).cuda(), scales.cuda(), zeros.to(torch.uint8).cuda(), 4, 128)
+    got = int_matmul(x.cuda(), *args)
+    tiles = int_matmul(x.cuda(), *args, split_k=0)       # the in-register tile kernel, for reference
+    ref = x.double() @ ((q - zeros[torch.arange(k) // 128]).double() * scales.double()[torch.arange(k) // 128])
+    assert got.dtype == torch.bfloat16
+    for y in (got, tiles):
+        assert ((y.double().cpu() - ref).norm() / ref.norm()).item() < 5e-3
+
+
 _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -114,10 +156,18 @@ for bits, gi, fz, split in ((4, False, False, 0), (8, True, False, 0), (4, False
         "BITS": bits, "HAS_G_IDX": gi, "FLOAT_ZERO": fz, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
         "K_PER_SPLIT": split})
     print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
+from tokenmill.kernels.triton_quant_matmul import _int_dequant_kernel
+deq = dict(q_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", g_ptr="*i32", w_ptr="*bf16", N="i32", K="i32", GROUP="i32",
+           BITS="constexpr", HAS_G_IDX="constexpr", FLOAT_ZERO="constexpr", BLOCK_K="constexpr", BLOCK_N="constexpr")
+for bits, gi, fz in ((4, False, False), (8, True, True)):
+    sig = {**deq, "s_ptr": "*fp16", "z_ptr": "*fp16", "w_ptr": "*fp16"} if fz else deq
+    src = ASTSource(fn=_int_dequant_kernel, signature=sig, constexprs={
+        "BITS": bits, "HAS_G_IDX": gi, "FLOAT_ZERO": fz, "BLOCK_K": 32, "BLOCK_N": 128})
+    print(sorted(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm))
 """
 
 
 def test_the_kernels_compile_for_sm90():
     """The interpreter accepts code the compiler rejects: compile for an H100/H200 target too (on the CPU, in a
     process without the interpreter; where this triton cannot, the test says so and skips)."""
-    assert compile_for_sm90(_COMPILE).count("ttgir") == 6
+    assert compile_for_sm90(_COMPILE).count("ttgir") == 8
