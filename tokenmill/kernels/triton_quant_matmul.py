@@ -136,8 +136,8 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     """x [..., K] @ W with W [K, N] = (unpack(qweight) - zeros[g]) * scales[g]; qweight int32 [K * bits / 32, N],
     scales [G, N] (any float dtype), zeros uint8 [G, N], g = g_idx[k] (int32 [K]) or k // group_size. With float
     `zeros` (offsets), W = unpack(qweight) * scales[g] + zeros[g] instead. split_k: K per program, a multiple of
-    the K tile (64) (None: no split; on CUDA, 16 rows or fewer then run triton_int_gemv.int_gemv; 0: this kernel
-    without a split)."""
+    the K tile (64) (None: no split; on CUDA, 16 rows or fewer then run triton_int_gemv.int_gemv and more
+    `int_dequantize` + cuBLAS; 0: this kernel without a split)."""
     if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         raise ValueError("int_matmul: qweight, scales and zeros must be contiguous (the kernel reads them row-major)")
     n = qweight.shape[1]
