@@ -93,11 +93,30 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 @triton.jit
+def _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, rk, rn, k_ok, kn_ok, N, GROUP, BITS: tl.constexpr,
+                  HAS_G_IDX: tl.constexpr, FLOAT_ZERO: tl.constexpr):
+    """W's [rk, rn] tile in fp32 from the packed layout (`int_matmul`'s docstring)."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    # each packed word is loaded by the PACK rows that share it (one cache line, no extra HBM traffic)
+    word = tl.load(q_ptr + (rk[:, None] // PACK) * N + rn[None, :], mask=kn_ok, other=0)
+    q = (word >> ((rk[:, None] % PACK) * BITS)) & MASK
+    if HAS_G_IDX:
+        g = tl.load(g_ptr + rk, mask=k_ok, other=0)
+    else:
+        g = rk // GROUP
+    s = tl.load(s_ptr + g[:, None] * N + rn[None, :], mask=kn_ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g[:, None] * N + rn[None, :], mask=kn_ok, other=0)
+    if FLOAT_ZERO:
+        return q.to(tl.float32) * s + z.to(tl.float32)
+    else:
+        return (q - z.to(tl.int32)).to(tl.float32) * s
+
+
+@triton.jit
 def _int_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride_xm, stride_ym, GROUP,
                        BITS: tl.constexpr, HAS_G_IDX: tl.constexpr, FLOAT_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr = 0):
-    PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,19 +132,8 @@ def _int_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride
         k_ok = rk < K
         kn_ok = k_ok[:, None] & n_ok[None, :]
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        # each packed word is loaded by the PACK rows that share it (one cache line, no extra HBM traffic)
-        word = tl.load(q_ptr + (rk[:, None] // PACK) * N + rn[None, :], mask=kn_ok, other=0)
-        q = (word >> ((rk[:, None] % PACK) * BITS)) & MASK
-        if HAS_G_IDX:
-            g = tl.load(g_ptr + rk, mask=k_ok, other=0)
-        else:
-            g = rk // GROUP
-        s = tl.load(s_ptr + g[:, None] * N + rn[None, :], mask=kn_ok, other=0.0)
-        z = tl.load(z_ptr + g[:, None] * N + rn[None, :], mask=kn_ok, other=0)
-        if FLOAT_ZERO:
-            w = (q.to(tl.float32) * s.to(tl.float32) + z.to(tl.float32)).to(x.dtype)
-        else:
-            w = ((q - z.to(tl.int32)).to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, rk, rn, k_ok, kn_ok, N, GROUP, BITS, HAS_G_IDX,
+                          FLOAT_ZERO).to(x.dtype)
         acc += tl.dot(x, w, input_precision="ieee")
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
@@ -175,26 +183,12 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 @triton.jit
 def _int_dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, GROUP, BITS: tl.constexpr, HAS_G_IDX: tl.constexpr,
                         FLOAT_ZERO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     pid_k, pid_n = tl.program_id(0), tl.program_id(1)
     rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_ok, n_ok = rk < K, rn < N
-    kn_ok = k_ok[:, None] & n_ok[None, :]
-    # each word is loaded by the PACK rows that share it (L1), as in _int_matmul_kernel
-    word = tl.load(q_ptr + (rk[:, None] // PACK) * N + rn[None, :], mask=kn_ok, other=0)
-    q = (word >> ((rk[:, None] % PACK) * BITS)) & MASK
-    if HAS_G_IDX:
-        g = tl.load(g_ptr + rk, mask=k_ok, other=0)
-    else:
-        g = rk // GROUP
-    s = tl.load(s_ptr + g[:, None] * N + rn[None, :], mask=kn_ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g[:, None] * N + rn[None, :], mask=kn_ok, other=0)
-    if FLOAT_ZERO:
-        w = q.to(tl.float32) * s + z.to(tl.float32)
-    else:
-        w = (q - z.to(tl.int32)).to(tl.float32) * s
+    k_ok = rk < K
+    kn_ok = k_ok[:, None] & (rn < N)[None, :]
+    w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, rk, rn, k_ok, kn_ok, N, GROUP, BITS, HAS_G_IDX, FLOAT_ZERO)
     tl.store(w_ptr + rk[:, None] * N + rn[None, :], w.to(w_ptr.dtype.element_ty), mask=kn_ok)
 
 
