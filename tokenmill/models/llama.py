@@ -250,7 +250,9 @@ class LlamaForCausalLM(nn.Module):
         return load_weights(self, weights, self.weight_mapping, self.tie_word_embeddings)
 
 
-class MistralForCausalLM(LlamaForCausalLM):
+class _UnbiasedForCausalLM(LlamaForCausalLM):
+    """An architecture whose HF code builds no biases at all, whatever `attention_bias` / `mlp_bias` say."""
+
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
         return False, False
@@ -258,6 +260,10 @@ class MistralForCausalLM(LlamaForCausalLM):
     @staticmethod
     def mlp_bias(cfg) -> bool:
         return False
+
+
+class MistralForCausalLM(_UnbiasedForCausalLM):
+    pass
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -278,18 +284,10 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         return False
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
+class Phi3ForCausalLM(_UnbiasedForCausalLM):
     """Phi-3 / Phi-3.5 / Phi-4 (and their mini variants): the Llama layer with q/k/v and gate/up already fused in
     the checkpoint (`qkv_proj`, `gate_up_proj`, split by the layers' loaders), partial rotary and LongRoPE scaling
     from the config, no biases."""
 
     partial_rotary = True
     weight_mapping = WeightMapping(skipped=(r"rotary_emb\.inv_freq$",))
-
-    @staticmethod
-    def attention_biases(cfg) -> tuple[bool, bool]:
-        return False, False
-
-    @staticmethod
-    def mlp_bias(cfg) -> bool:
-        return False
