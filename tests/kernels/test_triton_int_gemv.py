@@ -49,6 +49,10 @@ CASES = [
     (4, 1, 72, 1000, 128, False, False, IntGemvConfig(32, 128, 2, prefetch=True)),
     (4, 1, 64, 256, 128, False, True, IntGemvConfig(32, 128, 2, prefetch=True)),
     (8, 1, 64, 256, 128, False, False, IntGemvConfig(16, 128, 2)),
+    # row tiles (4-bit magic tiles past 16 rows; the generic path too): a partial last row tile, splits
+    (4, 40, 72, 512, 128, False, False, IntGemvConfig(64, 128, 2, block_m=32)),
+    (4, 33, 48, 256, 128, False, True, IntGemvConfig(32, 128, 1, block_m=16)),
+    (8, 20, 40, 192, 64, False, False, IntGemvConfig(32, 64, 2, block_m=32)),
 ]
 
 
@@ -96,10 +100,8 @@ def test_row_kernels_in_a_pdl_graph_chain():
     assert not any(c.any() for c in triton_gemv._COUNTERS.values())
 
 
-def test_int_gemv_refuses_more_rows_and_bad_steps():
+def test_int_gemv_refuses_bad_steps():
     q, scales, zeros, _, _, x = _case(4, 17, 32, 64, 32, False, False, seed=0)
-    with pytest.raises(ValueError, match="at most 16"):
-        int_gemv(x.to(DEV), pack_along_k(q, 4).to(DEV), scales.to(DEV), zeros.to(torch.uint8).to(DEV), 4, 32)
     with pytest.raises(ValueError, match="block_k=4"):
         int_gemv(x[:2].to(DEV), pack_along_k(q, 4).to(DEV), scales.to(DEV), zeros.to(torch.uint8).to(DEV), 4, 32,
                  config=IntGemvConfig(32, 4, 1))
@@ -159,3 +161,22 @@ for fz, split, pre, even, pdl in ((False, True, False, True, 2), (True, True, Tr
 def test_the_kernel_compiles_for_sm90():
     """The interpreter accepts code the compiler rejects (the codes-as-float-bits bitcast among them)."""
     assert compile_for_sm90(_COMPILE).count("ttgir") == 9
+
+
+def test_row_tiles_past_16_rows_for_4bit_magic_codes_only():
+    from tokenmill.kernels.triton_int_gemv import MAX_M, MAX_TILE_M, default_config, magic_tile_rows
+    assert magic_tile_rows(torch.bfloat16, 4, 128, None) == magic_tile_rows(torch.float16, 4, 256, None) == MAX_TILE_M
+    act_order = torch.zeros(8, dtype=torch.int32)
+    for args in ((torch.float32, 4, 128, None), (torch.bfloat16, 4, 32, None), (torch.bfloat16, 8, 128, None),
+                 (torch.bfloat16, 4, 128, act_order)):
+        assert magic_tile_rows(*args) == MAX_M
+    # 224 N tiles of gate/up cover an H100's 132 SMs: no split; down's 32 tiles split to about two per SM
+    assert default_config(40, 28672, 4096, 4, 132) == IntGemvConfig(128, 128, 1, block_m=64)
+    assert default_config(20, 4096, 14336, 4, 132) == IntGemvConfig(128, 128, 9, block_m=32)
+    assert default_config(16, 4096, 14336, 4, 132).block_m == 16
+
+
+def test_one_row_without_a_row_kernel_keeps_the_tile_width():
+    from tokenmill.kernels.triton_int_gemv import default_config
+    assert default_config(1, 4096, 4096, 4, 132).block_n == 256
+    assert default_config(1, 4096, 4096, 4, 132, row_kernel=False) == default_config(2, 4096, 4096, 4, 132)

@@ -28,6 +28,10 @@ from tokenmill import envs
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
 
 MAX_M = 16
+# Rows up to which 4-bit magic tiles (no dequantized copy of W) beat dequantize + cuBLAS: an H100 sweep of the 8B
+# products measured them 1.2-2x faster at 32 and 64 rows and up to 1.4x slower at 128 (the tiles' tl.dot then runs
+# far from the tensor cores' peak, and each row tile unpacks W again).
+MAX_TILE_M = 64
 # The CPU interpreter multiplies bf16 dot operands as raw bit patterns (see triton_gemv): it gets fp32 operands.
 _INTERPRETED = envs.TRITON_INTERPRET
 # x dtype -> (the 16-bit pattern a 4-bit code is OR-ed into, the value it encodes)
@@ -47,6 +51,7 @@ class IntGemvConfig:
     row_kernel: bool = True  # one row, K steps inside one group: a register-FMA kernel (not the tl.dot tile)
     nibble_words: bool = True  # there, 4-bit codes and 16-bit x: _int4_gemv_row_kernel (else _int_gemv_row_kernel)
     prefetch: bool = False  # _int4_gemv_row_kernel: the next K step's words in flight during each step's math
+    block_m: int = 16       # the tl.dot tile's rows (more rows: a program per row tile)
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split"])
@@ -59,7 +64,7 @@ def _int_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride_x
     MASK: tl.constexpr = (1 << BITS) - 1
     WROWS: tl.constexpr = BLOCK_K // PACK
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_safe = _safe_cols(rn, N, EVEN_N)      # only the store is masked along N
@@ -280,14 +285,23 @@ def _int4_gemv_row_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, ws_ptr, cnt_ptr, N,
     _row_store(acc, acc_z, y_ptr, ws_ptr, cnt_ptr, rn, N, pid_n, pid_k, split_k, SPLIT, BLOCK_N)
 
 
-def default_config(m: int, n: int, k: int, bits: int, num_sms: int) -> IntGemvConfig:
+def default_config(m: int, n: int, k: int, bits: int, num_sms: int, row_kernel: bool = True) -> IntGemvConfig:
     """128-deep K steps. One row (the row kernels), from a sweep of the 8B products on an H100 (132 SMs): a product
     with fewer 128-wide N tiles than SMs (q/k/v, o, down) runs fastest as 256-wide tiles split over K to about two
     programs per SM; a wide one (gate/up, 224 tiles) as 64-wide tiles split to about eight programs per SM, each a
-    longer run of K steps. More rows (the tl.dot tile kernel): 128-wide tiles split to about four programs per SM
-    (each split at least two K steps), the best of a sweep at 1 and 8 rows on an H200."""
+    longer run of K steps. Up to 16 rows (the tl.dot tile kernel): 128-wide tiles split to about four programs per
+    SM (each split at least two K steps), the best of a sweep at 1 and 8 rows on an H200. More rows (4-bit magic
+    tiles up to MAX_TILE_M): 32- or 64-row tiles, 128 wide, split to about two programs per SM only where the tiles
+    number fewer than the SMs (an H100 sweep of the 8B products at 32 and 64 rows). One row that a row kernel
+    cannot take (`row_kernel` False: small groups, act-order) is tiled as more rows are (a 256-wide fp32 tile
+    overflows shared memory)."""
     block_k = 128
-    if m == 1:
+    if m > MAX_M:
+        block_m = 32 if m <= 32 else 64
+        tiles = triton.cdiv(n, 128) * triton.cdiv(m, block_m)
+        split = max(1, min(triton.cdiv(2 * num_sms, tiles), k // (2 * block_k))) if tiles < num_sms else 1
+        return IntGemvConfig(block_m=block_m, block_n=128, block_k=block_k, split_k=split)
+    if m == 1 and row_kernel:
         wide = triton.cdiv(n, 128) >= num_sms
         block_n, programs = (64, 8 * num_sms) if wide else (256, 2 * num_sms)
     else:
@@ -297,10 +311,19 @@ def default_config(m: int, n: int, k: int, bits: int, num_sms: int) -> IntGemvCo
     return IntGemvConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
+def magic_tile_rows(dtype: torch.dtype, bits: int, group_size: int, g_idx: torch.Tensor | None) -> int:
+    """The most rows `int_gemv` takes for these weights on a GPU: MAX_TILE_M where 4-bit codes enter the tl.dot as
+    16-bit float bit patterns (x bf16 / fp16, whole 128-deep steps per group, no act-order), else MAX_M."""
+    if bits == 4 and dtype in _MAGIC and g_idx is None and group_size % 128 == 0:
+        return MAX_TILE_M
+    return MAX_M
+
+
 def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
              group_size: int, g_idx: torch.Tensor | None = None,
              config: IntGemvConfig | None = None) -> torch.Tensor:
-    """`int_matmul`'s product (same arguments and layout) for x of at most MAX_M rows, in x's dtype."""
+    """`int_matmul`'s product (same arguments and layout), in x's dtype; meant for at most `magic_tile_rows` rows
+    (more work, re-reading W per row tile)."""
     n = qweight.shape[1]
     pack = 32 // bits
     k = qweight.shape[0] * pack
@@ -308,11 +331,9 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if m > MAX_M:
-        raise ValueError(f"int_gemv: {m} rows; at most {MAX_M} (int_matmul takes more)")
     if config is None:
         from tokenmill.kernels.gemv_config import sm_count
-        config = default_config(m, n, k, bits, sm_count(x.device))
+        config = default_config(m, n, k, bits, sm_count(x.device), g_idx is None and group_size % 128 == 0)
     bk = config.block_k
     if bk % pack or bk & (bk - 1) or bk < 16:
         raise ValueError(f"int_gemv: block_k={bk} must be a power of two >= 16 and a multiple of {pack}")
@@ -325,12 +346,12 @@ def int_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     y = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else \
         torch.empty(m, n, dtype=x.dtype, device=x.device)
     magic, offset = (_MAGIC.get(x.dtype, (0, 0.0)) if bits == 4 and group_step and config.magic else (0, 0.0))
-    _int_gemv_kernel[(triton.cdiv(n, config.block_n), split)](
+    _int_gemv_kernel[(triton.cdiv(n, config.block_n), split, triton.cdiv(m, config.block_m))](
         x2, qweight, scales, zeros, g_idx if g_idx is not None else qweight, y, m, n, k, x2.stride(0),
         y.stride(-2), group_size, k_per_split, BITS=bits, HAS_G_IDX=g_idx is not None,
         FLOAT_ZERO=zeros.is_floating_point(), GROUP_STEP=group_step, SPLIT=split > 1, DOT_F32=_INTERPRETED,
-        BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=bk, MAGIC=magic, OFFSET=offset, EVEN_N=n % config.block_n == 0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=bk, MAGIC=magic, OFFSET=offset,
+        EVEN_N=n % config.block_n == 0, num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
         y = y.sum(0).to(x.dtype)
     return y.reshape(*x.shape[:-1], n)

@@ -14,11 +14,12 @@ Two kernels share one tiling (a program per BLOCK_M x BLOCK_N output tile, a loo
 The activations stay in their dtype (bf16 / fp16 / fp32) and the dot runs in it with fp32 accumulation (fp32
 operands in full precision, not TF32: an fp32 model stays exact), so these are weight-only products: at a few rows
 (decode) the cost is the weight bytes streamed, which is what quantization shrinks. BLOCK_M follows the row count
-(tl.dot's minimum is 16). On a GPU, 16 rows or fewer take kernels/triton_int_gemv.py (each packed word loaded once)
-unless a split over K is asked for: then each share writes its fp32 partial product and one sum in a fixed order
-(deterministic) adds them. From DEQUANT_MIN_ROWS rows on (large decode batches, prefill) the product is no longer
-bound by the weight bytes but by the tiles' math, where these 64 x 64 tiles are far from cuBLAS: `int_dequantize`
-writes W in x's dtype (one pass, ~4x the packed bytes) and cuBLAS multiplies, the usual trade of W4A16 engines.
+(tl.dot's minimum is 16). On a GPU, 16 rows or fewer take kernels/triton_int_gemv.py (each packed word loaded once;
+4-bit codes with whole-group K steps up to its MAX_TILE_M rows) unless a split over K is asked for: then each share
+writes its fp32 partial product and one sum in a fixed order (deterministic) adds them. Past those rows, from
+DEQUANT_MIN_ROWS on (large decode batches, prefill), the product is no longer bound by the weight bytes but by the
+tiles' math, where these 64 x 64 tiles are far from cuBLAS: `int_dequantize` writes W in x's dtype (one pass, ~4x
+the packed bytes) and cuBLAS multiplies, the usual trade of W4A16 engines.
 """
 from __future__ import annotations
 
@@ -144,8 +145,8 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     """x [..., K] @ W with W [K, N] = (unpack(qweight) - zeros[g]) * scales[g]; qweight int32 [K * bits / 32, N],
     scales [G, N] (any float dtype), zeros uint8 [G, N], g = g_idx[k] (int32 [K]) or k // group_size. With float
     `zeros` (offsets), W = unpack(qweight) * scales[g] + zeros[g] instead. split_k: K per program, a multiple of
-    the K tile (64) (None: no split; on CUDA, 16 rows or fewer then run triton_int_gemv.int_gemv and more
-    `int_dequantize` + cuBLAS; 0: this kernel without a split)."""
+    the K tile (64) (None: no split; on CUDA, up to `triton_int_gemv.magic_tile_rows` rows then run its int_gemv
+    and more `int_dequantize` + cuBLAS; 0: this kernel without a split)."""
     if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         raise ValueError("int_matmul: qweight, scales and zeros must be contiguous (the kernel reads them row-major)")
     n = qweight.shape[1]
@@ -154,10 +155,12 @@ def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if split_k is None and x.is_cuda and m <= 16:
-        # Decode: the weight-streaming GEMV (each packed word loaded once, unpacked in registers).
-        from tokenmill.kernels.triton_int_gemv import int_gemv
-        return int_gemv(x, qweight, scales, zeros, bits, group_size, g_idx)
+    if split_k is None and x.is_cuda:
+        # Decode: the weight-streaming GEMV (each packed word loaded once, unpacked in registers), and for 4-bit
+        # codes its magic tiles a little further.
+        from tokenmill.kernels.triton_int_gemv import int_gemv, magic_tile_rows
+        if m <= magic_tile_rows(x.dtype, bits, group_size, g_idx):
+            return int_gemv(x, qweight, scales, zeros, bits, group_size, g_idx)
     if split_k is None and x.is_cuda and m >= DEQUANT_MIN_ROWS:
         w = int_dequantize(qweight, scales, zeros, bits, group_size, g_idx, x.dtype)
         return torch.mm(x2, w).reshape(*x.shape[:-1], n)
