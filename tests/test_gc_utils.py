@@ -1,5 +1,5 @@
 """freeze_gc_heap keeps start-up objects out of collections, and thaws what it froze before (no leak across
-engines); TOKENMILL_GC_DEBUG logs slow collections."""
+engines); gc_paused runs start-up imports without collections; TOKENMILL_GC_DEBUG logs slow collections."""
 from __future__ import annotations
 
 import gc
@@ -12,6 +12,25 @@ from tokenmill import gc_utils
 class _Node:
     def __init__(self) -> None:
         self.other = self
+
+
+def test_gc_paused_freezes_what_it_made_and_restores_the_collector():
+    try:
+        for was_enabled in (True, False):
+            (gc.enable if was_enabled else gc.disable)()
+            with gc_utils.gc_paused():
+                assert not gc.isenabled()
+                node = _Node()
+                alive = weakref.ref(node)
+            assert gc.isenabled() is was_enabled
+            del node
+            gc.collect()
+            assert alive() is not None  # frozen on leaving: no collection walks start-up's objects
+            gc_utils.freeze_gc_heap("ready")  # thaws, collects, freezes: start-up's garbage goes here
+            assert alive() is None
+    finally:
+        gc.enable()
+        gc.unfreeze()
 
 
 def test_frozen_cycles_survive_collections_until_the_next_freeze():

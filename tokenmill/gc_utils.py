@@ -10,6 +10,7 @@ that takes longer than `TOKENMILL_GC_DEBUG_MS` milliseconds, with its generation
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import time
@@ -21,6 +22,24 @@ logger = init_logger(__name__)
 
 _debug_installed = False
 _thaw_at_exit_registered = False
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No garbage collection inside, and what is alive on leaving is frozen (as by `freeze_gc_heap`, less the
+    collection). For start-up imports: they allocate millions of objects that nearly all live on, so the collections
+    they set off find little and cost 12% of `tokenmill serve`'s import time (2 CPU cores). Left unfrozen, those
+    objects would all be walked by the first collection after. The start-up's one full collection stays where it
+    was: `freeze_gc_heap` (thaw, collect, freeze) when the process is ready. The collector is left on or off as it
+    was found."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def freeze_gc_heap(what: str) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from tokenmill.config import TokenmillConfig
 from tokenmill.config.engine_args import create_engine_config
@@ -33,12 +33,17 @@ class AsyncLLM(EngineClient):
     """
 
     def __init__(self, config: TokenmillConfig, log_stats: bool = True, log_interval_s: float | None = 10.0,
-                 client_index: int = 0, addresses: EngineAddresses | None = None) -> None:
+                 client_index: int = 0, addresses: EngineAddresses | None = None,
+                 while_starting: Callable[[], object] | None = None) -> None:
+        """`while_starting`: this process's own start-up work (the server imports its app), run while the engine
+        cores start, after the tokenizer has loaded."""
         self.config = config
         # Start the engine cores first: they load the model while this process loads the tokenizer.
         self.client = AsyncMPClient(config, wait=False, client_index=client_index, addresses=addresses)
         try:
             front = FrontEnd(config, log_stats=True)
+            if while_starting is not None:
+                while_starting()
         except BaseException:
             self.client.shutdown()
             raise

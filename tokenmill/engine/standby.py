@@ -71,15 +71,21 @@ def _standby_main(recv) -> None:
     import time
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as an engine core: the process that started us decides
 
+    from tokenmill.gc_utils import gc_paused
     from tokenmill.metrics.startup import process_age
-    import torch  # noqa: F401
-    # The config's HF part unpickles into transformers' config classes, whose docstring decorator imports the
-    # auto-model machinery (seconds on an H200 host): import it now, while the API server builds the config.
-    import transformers.configuration_utils  # noqa: F401
-    import transformers.models.auto.configuration_auto  # noqa: F401
-    import transformers.models.auto.modeling_auto  # noqa: F401
-    from tokenmill.engine import core_proc, engine_core  # noqa: F401
-    from tokenmill.worker import worker  # noqa: F401
+    with gc_paused():
+        import torch  # noqa: F401
+        # The config's HF part unpickles into transformers' config classes, whose docstring decorator imports the
+        # auto-model machinery (seconds on an H200 host): import it now, while the API server builds the config.
+        import transformers.configuration_utils  # noqa: F401
+        import transformers.models.auto.configuration_auto  # noqa: F401
+        import transformers.models.auto.modeling_auto  # noqa: F401
+        # Most model config modules import type_validators, which imports transformers.activations and through it
+        # torch.distributed.tensor and sympy (0.7 s on 2 CPU cores): unpickling the config would do that after it
+        # came.
+        import transformers.utils.type_validators  # noqa: F401
+        from tokenmill.engine import core_proc, engine_core  # noqa: F401
+        from tokenmill.worker import worker  # noqa: F401
     imported = process_age()
     t = time.monotonic()
     try:

@@ -247,7 +247,7 @@ def make_client(smollm2_tokenizer):
     from fastapi.testclient import TestClient
 
     from tokenmill.config.frontend import FrontendConfig
-    from tokenmill.entrypoints.openai.api_server import build_app
+    from tokenmill.entrypoints.openai.app import build_app
 
     clients = []
 

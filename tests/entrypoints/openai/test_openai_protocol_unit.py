@@ -548,7 +548,7 @@ def test_max_log_len_logging(make_client, tm_log):
 
 def test_unsupported_frontend_options_fail_at_build(smollm2_tokenizer):
     from tokenmill.config.frontend import FrontendConfig
-    from tokenmill.entrypoints.openai.api_server import build_app
+    from tokenmill.entrypoints.openai.app import build_app
     with pytest.raises(ValueError, match="not supported yet"):
         build_app(FakeEngine(smollm2_tokenizer), FrontendConfig(structured_outputs_config={"backend": "outlines"}))
     with pytest.raises(ValueError, match="not supported yet"):
@@ -559,7 +559,7 @@ def test_unsupported_frontend_options_fail_at_build(smollm2_tokenizer):
 def test_disconnect_aborts_non_streaming(smollm2_tokenizer):
     """A client that goes away mid-request has its engine request closed (aborted)."""
     from tokenmill.config.frontend import FrontendConfig
-    from tokenmill.entrypoints.openai.api_server import build_app
+    from tokenmill.entrypoints.openai.app import build_app
 
     engine = FakeEngine(smollm2_tokenizer, step_delay=0.05)
     app = build_app(engine, FrontendConfig())

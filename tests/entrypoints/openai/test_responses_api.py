@@ -289,7 +289,7 @@ def test_request_id_header_names_the_response(make_client):
 
 def test_disconnect_aborts(smollm2_tokenizer):
     from tokenmill.config.frontend import FrontendConfig
-    from tokenmill.entrypoints.openai.api_server import build_app
+    from tokenmill.entrypoints.openai.app import build_app
     engine = FakeEngine(smollm2_tokenizer, step_delay=0.05)
     app = build_app(engine, FrontendConfig())
 

@@ -42,8 +42,10 @@ def serve(argv: list[str]) -> None:
     if not any(a in ("-h", "--help", "--headless") or a.startswith("--api-server-count") for a in argv):
         from tokenmill.engine import standby
         standby.prestart()
-    from tokenmill.config.args import parse_serve_args
-    from tokenmill.entrypoints.openai.api_server import run_server
+    from tokenmill.gc_utils import gc_paused
+    with gc_paused():
+        from tokenmill.config.args import parse_serve_args
+        from tokenmill.entrypoints.openai.api_server import run_server
     engine_kwargs, frontend = parse_serve_args(argv, prog="tokenmill serve")
     run_server(engine_kwargs, frontend)
 

@@ -4,7 +4,7 @@ This parent process owns the engine cores (EngineManager: the local ranks and th
 and supervises everything; it serves no HTTP itself. Each child binds its own listening socket with SO_REUSEPORT,
 so the kernel spreads connections over them, and builds its own AsyncLLM as client `k` of the engines. Metrics go
 through prometheus_client's multiprocess mode, so /metrics on any of them shows the whole server. What a child
-serves is passed in (api_server.run_server passes its `serve`), so this supervisor does not import the app.
+serves is passed in (api_server.run_server passes app.serve), so this supervisor does not import the app.
 """
 from __future__ import annotations
 
