@@ -1,4 +1,4 @@
-"""Decode-sized products (16 rows or fewer) with packed 4- or 8-bit integer weights: a weight-streaming GEMV.
+"""Decode-sized products (16 rows or fewer; 4-bit up to MAX_TILE_M) with packed integer weights: a streaming GEMV.
 
 The weight layout is `int_matmul`'s (kernels/triton_quant_matmul.py): int32 words [K * bits / 32, N] packed along
 K (value j of a word in bits j*bits ..), a scale and a zero point per (group, output column), w = (q - z) * s, or
@@ -8,7 +8,8 @@ shifts (int_matmul's tile instead has each word loaded by the PACK rows that sha
 one quantization group (group 128, no act-order) the scale and zero point are one row per step; otherwise they
 are gathered per input (act-order `g_idx`, small groups). One row with such steps takes a register-FMA kernel (no
 tensor-core tile): `_int4_gemv_row_kernel` for 4-bit codes and 16-bit x, `_int_gemv_row_kernel` otherwise; more
-rows take `_int_gemv_kernel` (a 16-row tl.dot tile).
+rows take `_int_gemv_kernel` (a tl.dot tile of 16 rows; past 16 rows, for 4-bit codes, a program per 32- or 64-row
+tile, which beats dequantizing W for cuBLAS up to MAX_TILE_M rows).
 
 K is split across programs when the N tiles alone leave SMs idle; each split writes an fp32 partial product and
 one sum in a fixed order adds them (deterministic: seeded sampling stays reproducible): in the row kernels the last
