@@ -79,18 +79,24 @@ def test_int4pack_product_matches_dequantize_then_matmul(type_name, m):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K"])
-@pytest.mark.parametrize("bf16_hardware", [True, False])
-def test_many_rows_run_a_dense_copy_of_the_int4_kernels_own_weights(type_name, bf16_hardware, monkeypatch):
-    """bf16 where the CPU has bf16 instructions, else fp32 (a bf16 GEMM without them is several times slower)."""
+@pytest.mark.parametrize("copy", ["bf16", "fp16", "fp32"])
+def test_many_rows_run_a_dense_copy_of_the_int4_kernels_own_weights(type_name, copy, monkeypatch):
+    """bf16 where the CPU has bf16 instructions, else FBGEMM's packed fp16 weight, else fp32 (a bf16 GEMM without
+    bf16 instructions is several times slower)."""
     from tokenmill.kernels import cpu_int4pack
+    from tokenmill.kernels.cpu_features import fbgemm_fp16_rows
     from tokenmill.layers.quantization import gguf_cpu
-    from tokenmill.layers.quantization.gguf_cpu import DENSE_MIN_ROWS, DENSE_MIN_ROWS_AMX, WT_MAX_ROWS
-    monkeypatch.setattr(gguf_cpu, "fast_bf16_matmul", lambda: bf16_hardware)
+    from tokenmill.layers.quantization.gguf_cpu import (DENSE_MIN_ROWS, DENSE_MIN_ROWS_AMX, DENSE_MIN_ROWS_FP16,
+                                                        WT_MAX_ROWS)
+    if copy == "fp16" and not fbgemm_fp16_rows():
+        pytest.skip("FBGEMM's fp16-weight linear does not run here")
+    monkeypatch.setattr(gguf_cpu, "fast_bf16_matmul", lambda: copy == "bf16")
+    monkeypatch.setattr(gguf_cpu, "fbgemm_fp16_rows", lambda: 6 if copy == "fp16" else 0)
     monkeypatch.setattr(gguf_cpu, "cpu_flags", lambda: frozenset({"amx_bf16"}))
     n, k = 80, 256
     raw = _blocks(type_name, n, k, seed=3)
     method, layer = _layer(type_name, raw, n, k)
-    first = DENSE_MIN_ROWS_AMX if bf16_hardware else DENSE_MIN_ROWS   # an fp32 copy starts later, AMX or not
+    first = {"bf16": DENSE_MIN_ROWS_AMX, "fp16": DENSE_MIN_ROWS_FP16, "fp32": DENSE_MIN_ROWS}[copy]
     assert layer.gguf_dense_min_rows == first
     below = torch.randn(first - 1, k, generator=torch.Generator().manual_seed(1)).bfloat16()
     kernel_below = cpu_int4pack.mm(below, layer.packed, layer.scales_zeros)[:, :n]
@@ -102,8 +108,11 @@ def test_many_rows_run_a_dense_copy_of_the_int4_kernels_own_weights(type_name, b
         kernel = cpu_int4pack.mm(x, layer.packed, layer.scales_zeros)[:, :n]
         # same weights, each rounded to bf16 once: within bf16 output rounding of the kernel's product
         assert (y.float() - kernel.float()).abs().max().item() <= 1e-2 * kernel.float().abs().max().item()
-    dense_dtype = torch.bfloat16 if bf16_hardware else torch.float32
-    assert layer.dense.dtype == dense_dtype and layer.dense.shape == (n, k)
+    if copy == "fp16":
+        assert layer.gguf_dense_fp16 is not None and "dense" not in layer._parameters
+    else:
+        dense_dtype = torch.bfloat16 if copy == "bf16" else torch.float32
+        assert layer.gguf_dense_fp16 is None and layer.dense.dtype == dense_dtype and layer.dense.shape == (n, k)
 
 
 def test_fp32_activations_come_back_fp32_and_3d_inputs_keep_their_shape():
