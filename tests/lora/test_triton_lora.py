@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from tests.kernels.kernel_check import check_pdl_chain, compile_for_sm90
+from tokenmill.kernels.triton_gemv import _counters
 from tokenmill.lora.ops import build_lora_map, lora_delta_ref, map_groups
-from tokenmill.lora.triton_ops import lora_delta_triton, map_to_device
+from tokenmill.lora.triton_ops import lora_delta_triton, map_to_device, max_tiles
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -20,6 +21,18 @@ def test_lora_map_lists_each_slots_tokens_in_order():
     assert [(s, r.tolist()) for s, r in map_groups(m, 4)] == [(0, [2, 3]), (1, [6]), (2, [1, 5])]
     assert build_lora_map(np.array([-1, -1]), 3).tolist() == [0, 0, 0, 0]
     assert build_lora_map(np.array([], dtype=np.int64), 2).tolist() == [0, 0, 0]
+
+
+def test_the_grid_covers_every_split_of_the_tokens_between_slots():
+    """The kernels' row-tile axis has max_tiles programs whatever the step's adapters; a tile past it would be
+    dropped silently, so the bound must hold for every split of the tokens between slots (and be reached)."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        t, s, bm = int(rng.integers(1, 200)), int(rng.integers(1, 9)), int(rng.choice([16, 64]))
+        slots = rng.integers(-1, s, t)
+        counts = np.bincount(slots[slots >= 0], minlength=s)
+        assert sum(-(-c // bm) for c in counts) <= max_tiles(t, s, bm)
+    assert [max_tiles(17, 2, 16), max_tiles(2, 8, 16), max_tiles(1, 8, 16), max_tiles(40, 3, 16)] == [2, 2, 1, 5]
 
 
 # A prefill chunk under slot 1 longer than a row tile, decode rows of several slots, tokens without adapters; the
@@ -51,6 +64,8 @@ def test_triton_matches_the_reference(rank, dtype, slots, sizes):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 10)
     assert torch.equal(got[slots < 0], y0[slots < 0])
     assert not torch.equal(got[slots >= 0], y0[slots >= 0])
+    # The splits' arrival counters are back at zero for the next call (or graph replay).
+    assert not _counters(got.device, "lora").any()
 
 
 def test_an_empty_map_leaves_the_output_alone():
@@ -88,14 +103,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tokenmill.lora.triton_ops import _expand_kernel, _shrink_kernel
-common = {"map_ptr": "*i32", "h_split_stride": "i32", "h_stride": "i32", "NUM_SLOTS": "constexpr",
+common = {"map_ptr": "*i32", "h_stride": "i32", "NUM_SLOTS": "constexpr", "SLOTS_P2": "constexpr",
           "BLOCK_M": "constexpr", "BLOCK_R": "constexpr", "IEEE": "constexpr", "PDL": "constexpr"}
-shrink = dict(common, x_ptr="*bf16", a_ptr="*bf16", h_ptr="*fp32", K="i32", R_TOT="i32", K_PER="i32",
-              x_stride="i32", a_slot_stride="i32", a_row_stride="i32", BLOCK_K="constexpr")
-expand = dict(common, h_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16", R="i32", SPLITS="i32", b_slot_stride="i32",
+shrink = dict(common, x_ptr="*bf16", a_ptr="*bf16", h_ptr="*fp32", ws_ptr="*fp32", cnt_ptr="*i32", K="i32",
+              R_TOT="i32", K_PER="i32", x_stride="i32", a_slot_stride="i32", a_row_stride="i32",
+              ws_split_stride="i32", BLOCK_K="constexpr")
+expand = dict(common, h_ptr="*fp32", b_ptr="*bf16", y_ptr="*bf16", R="i32", b_slot_stride="i32",
               b_row_stride="i32", y_stride="i32", n0="i32", n1="i32", n2="i32", nb0="i32", nb01="i32",
               BLOCK_N="constexpr")
-c = {"NUM_SLOTS": 8, "BLOCK_M": 16, "BLOCK_R": 64, "IEEE": False, "PDL": 1}
+c = {"NUM_SLOTS": 8, "SLOTS_P2": 8, "BLOCK_M": 16, "BLOCK_R": 64, "IEEE": False, "PDL": 1}
 variants = [(_shrink_kernel, shrink, dict(c, BLOCK_K=64)), (_expand_kernel, expand, dict(c, BLOCK_N=64))]
 for fn, sig, c in variants:
     sig = {k: sig[k] for k in fn.arg_names}

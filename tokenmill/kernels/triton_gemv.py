@@ -332,18 +332,20 @@ def _gemv_epilogue_silu(acc, ssum, b_ptr, y_ptr, offs_m, m_mask, rows, pid_n, N,
 
 
 # ----------------------------------------------------------------------------------------------------------- host
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
-def _counters(device: torch.device) -> torch.Tensor:
-    buf = _COUNTERS.get(device)
+def _counters(device: torch.device, user: str = "gemv") -> torch.Tensor:
+    """The zeroed arrival counters of split-K launches on `device`. Kernels that may run at the same time (on two
+    streams) need different `user`s; kernels of one stream share a buffer, each leaving it zeroed."""
+    buf = _COUNTERS.get((device, user))
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # A zeros() inside a capture would only run at replay: graphs replayed in another order would start
             # from garbage counters.
-            raise RuntimeError("triton_gemv: run gemv once outside CUDA-graph capture (warm-up) before capturing "
-                               "a graph that uses split-K.")
-        buf = _COUNTERS[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+            raise RuntimeError(f"split-K counters ({user}): run the kernel once outside CUDA-graph capture "
+                               "(warm-up) before capturing a graph that uses it.")
+        buf = _COUNTERS[(device, user)] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
     return buf
 
 

@@ -28,7 +28,8 @@ from tokenmill.distributed.communication_op import tensor_model_parallel_all_red
 from tokenmill.layers.quantization.base import LinearMethod, LinearShape, QuantizationConfig
 from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
 
-# delta(x, y) adds this layer's extra output for input rows x into y in place (y = x W^T + b on this rank).
+# delta(x, y) adds this layer's extra output for input rows x into y in place (y = x W^T + b on this rank). A delta
+# with a `prepare(x)` method gets x before the product runs too, to start the work that needs only x beside it.
 OutputDelta = Callable[[torch.Tensor, torch.Tensor], None]
 
 
@@ -109,9 +110,14 @@ class LinearBase(nn.Module):
         self.output_delta = delta
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        delta = self.output_delta
+        if delta is None:
+            return self.quant_method.apply(self, x, bias)
+        prepare = getattr(delta, "prepare", None)
+        if prepare is not None:
+            prepare(x)
         y = self.quant_method.apply(self, x, bias)
-        if self.output_delta is not None:
-            self.output_delta(x, y)
+        delta(x, y)
         return y
 
 

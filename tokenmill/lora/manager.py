@@ -112,6 +112,7 @@ class LoRAModelManager:
         # On CUDA the Triton kernels read the step's lora map from a device buffer and stay attached (the graphs
         # are captured with them); elsewhere the torch reference runs by group, attached for steps with adapters.
         self.use_triton = False
+        self._side: torch.cuda.Stream | None = None
         self._map_cap = config.max_loras + 1 + max_num_tokens
         self.set_kernels(device.type == "cuda")
         self.loads = 0  # adapters read from disk (the host LRU's misses)
@@ -255,6 +256,12 @@ class LoRAModelManager:
             for ls in self.layers.values():
                 ls.layer.set_output_delta(None)
 
+    def side_stream(self) -> torch.cuda.Stream:
+        """The stream the deltas' shrinks run on beside the products inside CUDA graphs (_TritonDelta)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
     def _stage(self, lora_map: np.ndarray) -> None:
         """Copy the step's map into the device buffer the deltas (and the graphs) read, through the next pinned
         host buffer of a ring: the engine has at most one step in flight, so a buffer is free again long before
@@ -274,12 +281,35 @@ class LoRAModelManager:
 
     def _delta(self, ls: _LayerSlots):
         if self.use_triton:
-            from tokenmill.lora.triton_ops import lora_delta_triton
-
-            def delta(x: torch.Tensor, y: torch.Tensor) -> None:
-                lora_delta_triton(x, y, self._map_dev, ls.a, ls.b, ls.sizes, ls.rank)
-            return delta
+            return _TritonDelta(self, ls)
 
         def delta(x: torch.Tensor, y: torch.Tensor) -> None:
             lora_delta_ref(x, y, self._groups, ls.a, ls.b, ls.sizes, ls.rank)
         return delta
+
+
+class _TritonDelta:
+    """One layer's delta on CUDA: the shrink, then the expand into the product's output.
+
+    While a CUDA graph is being captured, `prepare` queues the shrink on a side stream before the product, so in the
+    replayed graph the shrink (which needs only x) runs beside the product instead of after it; the expand waits
+    for both. Eager steps keep one stream, so they pay no per-layer fork and join on the host."""
+
+    def __init__(self, manager: LoRAModelManager, ls: _LayerSlots) -> None:
+        self.manager, self.ls = manager, ls
+        self._h: torch.Tensor | None = None
+
+    def prepare(self, x: torch.Tensor) -> None:
+        from tokenmill.lora.triton_ops import lora_shrink_triton
+        self._h = None
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._h = lora_shrink_triton(x, self.manager._map_dev, self.ls.a, stream=self.manager.side_stream())
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        from tokenmill.lora.triton_ops import lora_expand_triton, lora_shrink_triton
+        h, self._h = self._h, None
+        if h is None:
+            h = lora_shrink_triton(x, self.manager._map_dev, self.ls.a)
+        else:
+            torch.cuda.current_stream(y.device).wait_stream(self.manager.side_stream())
+        lora_expand_triton(h, y, self.manager._map_dev, self.ls.b, self.ls.sizes, self.ls.rank)

@@ -3,13 +3,17 @@
 Both read the step's lora map (lora/ops.py: per slot, the offsets of its tokens in a list of token indices sorted
 by slot) from one device buffer that the host fills before the forward. Their grids depend only on the number of
 tokens, the layer's shapes and the number of slots, never on which adapters the step holds, so the same launches
-sit inside the CUDA graphs: program (m, ., s) takes tokens m * BLOCK_M ... of slot s's list and returns at once
-when the list is shorter (a slot the step does not use, a token without an adapter).
+sit inside the CUDA graphs. Each slot's list is cut into tiles of BLOCK_M tokens, numbered slot after slot; the
+grid's first axis has one program per possible tile (at most cdiv(tokens, BLOCK_M) + slots - 1, whatever the
+split between slots), program (m, .) finds its tile's slot from the map's offsets and returns at once when the
+step has fewer tiles (slots the step does not use cost nothing, a token without an adapter is in no list).
 
 The shrink computes h[t] = x[t] A[s]^T for every output slice at once (A stacks the slices' ranks: [S * R, in]),
-split over K into fp32 partials [splits, T, S * R] so a decode batch of one token still spreads over the SMs; the
-expand sums the partials in a fixed order (deterministic) and adds h[t, slice j] B[s, slice j]^T into y, one
-column block of one slice per program.
+split over K so a decode batch of one token still spreads over the SMs: each split writes an fp32 partial and bumps
+its row tile's arrival counter, and the split that arrives last sums the partials in split order (deterministic)
+into h [T, S * R], so no expand program re-reads the partials (at decode sizes they outweigh B itself). The shrink
+needs only x, so the layers may run it on a side stream beside the base product (lora/manager.py). The expand adds
+h[t, slice j] B[s, slice j]^T into y, one column block of one slice per program.
 """
 from __future__ import annotations
 
@@ -21,11 +25,25 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.pdl import launch_kwargs, pdl_wait
+from tokenmill.kernels.triton_gemv import _MAX_SPLIT_TILES, _counters
 
-# Shrink partials per row tile: enough programs to cover the SMs at decode batch sizes; more would make every
-# expand program sum more partials than the shrink saved.
+# Shrink partials per row tile: enough programs to cover the SMs at decode batch sizes.
 MAX_SPLITS = 16
 MAX_SLICES = 3  # q, k, v of a fused qkv_proj
+
+
+@triton.jit
+def _tile_slot(map_ptr, tile, NUM_SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(slot, first list position, idle) of tile `tile`: slot s owns cdiv(count_s, BLOCK_M) tiles, slot order."""
+    s = tl.arange(0, SLOTS_P2)
+    lo = tl.load(map_ptr + s, mask=s < NUM_SLOTS, other=0)
+    hi = tl.load(map_ptr + s + 1, mask=s < NUM_SLOTS, other=0)
+    n = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    end = tl.cumsum(n, 0)
+    own = (tile >= end - n) & (tile < end)  # at most one slot owns the tile
+    slot = tl.sum(tl.where(own, s, 0), 0)
+    first = tl.sum(tl.where(own, lo + (tile - (end - n)) * BLOCK_M, 0), 0)
+    return slot, first, tl.sum(own.to(tl.int32), 0) == 0
 
 
 @triton.jit
@@ -60,11 +78,28 @@ def _shrink_part(x_ptr, a_ptr, rows, valid, slot, R_TOT, k_lo, k_hi, x_stride, a
 
 
 @triton.jit
-def _store_part(h_ptr, acc, split, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_R: tl.constexpr):
-    """A shrink partial into h[split, rows] (R_TOT columns)."""
+def _store_h(h_ptr, ws_ptr, cnt_ptr, acc, tile, split, rows, valid, R_TOT, ws_split_stride, h_stride,
+             BLOCK_R: tl.constexpr):
+    """h[rows] = the sum of the splits' partials (R_TOT columns): the last split of the row tile to arrive adds them
+    in split order and resets the tile's counter for the next call or graph replay."""
     r = tl.arange(0, BLOCK_R)
-    hp = h_ptr + split * h_split_stride + rows * h_stride
-    tl.store(hp[:, None] + r[None, :], acc, mask=valid[:, None] & (r[None, :] < R_TOT))
+    off = rows[:, None] * h_stride + r[None, :]
+    mask = valid[:, None] & (r[None, :] < R_TOT)
+    splits = tl.num_programs(1)
+    if splits == 1:
+        tl.store(h_ptr + off, acc, mask=mask)
+    else:
+        tl.store(ws_ptr + split * ws_split_stride + off, acc, mask=mask)
+        # Every thread's partial store must precede the (single-thread) release of the arrival counter.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == splits - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in range(0, splits):
+                # .cg: the other programs' partials are in L2; an L1 line could be stale.
+                total += tl.load(ws_ptr + s * ws_split_stride + off, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(h_ptr + off, total, mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 @triton.jit
@@ -79,15 +114,12 @@ def _expand_cols(blk, n0, n1, n2, nb0, nb01, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, SPLITS, h_split_stride, h_stride, y_stride,
-                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
-    """y[rows, c] += (sum of the SPLITS partials of h[rows, slice j]) bt, bt = B[slot, c, :]^T."""
+def _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, h_stride, y_stride, BLOCK_R: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """y[rows, c] += h[rows, slice j] bt, bt = B[slot, c, :]^T."""
     r = tl.arange(0, BLOCK_R)
-    hmask = valid[:, None] & (r[None, :] < R)
-    hp = h_ptr + rows[:, None] * h_stride + (j * R + r)[None, :]
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for s in range(0, SPLITS):
-        h += tl.load(hp + s * h_split_stride, mask=hmask, other=0.0)
+    h = tl.load(h_ptr + rows[:, None] * h_stride + (j * R + r)[None, :], mask=valid[:, None] & (r[None, :] < R),
+                other=0.0)
     if IEEE:
         d = tl.dot(h.to(bt.dtype), bt, input_precision="ieee")
     else:
@@ -109,15 +141,15 @@ def _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R: tl.con
 # padded to 16 floats, so its strides always divide by 16; a count of one split is not specialized), so the graph
 # capture and the profile run compile every variant a server meets: none compiles mid-serving.
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, K, R_TOT, K_PER, x_stride, a_slot_stride, a_row_stride,
-                   h_split_stride, h_stride, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    tile, split, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    first = tl.load(map_ptr + slot) + tile * BLOCK_M
-    idle = first >= tl.load(map_ptr + slot + 1)
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, map_ptr, K, R_TOT, K_PER, x_stride, a_slot_stride,
+                   a_row_stride, ws_split_stride, h_stride, NUM_SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr):
+    tile, split = tl.program_id(0), tl.program_id(1)
+    slot, first, idle = _tile_slot(map_ptr, tile, NUM_SLOTS, SLOTS_P2, BLOCK_M)
     # An idle program returns before the PDL wait, except program 0: its wait makes this grid's completion imply
     # the previous kernel's, which the next kernel relies on when the step has no adapter tokens at all.
-    if idle & (tile + split + slot > 0):
+    if idle & (tile + split > 0):
         return
     pdl_wait(PDL)  # x is the previous kernel's output; the map was copied in before the forward
     if idle:
@@ -126,17 +158,16 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, map_ptr, K, R_TOT, K_PER, x_stride, a_sl
     k_lo = split * K_PER
     acc = _shrink_part(x_ptr, a_ptr, rows, valid, slot, R_TOT, k_lo, tl.minimum(k_lo + K_PER, K), x_stride,
                        a_slot_stride, a_row_stride, BLOCK_M, BLOCK_R, BLOCK_K, IEEE)
-    _store_part(h_ptr, acc, split, rows, valid, R_TOT, h_split_stride, h_stride, BLOCK_R)
+    _store_h(h_ptr, ws_ptr, cnt_ptr, acc, tile, split, rows, valid, R_TOT, ws_split_stride, h_stride, BLOCK_R)
 
 
-@triton.jit(do_not_specialize=["SPLITS"])
-def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, SPLITS, h_split_stride, h_stride, b_slot_stride, b_row_stride,
-                   y_stride, n0, n1, n2, nb0, nb01, NUM_SLOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+@triton.jit
+def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, h_stride, b_slot_stride, b_row_stride, y_stride, n0, n1, n2,
+                   nb0, nb01, NUM_SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    tile, blk, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    first = tl.load(map_ptr + slot) + tile * BLOCK_M
-    idle = first >= tl.load(map_ptr + slot + 1)
-    if idle & (tile + blk + slot > 0):  # as in the shrink: program 0 always waits
+    tile, blk = tl.program_id(0), tl.program_id(1)
+    slot, first, idle = _tile_slot(map_ptr, tile, NUM_SLOTS, SLOTS_P2, BLOCK_M)
+    if idle & (tile + blk > 0):  # as in the shrink: program 0 always waits
         return
     if idle:
         pdl_wait(PDL)
@@ -145,8 +176,7 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, map_ptr, R, SPLITS, h_split_stride, h_st
     j, c, end = _expand_cols(blk, n0, n1, n2, nb0, nb01, BLOCK_N)
     bt = _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R)
     pdl_wait(PDL)  # h is the shrink's output, y the product's
-    _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, SPLITS, h_split_stride, h_stride, y_stride,
-                 BLOCK_M, BLOCK_R, IEEE)
+    _expand_part(h_ptr, bt, y_ptr, rows, valid, j, c, end, R, h_stride, y_stride, BLOCK_R, IEEE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,41 +186,78 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                      sizes: list[int], rank: int) -> None:
-    """lora/ops.lora_delta_ref's contract, the map as a device int32 tensor (x, y: 2-D, rows contiguous)."""
+def max_tiles(tokens: int, slots: int, block_m: int) -> int:
+    """The most row tiles `tokens` tokens make when split between `slots` lists: k non-empty lists make
+    k + sum((count - 1) // block_m) <= k + (tokens - k) // block_m tiles, most with every slot used."""
+    k = min(slots, tokens)
+    return max(1, k + (tokens - k) // block_m)
+
+
+def _block_m(tokens: int) -> int:
+    return 16 if tokens <= 64 else 64
+
+
+def lora_shrink_triton(x: torch.Tensor, lora_map: torch.Tensor, a: torch.Tensor,
+                       stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """h [T, R_TOT padded to 16] fp32 = every adapter token's x A[slot]^T (other rows left unset), for
+    lora_expand_triton. With `stream` the kernel runs there, after the work queued so far on the current stream
+    (h and the workspace are the current stream's memory; the caller makes it wait for `stream` before using h)."""
     if x.stride(1) != 1:
         x = x.contiguous()
-    if y.stride(1) != 1:
-        raise ValueError("lora_delta_triton: y's rows must be contiguous.")
-    if len(sizes) > MAX_SLICES:
-        raise ValueError(f"lora_delta_triton: at most {MAX_SLICES} output slices, got {len(sizes)}.")
     T, K = x.shape
-    S = a.shape[0]
-    r_tot = a.shape[1]
-    ieee = a.dtype == torch.float32
-    block_m = 16 if T <= 64 else 64
-    tiles = triton.cdiv(T, block_m)
-    block_k = 64
+    S, r_tot = a.shape[0], a.shape[1]
+    block_m, block_k = _block_m(T), 64
+    tiles, work_tiles = max_tiles(T, S, block_m), triton.cdiv(T, block_m)
     dev = x.device.index if x.device.type == "cuda" else 0
-    splits = max(1, min(MAX_SPLITS, (2 * _num_sms(dev)) // tiles, triton.cdiv(K, 4 * block_k)))
+    splits = max(1, min(MAX_SPLITS, (2 * _num_sms(dev)) // work_tiles, triton.cdiv(K, 4 * block_k)))
+    if tiles > _MAX_SPLIT_TILES:
+        splits = 1
     k_per = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     splits = triton.cdiv(K, k_per)
-    pdl = launch_kwargs(x.device, "lora")
     # Rows padded to 16 floats, so every row and split starts 64-byte aligned (an odd row stride leaves the
     # partials' loads and stores unvectorized)
-    h = torch.empty(splits, T, triton.cdiv(r_tot, 16) * 16, dtype=torch.float32, device=x.device)
+    ws = torch.empty(splits + 1, T, triton.cdiv(r_tot, 16) * 16, dtype=torch.float32, device=x.device)
+    # Counters of their own: the shrink may run on a side stream beside a split-K product (lora/manager.py).
+    h, cnt = ws[splits], _counters(x.device, "lora")
+    launch = lambda: _shrink_kernel[(tiles, splits)](  # noqa: E731
+        x, a, h, ws, cnt, lora_map, K, r_tot, k_per, x.stride(0), a.stride(0), a.stride(1), ws.stride(0),
+        h.stride(0), NUM_SLOTS=S, SLOTS_P2=triton.next_power_of_2(S), BLOCK_M=block_m,
+        BLOCK_R=max(16, triton.next_power_of_2(r_tot)), BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
+        **launch_kwargs(x.device, "lora"))
+    if stream is None:
+        launch()
+    else:
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):
+            launch()
+    return h
+
+
+def lora_expand_triton(h: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, b: torch.Tensor,
+                       sizes: list[int], rank: int) -> None:
+    """y[t] += h[t, slice j] B[slot, slice j]^T for every adapter token t and output slice j (y: rows contiguous)."""
+    if y.stride(1) != 1:
+        raise ValueError("lora_expand_triton: y's rows must be contiguous.")
+    if len(sizes) > MAX_SLICES:
+        raise ValueError(f"lora_expand_triton: at most {MAX_SLICES} output slices, got {len(sizes)}.")
+    T, S = y.shape[0], b.shape[0]
+    block_m = _block_m(T)
     block_n = 64 if T <= 64 else 128
     n = list(sizes) + [0] * (MAX_SLICES - len(sizes))
     nb = [triton.cdiv(v, block_n) for v in n]
-    block_rt, block_r = max(16, triton.next_power_of_2(r_tot)), max(16, triton.next_power_of_2(rank))
-    _shrink_kernel[(tiles, splits, S)](
-        x, a, h, lora_map, K, r_tot, k_per, x.stride(0), a.stride(0), a.stride(1), h.stride(0), h.stride(1),
-        NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_rt, BLOCK_K=block_k, IEEE=ieee, **pdl)
-    _expand_kernel[(tiles, sum(nb), S)](
-        h, b, y, lora_map, rank, splits, h.stride(0), h.stride(1), b.stride(0), b.stride(1), y.stride(0), n[0], n[1],
-        n[2], nb[0], nb[0] + nb[1], NUM_SLOTS=S, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, IEEE=ieee,
-        **pdl)
+    _expand_kernel[(max_tiles(T, S, block_m), sum(nb))](
+        h, b, y, lora_map, rank, h.stride(0), b.stride(0), b.stride(1), y.stride(0), n[0], n[1], n[2], nb[0],
+        nb[0] + nb[1], NUM_SLOTS=S, SLOTS_P2=triton.next_power_of_2(S), BLOCK_M=block_m,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_N=block_n, IEEE=b.dtype == torch.float32,
+        **launch_kwargs(y.device, "lora"))
+
+
+def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      sizes: list[int], rank: int) -> None:
+    """lora/ops.lora_delta_ref's contract, the map as a device int32 tensor (x, y: 2-D, rows contiguous)."""
+    if y.stride(1) != 1:
+        raise ValueError("lora_delta_triton: y's rows must be contiguous.")
+    lora_expand_triton(lora_shrink_triton(x, lora_map, a), y, lora_map, b, sizes, rank)
 
 
 def map_to_device(lora_map: np.ndarray, device: torch.device) -> torch.Tensor:
