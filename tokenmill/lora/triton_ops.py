@@ -4,9 +4,9 @@ Both read the step's lora map (lora/ops.py: per slot, the offsets of its tokens 
 by slot) from one device buffer that the host fills before the forward. Their grids depend only on the number of
 tokens, the layer's shapes and the number of slots, never on which adapters the step holds, so the same launches
 sit inside the CUDA graphs. Each slot's list is cut into tiles of BLOCK_M tokens, numbered slot after slot; the
-grid's first axis has one program per possible tile (at most cdiv(tokens, BLOCK_M) + slots - 1, whatever the
-split between slots), program (m, .) finds its tile's slot from the map's offsets and returns at once when the
-step has fewer tiles (slots the step does not use cost nothing, a token without an adapter is in no list).
+grid's first axis has one program per possible tile (`max_tiles`: the most any split of the tokens between the
+slots makes), program (m, .) finds its tile's slot from the map's offsets and returns at once when the step has
+fewer tiles (slots the step does not use cost nothing, a token without an adapter is in no list).
 
 The shrink computes h[t] = x[t] A[s]^T for every output slice at once (A stacks the slices' ranks: [S * R, in]),
 split over K so a decode batch of one token still spreads over the SMs: each split writes an fp32 partial and bumps
@@ -138,8 +138,8 @@ def _load_b(b_ptr, slot, c, end, R, b_slot_stride, b_row_stride, BLOCK_R: tl.con
 
 
 # No argument that varies with the step's token count takes a specialization that depends on it (h's rows are
-# padded to 16 floats, so its strides always divide by 16; a count of one split is not specialized), so the graph
-# capture and the profile run compile every variant a server meets: none compiles mid-serving.
+# padded to 16 floats, so its strides always divide by 16; the split count is the grid's, read at run time), so
+# the graph capture and the profile run compile every variant a server meets: none compiles mid-serving.
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, ws_ptr, cnt_ptr, map_ptr, K, R_TOT, K_PER, x_stride, a_slot_stride,
                    a_row_stride, ws_split_stride, h_stride, NUM_SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr,
@@ -254,9 +254,7 @@ def lora_expand_triton(h: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor,
 
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, lora_map: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       sizes: list[int], rank: int) -> None:
-    """lora/ops.lora_delta_ref's contract, the map as a device int32 tensor (x, y: 2-D, rows contiguous)."""
-    if y.stride(1) != 1:
-        raise ValueError("lora_delta_triton: y's rows must be contiguous.")
+    """lora/ops.lora_delta_ref's contract, the map as a device int32 tensor (x, y: 2-D, y's rows contiguous)."""
     lora_expand_triton(lora_shrink_triton(x, lora_map, a), y, lora_map, b, sizes, rank)
 
 
