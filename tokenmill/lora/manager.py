@@ -296,20 +296,20 @@ class _TritonDelta:
     for both. Eager steps keep one stream, so they pay no per-layer fork and join on the host."""
 
     def __init__(self, manager: LoRAModelManager, ls: _LayerSlots) -> None:
+        from tokenmill.lora.triton_ops import lora_expand_triton, lora_shrink_triton
         self.manager, self.ls = manager, ls
+        self._shrink, self._expand = lora_shrink_triton, lora_expand_triton
         self._h: torch.Tensor | None = None
 
     def prepare(self, x: torch.Tensor) -> None:
-        from tokenmill.lora.triton_ops import lora_shrink_triton
         self._h = None
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            self._h = lora_shrink_triton(x, self.manager._map_dev, self.ls.a, stream=self.manager.side_stream())
+            self._h = self._shrink(x, self.manager._map_dev, self.ls.a, stream=self.manager.side_stream())
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        from tokenmill.lora.triton_ops import lora_expand_triton, lora_shrink_triton
         h, self._h = self._h, None
         if h is None:
-            h = lora_shrink_triton(x, self.manager._map_dev, self.ls.a)
+            h = self._shrink(x, self.manager._map_dev, self.ls.a)
         else:
             torch.cuda.current_stream(y.device).wait_stream(self.manager.side_stream())
-        lora_expand_triton(h, y, self.manager._map_dev, self.ls.b, self.ls.sizes, self.ls.rank)
+        self._expand(h, y, self.manager._map_dev, self.ls.b, self.ls.sizes, self.ls.rank)
