@@ -54,3 +54,26 @@ def test_text_offsets_of_a_stop_string_cut_stay_inside_the_text(detok_client):
     assert one.text == "Hello 世界 ok, 你好" and one.finish_reason == "stop"
     assert streamed == (one.text, one.logprobs.tokens, one.logprobs.token_logprobs, one.logprobs.text_offset, "stop")
     assert all(o <= len(one.text) for o in one.logprobs.text_offset)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_of_a_truncated_prompt_shows_the_tokens_the_model_saw(make_client, smollm2_tokenizer, stream):
+    import openai
+    c, engine = make_client()
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=c, max_retries=0)
+    prompt = "one two three four five six"
+    kept = smollm2_tokenizer.encode(prompt)[-3:]
+    kw = dict(model="fake-model", prompt=prompt, max_tokens=2, echo=True, logprobs=0,
+              extra_body={"truncate_prompt_tokens": 3})
+    if stream:
+        got = collect(oai.completions.create(stream=True, **kw))[0]
+        text, tokens, offsets = got[0], got[1], got[3]
+    else:
+        r = oai.completions.create(**kw)
+        text, tokens, offsets = r.choices[0].text, r.choices[0].logprobs.tokens, r.choices[0].logprobs.text_offset
+        assert r.usage.prompt_tokens == 3
+    assert engine.calls[-1][0]["prompt_token_ids"] == kept
+    assert text.startswith(smollm2_tokenizer.decode(kept)) and not text.startswith("one")
+    assert tokens[:3] == [smollm2_tokenizer.decode([t]) for t in kept]
+    for token, offset in zip(tokens, offsets):
+        assert text[offset:].startswith(token), (token, offset, text)

@@ -135,7 +135,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 ids = list(item)
                 self.check_token_ids(ids)
                 text = None
-            ids = self.truncate(ids, request.truncate_prompt_tokens, self.max_model_len)
+            kept = self.truncate(ids, request.truncate_prompt_tokens, self.max_model_len)
+            if len(kept) < len(ids):
+                # The model sees only the kept tokens: echo (and its logprobs' tokens and offsets) shows those.
+                ids, text = kept, None
             if not ids:
                 raise ServingError("The prompt is empty; give at least one token.", 400, "prompt")
             out.append((text, ids))
