@@ -320,3 +320,27 @@ def test_forced_tool_calls_after_reasoning(make_client, think_tokenizer, parser,
     whole = [(t.function.name, json.loads(t.function.arguments)) for t in one.message.tool_calls]
     assert whole == [("get_weather", {"city": '北京 "朝阳"', "days": 3})]
     assert [(calls[i][0], json.loads(calls[i][1])) for i in sorted(calls)] == whole
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize("parameters", [None, {}])
+def test_forced_call_to_a_function_without_parameters_gets_empty_arguments(make_client, smollm2_tokenizer, choice,
+                                                                          parameters):
+    """OpenAI: omitting parameters defines a function with an empty parameter list, so the grammar must refuse
+    invented arguments (a client calls get_time(**arguments))."""
+    from tokenmill.structured.backend_xgrammar import GrammarCompiler, RequestGrammar
+    fn = {"name": "get_time"} if parameters is None else {"name": "get_time", "parameters": parameters}
+    c, engine = make_client()
+    r = c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [{"type": "function", "function": fn}],
+                                             "tool_choice": choice, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    so = engine.calls[-1][1].structured_outputs
+    required = choice == "required"
+    ok, invented = ('[{"name":"get_time","parameters":{}}]', '[{"name":"get_time","parameters":{"tz"') if required \
+        else ("{}", '{"tz"')
+    gc = GrammarCompiler(smollm2_tokenizer, vocab_size=len(smollm2_tokenizer))
+    try:
+        assert RequestGrammar(gc.compile_sync(so)).matcher.accept_string(ok)
+        assert not RequestGrammar(gc.compile_sync(so)).matcher.accept_string(invented)
+    finally:
+        gc.shutdown()

@@ -79,6 +79,16 @@ class ChoiceStream:
         return self._route(d.reasoning, d.content, final=True)
 
 
+# OpenAI: "Omitting parameters defines a function with an empty parameter list". A bare {"type": "object"} let a
+# forced call to such a function invent arguments, which break a client that calls fn(**arguments).
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema a forced call's arguments follow (None and {} both mean no parameters)."""
+    return dict(fn.get("parameters") or _NO_PARAMETERS)
+
+
 def forced_tool_schema(tools: list[dict] | None, tool_choice: Any,
                        max_calls: int | None = None) -> tuple[dict, str | None] | None:
     """tool_choice "required" or {"type": "function", "function": {"name": N}} -> (JSON schema the output must
@@ -95,7 +105,7 @@ def forced_tool_schema(tools: list[dict] | None, tool_choice: Any,
         defs: dict[str, dict[str, Any]] = {}
         items = []
         for name, fn in fns.items():
-            params = dict(fn.get("parameters") or {"type": "object"})
+            params = _parameters(fn)
             for key in ("$defs", "definitions"):
                 for def_name, def_schema in (params.pop(key, None) or {}).items():
                     if defs.setdefault(key, {}).setdefault(def_name, def_schema) != def_schema:
@@ -112,7 +122,7 @@ def forced_tool_schema(tools: list[dict] | None, tool_choice: Any,
     if name not in fns:
         raise ValueError(f"tool_choice names the function {name!r}, which is not in `tools` "
                          f"({', '.join(map(str, fns))}).")
-    return fns[name].get("parameters") or {"type": "object"}, name
+    return _parameters(fns[name]), name
 
 
 class _ArrayItems:
