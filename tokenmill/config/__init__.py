@@ -86,8 +86,6 @@ def _verify_hybrid(config: TokenmillConfig) -> None:
                        "rolled back)")
     if config.parallel_config.pipeline_parallel_size > 1:
         refused.append(f"pipeline_parallel_size={config.parallel_config.pipeline_parallel_size} (for the {kind})")
-    if config.lora_config is not None:
-        refused.append(f"enable_lora (LoRA on the {kind})")
     if refused:
         raise ValueError("Not supported yet: " + "; ".join(refused) + ".")
     if config.cache_config.enable_prefix_caching:

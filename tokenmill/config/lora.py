@@ -16,7 +16,10 @@ LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 # The projections an adapter may target, by the module names of HF checkpoints and the stacked names tokenmill
 # holds them under (a --lora-target-modules entry may use either).
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                  "gate_up_proj")
+                  "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_ba", "out_proj")
+# An HF module name -> the stacked projection tokenmill holds it in.
+_STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+            "up_proj": "gate_up_proj", "in_proj_b": "in_proj_ba", "in_proj_a": "in_proj_ba"}
 
 
 @dataclass
@@ -76,9 +79,7 @@ class LoRAConfig:
         """Whether adapters apply to the model's projection `module` (an HF or stacked module name)."""
         if not self.lora_target_modules:
             return True
-        stacked = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-                   "up_proj": "gate_up_proj"}
-        return module in self.lora_target_modules or stacked.get(module) in self.lora_target_modules
+        return module in self.lora_target_modules or _STACKED.get(module) in self.lora_target_modules
 
 
 @dataclass(frozen=True)

@@ -158,10 +158,12 @@ class Processor:
                                  f"({seen.lora_path}); give {lora.lora_name!r} another id.")
             return
         from tokenmill.lora.peft import read_adapter
+        from tokenmill.models.registry import get_model_class
         mc = self.config.model_config
         read_adapter(lora.lora_name, lora.lora_int_id, lora.lora_path, max_rank=lc.max_lora_rank,
                      text_config=mc.get_text_config(), served_names=[*mc.served_model_name, mc.model or ""],
-                     base_model_name=lora.base_model_name)
+                     base_model_name=lora.base_model_name,
+                     mapping=getattr(get_model_class(mc.architecture), "weight_mapping", None))
         self._loras[lora.lora_int_id] = lora
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,

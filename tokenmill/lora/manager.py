@@ -1,7 +1,8 @@
 """The worker's adapters: max_loras device slots, an LRU of max_cpu_loras adapters in host memory, and the output
 deltas that apply each token's adapter inside the model's linear layers.
 
-Every projection an adapter may target (q/k/v, o, gate/up, down, restricted by lora_target_modules) gets stacked
+Every projection an adapter may target (q/k/v, o, gate/up, down, and a Gated DeltaNet layer's in_proj_qkv, in_proj_z,
+in_proj_b/a and out_proj; restricted by lora_target_modules) gets stacked
 slot buffers once, at start (lora/ops.py's layout: the output slices of a fused qkv_proj or gate_up_proj share
 one A and one B), R = max_lora_rank, on this rank's share of the layer (column-parallel layers keep B's rows of
 their output slice, row-parallel ones A's columns of their input slice, so the partial products sum in the
@@ -35,7 +36,10 @@ from tokenmill.lora.request import LoRARequest
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # tokenmill's projection -> the module names an adapter may target it by.
 _LEAVES = {"qkv_proj": ("qkv_proj", "q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-           "gate_up_proj": ("gate_up_proj", "gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+           "gate_up_proj": ("gate_up_proj", "gate_proj", "up_proj"), "down_proj": ("down_proj",),
+           # Gated DeltaNet (Qwen3.5's linear attention)
+           "in_proj_qkv": ("in_proj_qkv",), "in_proj_z": ("in_proj_z",),
+           "in_proj_ba": ("in_proj_ba", "in_proj_b", "in_proj_a"), "out_proj": ("out_proj",)}
 
 
 class _LayerSlots:
@@ -135,7 +139,7 @@ class LoRAModelManager:
     def _read(self, lora: LoRARequest) -> LoRAAdapter:
         return read_adapter(lora.lora_name, lora.lora_int_id, lora.lora_path, max_rank=self.config.max_lora_rank,
                             text_config=self.text_config, served_names=self.served_names,
-                            base_model_name=lora.base_model_name)
+                            base_model_name=lora.base_model_name, mapping=self.mapping)
 
     def prefetch(self, lora: LoRARequest) -> None:
         """Start reading `lora` from disk in the background unless it is in the host LRU or being read."""
