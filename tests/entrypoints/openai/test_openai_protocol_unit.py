@@ -347,8 +347,12 @@ def test_chat_tools_and_unsupported(make_client):
     assert "--enable-auto-tool-choice" in err["message"]
     assert c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], "tool_choice": "required",
                                                 "max_tokens": 1}).status_code == 200
-    assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tool_choice": "required"}), 400,
-                 "tool_choice")
+    for choice in ("required", "auto", {"type": "function", "function": {"name": "f"}}):  # a choice among no tools
+        err = assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tool_choice": choice}), 400,
+                           "tool_choice")
+        assert "needs `tools`" in err["message"], choice
+    assert c.post("/v1/chat/completions", json={"messages": MSGS, "tool_choice": "none",
+                                                "max_tokens": 1}).status_code == 200
     assert_error(c.post("/v1/chat/completions", json={"messages": MSGS, "tools": [tool], "tool_choice": {
         "type": "function", "function": {"name": "nope"}}}), 400, "tool_choice")
     for extra in ({"logits_processors": ["my.Processor"]}, {"vllm_xargs": {"a": 1}}):

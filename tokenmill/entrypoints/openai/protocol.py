@@ -411,6 +411,8 @@ def _check_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any) -> Non
     if not ok:
         raise FieldError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                          f'{{"name": ...}}}}; got {tool_choice!r}.', "tool_choice")
+    if not tools and tool_choice not in (None, "none"):  # as OpenAI and vLLM: a choice among no tools is an error
+        raise FieldError(f"tool_choice {tool_choice!r} needs `tools` to be set.", "tool_choice")
 
 
 class ChatCompletionRequest(_SamplingRequest):
