@@ -61,7 +61,11 @@ def run_both(make_client, scripted, text, body, **frontend):
         d = ch[0]["delta"]
         content += d.get("content") or ""
         reasoning += d.get("reasoning_content") or ""
+        indices = [tc["index"] for tc in d.get("tool_calls") or []]
+        assert len(indices) == len(set(indices)), d  # one entry per call in a chunk, as OpenAI streams them
         for tc in d.get("tool_calls") or []:
+            if tc["index"] not in calls:  # a call's first delta names it, as clients expect
+                assert tc.get("id") and tc.get("type") == "function" and tc["function"].get("name"), tc
             entry = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
             entry["id"] = entry["id"] or tc.get("id")
             entry["name"] = entry["name"] or tc.get("function", {}).get("name")

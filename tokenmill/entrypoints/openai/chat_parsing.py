@@ -33,6 +33,21 @@ class StreamPiece:
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
 
+    def add_call(self, entry: dict[str, Any]) -> None:
+        """Append a tool-call delta, merged into the previous one of the same call: one chunk carries at most one
+        entry per call index, as OpenAI streams them (some clients keep only the first entry of an index)."""
+        last = self.tool_calls[-1] if self.tool_calls else None
+        if last is None or last["index"] != entry["index"] or ("id" in entry and "id" in last):
+            self.tool_calls.append(entry)
+            return
+        for key in ("id", "type"):
+            if key in entry:
+                last[key] = entry[key]
+        fn, new = last.setdefault("function", {}), entry.get("function", {})
+        if "name" in new:
+            fn["name"] = fn.get("name", "") + new["name"]
+        fn["arguments"] = fn.get("arguments", "") + new.get("arguments", "")
+
 
 class ChoiceStream:
     """One choice's streaming state: text -> (reasoning | content) -> (content | tool-call deltas)."""
@@ -63,7 +78,7 @@ class ChoiceStream:
                     entry["id"], entry["type"] = tc.id, "function"
                 if tc.name is not None:
                     entry["function"]["name"] = tc.name
-                piece.tool_calls.append(entry)
+                piece.add_call(entry)
         return piece
 
     def feed(self, delta_text: str) -> StreamPiece:

@@ -309,7 +309,8 @@ class OpenAIServingChat(OpenAIServing):
                             end = parsers[i].finish()
                             piece.content += end.content
                             piece.reasoning += end.reasoning
-                            piece.tool_calls += end.tool_calls
+                            for entry in end.tool_calls:
+                                piece.add_call(entry)
                             if parsers[i].tools_called and finish_reason == "stop" \
                                     and not self._named_choice(parsing):
                                 finish_reason = "tool_calls"
