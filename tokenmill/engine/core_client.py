@@ -170,8 +170,8 @@ class AsyncMPClient:
             engine = self.balancer.choose(reqs[0].prompt_token_ids, len(reqs))
             for r in reqs:
                 self._owner[r.request_id] = engine
-        for r in reqs:
-            await self._send(engine, [ADD, self.encoder.encode(r)])
+        # One message: the engine adds them all before its next step (engine/core_proc.py).
+        await self._send(engine, [ADD, *(self.encoder.encode(r) for r in reqs)])
         return engine
 
     async def _send(self, engine: int, frames: list[bytes]) -> None:

@@ -6,8 +6,9 @@ API server process) or REJECT {error}. After building the EngineCore it sends RE
 every output socket and on the handshake socket, or FAILED {rank, error, traceback} on the handshake socket. The
 handshake socket stays open: the head stops engines of other nodes by sending SHUTDOWN there.
 
-Client k -> engine, on input socket k: (kind, msgpack payload). ADD carries an EngineCoreRequest, ABORT a list of
-request ids, UTILITY a (call_id, method name, args) tuple, SHUTDOWN nothing. Engine -> client k, on output socket k:
+Client k -> engine, on input socket k: (kind, msgpack payload...). ADD carries the EngineCoreRequests of one user
+request (n > 1: its n sequences), one frame each, so they join the same step (a step that took one sequence alone
+would batch, and so round, the others differently: a seeded request would not repeat), ABORT a list of request ids, UTILITY a (call_id, method name, args) tuple, SHUTDOWN nothing. Engine -> client k, on output socket k:
 OUTPUTS carries EngineCoreOutputs (the outputs of client k's requests, plus the scheduler stats every client gets),
 UTILITY_RESULT (call_id, result, error text), READY as above, FAILED an error text.
 """
@@ -114,27 +115,32 @@ class EngineCoreProc:
         for sock in self.outputs:
             sock.send_multipart([READY, msg])
 
-    def _handle(self, kind: bytes, payload: bytes, client: int) -> None:
+    def _add(self, payload: bytes, client: int) -> None:
+        request_id = None
+        try:
+            # Decoding re-runs the sampling parameters' checks: a request they reject must end that request, not
+            # this process (and with it every other request).
+            request_id = _request_id(payload)
+            req = self.req_decoder.decode(payload)
+            self.core.add_request(req)
+        except Exception as e:  # the front end checks first; this is a last line of defence
+            logger.warning("Rejected request %s: %s", request_id, e)
+            if request_id is not None:
+                out = EngineCoreOutputs(outputs=[EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT,
+                                                                  stop_reason=str(e))],
+                                        engine_index=self.engine_index)
+                self.outputs[client].send_multipart([OUTPUTS, self.encoder.encode(out)])
+            return
+        if len(self.outputs) > 1:
+            self.client_of[req.request_id] = client
+
+    def _handle(self, kind: bytes, payloads: list[bytes], client: int) -> None:
         if kind == ADD:
-            request_id = None
-            try:
-                # Decoding re-runs the sampling parameters' checks: a request they reject must end that request,
-                # not this process (and with it every other request).
-                request_id = _request_id(payload)
-                req = self.req_decoder.decode(payload)
-                self.core.add_request(req)
-            except Exception as e:  # the front end checks first; this is a last line of defence
-                logger.warning("Rejected request %s: %s", request_id, e)
-                if request_id is not None:
-                    out = EngineCoreOutputs(outputs=[EngineCoreOutput(request_id, [],
-                                                                      finish_reason=FinishReason.ABORT,
-                                                                      stop_reason=str(e))],
-                                            engine_index=self.engine_index)
-                    self.outputs[client].send_multipart([OUTPUTS, self.encoder.encode(out)])
-                return
-            if len(self.outputs) > 1:
-                self.client_of[req.request_id] = client
-        elif kind == ABORT:
+            for payload in payloads:
+                self._add(payload, client)
+            return
+        payload = payloads[0]
+        if kind == ABORT:
             ids = msgspec.msgpack.decode(payload)
             self.core.abort_requests(ids)
             if self.client_of:
@@ -190,11 +196,11 @@ class EngineCoreProc:
                 if not events:
                     break
                 for sock, _ in events:
-                    kind, payload = sock.recv_multipart()
+                    kind, *payloads = sock.recv_multipart()
                     if sock is self.control:
                         self.running = self.running and kind != SHUTDOWN
                     else:
-                        self._handle(kind, payload, client_of_socket[sock])
+                        self._handle(kind, payloads, client_of_socket[sock])
                 timeout = 0
             if not self.running:
                 break
