@@ -24,7 +24,9 @@ ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 GDN = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
 TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], "qwen3_5": ATTN_MLP + GDN,
            # "qkv" is the vision tower's attention: skipped, since text requests never run it.
-           "qwen3_5_mm": ["q_proj", "v_proj", "down_proj", "qkv"] + GDN}
+           "qwen3_5_mm": ["q_proj", "v_proj", "down_proj", "qkv"] + GDN,
+           # The SigLIP tower has q/k/v projections too: peft adapts them as well, tokenmill skips them.
+           "gemma3_mm": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]}
 
 
 def _config(arch: str, vocab: int, bos: int, eos: int):
@@ -49,12 +51,24 @@ def _config(arch: str, vocab: int, bos: int, eos: int):
                                         out_hidden_size=64, patch_size=4, temporal_patch_size=1,
                                         num_position_embeddings=16)
         return tf.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    if arch == "gemma3_mm":
+        text = tf.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-5,
+                                   vocab_size=vocab, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos,
+                                   head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                   hidden_activation="gelu_pytorch_tanh", num_hidden_layers=3,
+                                   sliding_window_pattern=2)
+        vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=32, patch_size=8)
+        return tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                               image_token_index=vocab - 1, boi_token_index=vocab - 2, eoi_token_index=vocab - 3)
     raise ValueError(arch)
 
 
 def _hf_class(arch: str):
     import transformers as tf
-    return tf.Qwen3_5ForConditionalGeneration if arch == "qwen3_5_mm" else tf.AutoModelForCausalLM
+    return {"qwen3_5_mm": tf.Qwen3_5ForConditionalGeneration,
+            "gemma3_mm": tf.Gemma3ForConditionalGeneration}.get(arch, tf.AutoModelForCausalLM)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +88,7 @@ def family(tmp_path_factory, smollm2_tokenizer, tiny_model_factory):
         else:
             cfg = _config(arch, len(tok), tok.bos_token_id or 0, tok.eos_token_id)
             torch.manual_seed(1234)
-            model = (tf.Qwen3_5ForConditionalGeneration(cfg) if arch == "qwen3_5_mm"
+            model = (_hf_class(arch)(cfg) if arch.endswith("_mm")
                      else tf.AutoModelForCausalLM.from_config(cfg)).to(torch.float32)
             with torch.no_grad():  # (1 + w) norms start at 0: random ones make their form matter
                 for name, p in model.named_parameters():
@@ -112,7 +126,7 @@ def _peft_greedy(arch: str, base: str, adapter: str | None, prompts: list[list[i
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "qwen3_5", "qwen3_5_mm"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3_mm", "qwen3_5", "qwen3_5_mm"])
 def test_each_request_gets_its_own_adapters_tokens(arch, family):
     base, adapter = family(arch)
     llm = LLM(base, max_model_len=256, num_gpu_blocks_override=96, max_num_seqs=8, enable_lora=True, max_loras=1,
