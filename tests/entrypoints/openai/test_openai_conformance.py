@@ -360,9 +360,10 @@ def test_an_empty_body_says_so(client):
             assert err["message"] == "The request body is empty; send a JSON object.", (path, err)
 
 
-def test_tokenize_with_both_prompt_and_messages_is_a_400(client):
+def test_tokenize_with_both_prompt_and_messages_is_a_400(client, tm_log):
     err = assert_error(client.post("/tokenize", json={"prompt": "hi", "messages": MSGS}), 400, "prompt")
     assert "not both" in err["message"]
+    assert "ignored" not in tm_log.text  # refused, not first logged as an ignored field
 
 
 def test_an_empty_suffix_is_no_suffix_and_a_real_one_is_a_400(client):

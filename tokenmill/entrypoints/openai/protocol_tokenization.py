@@ -29,10 +29,16 @@ class TokenizeChatRequest(OpenAIBaseModel):
     tools: Optional[list[dict[str, Any]]] = None
     documents: Optional[list[dict[str, str]]] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_kind(cls, data: Any) -> Any:
+        # Before validation, so the refused field is not first logged as an ignored extra.
+        if isinstance(data, dict) and "prompt" in data:
+            raise FieldError("Give either prompt (text) or messages (a chat), not both.", "prompt")
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "TokenizeChatRequest":
-        if "prompt" in (self.model_extra or {}):
-            raise FieldError("Give either prompt (text) or messages (a chat), not both.", "prompt")
         if self.add_generation_prompt and self.continue_final_message:
             raise FieldError("Cannot set both continue_final_message and add_generation_prompt to true.",
                              "continue_final_message")
