@@ -8,7 +8,8 @@ handshake socket stays open: the head stops engines of other nodes by sending SH
 
 Client k -> engine, on input socket k: (kind, msgpack payload...). ADD carries the EngineCoreRequests of one user
 request (n > 1: its n sequences), one frame each, so they join the same step (a step that took one sequence alone
-would batch, and so round, the others differently: a seeded request would not repeat), ABORT a list of request ids, UTILITY a (call_id, method name, args) tuple, SHUTDOWN nothing. Engine -> client k, on output socket k:
+would batch, and so round, the others differently: a seeded request would not repeat), ABORT a list of request
+ids, UTILITY a (call_id, method name, args) tuple, SHUTDOWN nothing. Engine -> client k, on output socket k:
 OUTPUTS carries EngineCoreOutputs (the outputs of client k's requests, plus the scheduler stats every client gets),
 UTILITY_RESULT (call_id, result, error text), READY as above, FAILED an error text.
 """
