@@ -69,7 +69,8 @@ def _str(default: str | None = None, choices: tuple[str, ...] | None = None) -> 
 
 
 _VARIABLES: dict[str, _Var] = {
-    # Where converted tokenizers and other derived artefacts are cached ("" = no cache).
+    # Where converted tokenizers, parsed GGUF configs, snapshots of HF configs (read without importing transformers
+    # on a later start) and other derived artefacts are cached ("" = no cache).
     "TOKENMILL_CACHE_DIR": _str(os.path.expanduser("~/.cache/tokenmill")),
     # Log level of the `tokenmill` logger (DEBUG, INFO, WARNING, ERROR, CRITICAL; any case); VLLM_LOGGING_LEVEL is
     # vLLM's name for it, read second; INFO when neither is set.

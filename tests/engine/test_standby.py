@@ -20,27 +20,37 @@ def test_an_untaken_standby_exits_when_discarded():
     assert standby.take({}, ()) is None
 
 
-def test_unpickling_a_model_config_after_the_standby_imports_only_its_config_module(tmp_path):
-    """The standby's imports are what unpickling the engine's config needs: that happens after the config arrives,
-    on the critical path of `tokenmill serve`'s start (transformers.activations and torch.distributed.tensor, which
-    config modules pull in through type_validators, took 0.7 s there on 2 CPU cores)."""
+def test_the_engine_config_unpickles_after_the_standby_imports_without_transformers(tmp_path):
+    """The engine's config reaches the standby after the API server built it, on the critical path of `tokenmill
+    serve`'s start: unpickling it must import nothing heavy, transformers least of all (its package init and a config
+    module's imports took seconds on a GPU host). ModelConfig pickles its HF config as a snapshot of plain values."""
+    import os
     import pickle
     import subprocess
     import sys
 
-    import transformers
+    import tokenmill
+    from tokenmill.config.engine_args import create_engine_config
+    model = os.path.join(os.path.dirname(tokenmill.__file__), "model_configs", "llama-3-8b")
+    config = create_engine_config(model=model, load_format="dummy", max_model_len=2048, device="cpu")
     blob = tmp_path / "config.pkl"
-    blob.write_bytes(pickle.dumps(transformers.LlamaConfig(num_hidden_layers=2)))
+    blob.write_bytes(pickle.dumps(config))
     code = ("import multiprocessing, pickle, sys\n"
             "from tokenmill.engine import standby\n"
             "recv, send = multiprocessing.Pipe(duplex=False)\n"
             "send.close()\n"
             "standby._standby_main(recv)  # imports, then returns: the pipe is closed\n"
+            "print('imported transformers:', 'transformers' in sys.modules)\n"
             "before = set(sys.modules)\n"
-            f"pickle.loads(open({str(blob)!r}, 'rb').read())\n"
-            "print(' '.join(sorted(set(sys.modules) - before)))\n")
+            f"config = pickle.loads(open({str(blob)!r}, 'rb').read())\n"
+            "text = config.model_config.get_text_config()\n"
+            "print('after:', text.hidden_size, text.num_key_value_heads, text.rope_parameters['rope_theta'])\n"
+            "print('new:', ' '.join(sorted(set(sys.modules) - before)))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    new = out.stdout.split()
-    assert "transformers.models.llama.configuration_llama" in new
-    assert [m for m in new if not m.startswith("transformers.models.")] == []
+    lines = dict(line.split(":", 1) for line in out.stdout.splitlines() if ":" in line)
+    assert lines["imported transformers"].strip() == "False"
+    assert lines["after"].split() == ["4096", "8", "500000.0"]
+    new = lines["new"].split()
+    assert not [m for m in new if m.split(".")[0] == "transformers"], new
+    assert len(new) < 20, new

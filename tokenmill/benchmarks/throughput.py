@@ -59,13 +59,14 @@ def run_hf(prompts, out_lens, engine_kwargs, batch_size: int, sampling: dict) ->
     import torch
     import transformers as tf
     from tokenmill.config.engine_args import create_engine_config
+    from tokenmill.transformers_utils.config_snapshot import hf_config_object
     torch.manual_seed(engine_kwargs["seed"])
     cfg = create_engine_config(**{**engine_kwargs, "skip_tokenizer_init": True})
     mc = cfg.model_config
     device = cfg.device_config.torch_device
     dtype = mc.get_torch_dtype(device)
     if engine_kwargs.get("load_format") == "dummy":
-        model = tf.AutoModelForCausalLM.from_config(mc.hf_config, dtype=dtype).to(device)
+        model = tf.AutoModelForCausalLM.from_config(hf_config_object(mc.hf_config), dtype=dtype).to(device)
     else:
         kw = {"gguf_file": mc.resolved.gguf_file} if mc.is_gguf else {}
         model = tf.AutoModelForCausalLM.from_pretrained(mc.resolved.path, dtype=dtype, **kw).to(device)

@@ -191,6 +191,15 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.get_text_config().vocab_size  # multimodal configs (Gemma 3) keep it on the text config
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled for the engine-core and worker processes, which only read the HF config: a snapshot of it there
+        # keeps transformers (seconds of imports) off their start-up (transformers_utils/config_snapshot.py).
+        state = self.__dict__.copy()
+        if state.get("hf_config") is not None:
+            from tokenmill.transformers_utils.config_snapshot import snapshot
+            state["hf_config"] = snapshot(state["hf_config"])
+        return state
+
     def get_text_config(self) -> Any:
         get = getattr(self.hf_config, "get_text_config", None)
         return get() if get else self.hf_config

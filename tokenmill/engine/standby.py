@@ -1,10 +1,10 @@
 """An engine-core process started before its config exists, so that its imports overlap the API server's.
 
-`tokenmill serve` spends most of its start-up importing torch, transformers and tokenmill, once in the API server
-and again in the spawned engine core (about 10 s each on an H200 host). `prestart()`, called by the CLI before its
-own heavy imports, spawns a process that does those imports and then waits on a pipe; the launcher's first local
-engine core takes it (`take()`) and sends it its config and its per-rank environment instead of spawning a fresh
-one. The process has not touched CUDA when the environment arrives, so CUDA_VISIBLE_DEVICES still applies.
+`tokenmill serve` spends most of its start-up importing torch, transformers and tokenmill in the API server, and
+torch, triton and tokenmill in the engine core (seconds each on a GPU host). `prestart()`, called by the CLI before
+its own heavy imports, spawns a process that does the engine core's imports and then waits on a pipe; the
+launcher's first local engine core takes it (`take()`) and sends it its config and its per-rank environment instead
+of spawning a fresh one. The process has not touched CUDA when the environment arrives, so CUDA_VISIBLE_DEVICES still applies.
 
 A standby that is never taken (a bad flag, several engines or API servers) exits when the pipe closes: when this
 process sends it None (`discard()`), or dies.
@@ -74,16 +74,12 @@ def _standby_main(recv) -> None:
     from tokenmill.gc_utils import gc_paused
     from tokenmill.metrics.startup import process_age
     with gc_paused():
-        import torch  # noqa: F401
-        # The config's HF part unpickles into transformers' config classes, whose docstring decorator imports the
-        # auto-model machinery (seconds on an H200 host): import it now, while the API server builds the config.
-        import transformers.configuration_utils  # noqa: F401
-        import transformers.models.auto.configuration_auto  # noqa: F401
-        import transformers.models.auto.modeling_auto  # noqa: F401
-        # Most model config modules import type_validators, which imports transformers.activations and through it
-        # torch.distributed.tensor and sympy (0.7 s on 2 CPU cores): unpickling the config would do that after it
-        # came.
-        import transformers.utils.type_validators  # noqa: F401
+        import torch
+        if torch.version.cuda is not None:  # the GPU kernels' compiler; importing it touches no device
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+        # Not transformers: the config arrives as a snapshot of plain values (config/model.py), and transformers
+        # (seconds of imports) loads only where a feature calls into it.
         from tokenmill.engine import core_proc, engine_core  # noqa: F401
         from tokenmill.worker import worker  # noqa: F401
     imported = process_age()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.transformers_utils.config_snapshot import hf_config_object
+
 
 def compute_inv_freq(hf_config, head_dim: int, max_model_len: int,
                      partial_rotary: bool = True) -> tuple[torch.Tensor, float, int]:
@@ -23,8 +25,9 @@ def compute_inv_freq(hf_config, head_dim: int, max_model_len: int,
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0
     if not partial_rotary and partial != 1.0:
         if rope_type != "default":
+            name = getattr(hf_config, "class_name", type(hf_config).__name__)
             raise ValueError(f"partial_rotary_factor={partial} with rope type {rope_type!r} is not supported for "
-                             f"{type(hf_config).__name__} (HF transformers rotates the whole head for this "
+                             f"{name} (HF transformers rotates the whole head for this "
                              "architecture and cannot run this combination).")
         partial = 1.0  # as HF: the default RoPE of these architectures reads no partial_rotary_factor
     rotary_dim = int(head_dim * partial)
@@ -38,7 +41,7 @@ def compute_inv_freq(hf_config, head_dim: int, max_model_len: int,
                          f"{', '.join(ROPE_INIT_FUNCTIONS)}.")
     # Dynamic NTK: the plain frequencies, HF's within max_position_embeddings (longer prompts read the table of
     # `long_inv_freq`, see transformers_utils.config.longrope_switch).
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config_object(hf_config), torch.device("cpu"))
     return inv_freq.float(), float(scaling), rotary_dim
 
 
@@ -49,7 +52,8 @@ def long_inv_freq(hf_config, max_model_len: int) -> torch.Tensor:
 
     from tokenmill.transformers_utils.config import get_rope_params
     rope_type = get_rope_params(hf_config)["rope_type"]
-    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), seq_len=max_model_len)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config_object(hf_config), torch.device("cpu"),
+                                        seq_len=max_model_len)
     return inv_freq.float()
 
 

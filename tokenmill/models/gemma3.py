@@ -17,6 +17,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.logger import init_logger
 from tokenmill.models.gemma2 import GemmaCausalLMBase
 from tokenmill.models.weight_mapping import LLAMA_STACKED, WeightMapping
+from tokenmill.transformers_utils.config_snapshot import hf_config_object
 
 logger = init_logger(__name__)
 
@@ -38,7 +39,8 @@ def _rotary_of_kind(cfg, layer_type: str, head_dim: int, max_model_len: int) -> 
             raise ValueError(f"Gemma 3 with LongRoPE on its {layer_type} layers (rope_parameters) is supported only "
                              f"up to its pretraining length: set max_model_len <= {original} (got {max_model_len}).")
         # Dynamic NTK: the plain frequencies, HF's within max_position_embeddings.
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"), layer_type=layer_type)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config_object(cfg), torch.device("cpu"),
+                                                           layer_type=layer_type)
     max_pos = max(max_model_len, getattr(cfg, "max_position_embeddings", max_model_len))
     return RotaryEmbedding(inv_freq.float(), head_dim, head_dim, max_pos, float(scaling))
 

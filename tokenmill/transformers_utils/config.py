@@ -100,31 +100,45 @@ def get_hf_config(
     hf_config_path: str | None = None,
     code_revision: str | None = None,
 ):
-    """Load the `transformers.PretrainedConfig` of `resolved` from local files only, then apply `hf_overrides`.
+    """The HF config of `resolved`, read from local files only with `hf_overrides` applied, as a `ConfigSnapshot`
+    (config_snapshot.py: its values, sub-configs and transformers' methods through the config itself).
 
-    GGUF models get their config from the GGUF metadata (AutoConfig with `gguf_file=`), cached on disk because the
-    parse costs seconds. `hf_config_path` (vLLM's --hf-config-path) loads the config from another local directory,
-    .gguf file or cached repo id instead. `code_revision` is the revision of remote config code kept in another repo
-    (transformers reads it only with trust_remote_code). `hf_overrides` sets attributes; a dict value merges into an
-    existing dict attribute or sub-config (e.g. {"text_config": {"num_hidden_layers": 2}}). RoPE keys are routed to
-    where the config keeps them: {"rope_theta": x} and {"rope_scaling": {...}} update `config.rope_parameters` on
-    transformers 5. A callable `hf_overrides` (vLLM's offline form) gets the loaded config and returns the one to use.
+    The snapshot is cached on disk under TOKENMILL_CACHE_DIR, keyed by the files it was read from, the overrides and
+    the transformers and tokenmill versions, so that a later start reads it without importing transformers (not for
+    remote config code, whose source the key would not cover). GGUF models get their config from the GGUF metadata
+    (AutoConfig with `gguf_file=`; that parse is cached too). `hf_config_path` (vLLM's --hf-config-path) loads the
+    config from another local directory, .gguf file or cached repo id instead. `code_revision` is the revision of
+    remote config code kept in another repo (transformers reads it only with trust_remote_code). `hf_overrides` sets
+    attributes; a dict value merges into an existing dict attribute or sub-config (e.g. {"text_config":
+    {"num_hidden_layers": 2}}). RoPE keys are routed to where the config keeps them: {"rope_theta": x} and
+    {"rope_scaling": {...}} update `config.rope_parameters` on transformers 5. A callable `hf_overrides` (vLLM's
+    offline form) gets the loaded transformers config and returns the one to use.
     """
-    from transformers import PretrainedConfig
+    from tokenmill.transformers_utils.config_snapshot import cached_snapshot, file_identity, snapshot
     source = resolve_model(hf_config_path, revision) if hf_config_path is not None else resolved
-    config = _load_config(source, trust_remote_code, revision, code_revision)
     if callable(hf_overrides):  # vLLM's offline form: a function of the loaded config that returns the config
-        updated = hf_overrides(config)
+        from transformers import PretrainedConfig
+        updated = hf_overrides(_load_config(source, trust_remote_code, revision, code_revision))
         if not isinstance(updated, PretrainedConfig):
             raise TypeError(f"hf_overrides: the function {getattr(hf_overrides, '__name__', hf_overrides)!s} must "
                             f"return the (updated) HF config, got {type(updated).__name__}")
-        return updated
-    if hf_overrides:
-        if not isinstance(hf_overrides, dict):
-            raise TypeError(f"hf_overrides must be a dict (JSON object) or a function of the HF config, got "
-                            f"{type(hf_overrides).__name__}")
-        apply_hf_overrides(config, hf_overrides)
-    return config
+        return snapshot(updated)
+    if hf_overrides and not isinstance(hf_overrides, dict):
+        raise TypeError(f"hf_overrides must be a dict (JSON object) or a function of the HF config, got "
+                        f"{type(hf_overrides).__name__}")
+
+    def build():
+        config = _load_config(source, trust_remote_code, revision, code_revision)
+        if hf_overrides:
+            apply_hf_overrides(config, hf_overrides)
+        return snapshot(config)
+
+    key = None
+    read_from = source.gguf_path or os.path.join(source.path, "config.json")
+    if not trust_remote_code and os.path.isfile(read_from):
+        key = [file_identity(read_from), source.path, revision, json.dumps(hf_overrides or {}, sort_keys=True,
+                                                                           default=repr)]
+    return cached_snapshot(key, build)
 
 
 def _merge_dicts(base: dict, update: dict) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -256,9 +257,13 @@ class CudaGraphRunner:
         # nothing to the cache.
         keys = [GraphKey(t, 0) for t in self.mixed_token_sizes]
         keys += [GraphKey(s, q) for q, sizes in self.sizes_by_q.items() for s in sizes]
+        t0 = time.perf_counter()
+        warm = 0.0
         for key in sorted(keys, key=lambda k: -self.tokens_and_reqs(k)[0]):
+            t = time.perf_counter()
             self._forward(key)
             torch.cuda.synchronize()
+            warm += time.perf_counter() - t
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 self._forward(key)
@@ -270,8 +275,9 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         self.sync_host_io()
         logger.info("Captured CUDA graphs for %d decode batch sizes (max %d) and %d mixed batch sizes (max %s "
-                    "tokens); logits buffer %d rows", len(self.sizes), self.max_size, len(self.mixed_token_sizes),
-                    self.mixed_token_sizes[-1] if self.mixed_token_sizes else 0, self.logits.shape[0])
+                    "tokens) in %.2f s (warm-up runs %.2f s); logits buffer %d rows", len(self.sizes), self.max_size,
+                    len(self.mixed_token_sizes), self.mixed_token_sizes[-1] if self.mixed_token_sizes else 0,
+                    time.perf_counter() - t0, warm, self.logits.shape[0])
 
     def sync_host_io(self) -> None:
         """Set the device's ring counter to the host's count. Needed after graphs ran outside `load` + `run`
