@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import nn
@@ -40,6 +41,7 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
         model = cls(hf_config, mc.max_model_len, backend_cls, quant_config=quant_config)
     model.eval()
     fmt = lc.load_format
+    read_rate = ""
     if fmt == "dummy":
         _load_dummy(model, mc.seed)
     else:
@@ -52,8 +54,14 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
         else:
             from tokenmill.models.weight_utils import iter_safetensors_weights
             weights = iter_safetensors_weights(mc.resolved.path, use_tqdm=lc.use_tqdm_on_load)
+        read = [0]
+        t0 = time.perf_counter()
         with torch.no_grad():
-            loaded = model.load_weights(weights)
+            loaded = model.load_weights(_counted(weights, read))
+        seconds = time.perf_counter() - t0
+        # Read rate from the files into the parameters (page cache to device memory, conversions included).
+        read_rate = (f"; read {read[0] / 2**30:.2f} GiB in {seconds:.2f} s "
+                     f"({read[0] / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
         expected = {n for n, _ in model.named_parameters()}
         missing = expected - loaded
         if missing:
@@ -62,9 +70,10 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
         process_weights_after_loading(model)
         if quant_config is not None:
             quant_config.process_model_after_loading(model)
-    logger.info("Loaded %s (%s, %.1f M parameters, %s%s) on %s; weights %s", mc.architecture, fmt,
+    logger.info("Loaded %s (%s, %.1f M parameters, %s%s) on %s; weights %s%s", mc.architecture, fmt,
                 sum(p.numel() for p in model.parameters()) / 1e6, dtype,
-                f", {quant_config.name}" if quant_config is not None else "", device, weight_memory_summary(model))
+                f", {quant_config.name}" if quant_config is not None else "", device, weight_memory_summary(model),
+                read_rate)
     return model
 
 
@@ -100,6 +109,13 @@ def _gguf_tensor_types(path: str) -> dict[str, str]:
         if hf is not None:
             types[hf] = gguf.GGMLQuantizationType(ttype).name
     return types
+
+
+def _counted(weights, total: list[int]):
+    """`weights` passed through, their bytes added to total[0]."""
+    for name, tensor in weights:
+        total[0] += tensor.numel() * tensor.element_size()
+        yield name, tensor
 
 
 def weight_memory_summary(model: nn.Module) -> str:
