@@ -50,3 +50,20 @@ def test_engine_logs_one_startup_line(tiny_model_factory, caplog):
         assert phase in lines[0]
     seconds = llm.llm_engine.engine_core.startup_seconds
     assert seconds["total"] >= seconds["workers and weights"] > 0
+
+
+def test_the_load_line_reports_the_checkpoints_read_rate(tiny_model_factory, tm_log):
+    """T3's weights figure: how fast the checkpoint went from its files into the parameters."""
+    import os
+    import re
+
+    from tokenmill import LLM
+    d = tiny_model_factory("llama")
+    with tm_log.at_level(logging.INFO, logger="tokenmill"):
+        llm = LLM(d, max_model_len=64, num_gpu_blocks_override=16)
+    del llm
+    line = next(r.getMessage() for r in tm_log.records if r.getMessage().startswith("Loaded "))
+    m = re.search(r"; read ([\d.]+) GiB in ([\d.]+) s \(([\d.]+) GB/s\)$", line)
+    assert m, line
+    size = os.path.getsize(os.path.join(d, "model.safetensors"))
+    assert abs(float(m.group(1)) - size / 2**30) < 0.01  # every tensor of the file, its header aside
