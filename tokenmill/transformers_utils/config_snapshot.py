@@ -167,7 +167,7 @@ def _read(config: Any, names: set[str], memo: dict[int, ConfigSnapshot]) -> tupl
 # ------------------------------------------------------------------------------------------------------- disk cache
 # Entries kept; the oldest go first (each is a few KB: a bound for machines that load many temporary models).
 _CACHE_ENTRIES = 256
-# Part of every key: a change to what a snapshot holds changes it, so no process reads an older layout.
+# Part of every key, with the source of the modules that build a snapshot: no process reads an older layout.
 _FORMAT = 1
 
 
@@ -190,6 +190,14 @@ def cached_snapshot(key: list[Any] | None, build: Callable[[], ConfigSnapshot]) 
             versions.append(importlib.metadata.version(dist))
         except importlib.metadata.PackageNotFoundError:
             versions.append(None)
+    # The code that builds a config (GGUF fixes, overrides) and a snapshot: an edit to it is a new key, whatever the
+    # version string says.
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = hashlib.sha256()
+    for name in ("config.py", "config_snapshot.py"):
+        with open(os.path.join(here, name), "rb") as f:
+            code.update(f.read())
+    versions.append(code.hexdigest())
     digest = hashlib.sha256(repr(key + versions).encode()).hexdigest()[:32]
     folder = os.path.join(os.path.expanduser(root), "hf_configs")
     path = os.path.join(folder, f"{digest}.pkl")
