@@ -1,15 +1,16 @@
-"""A transformers config's values as a plain object, for the processes that only read them.
+"""A transformers config's values as a plain object, so that most processes never import transformers for it.
 
 The engine-core and worker processes read the HF config (sizes, RoPE settings, layer types) but never call into
 transformers with it. Unpickling the config as its transformers class would import transformers there: the package
 walks its model folders and a config module pulls in the auto-model tables and torch.distributed.tensor, seconds of
 `tokenmill serve`'s start-up on a slow filesystem, on the path to the first request. `ModelConfig` pickles a
-`ConfigSnapshot` of its config instead (config/model.py), so those processes never import transformers unless a
-feature asks for it (a RoPE type tokenmill takes from transformers, a structured-output tokenizer).
+`ConfigSnapshot` of its config instead (config/model.py), and `get_hf_config` returns one, cached on disk
+(`cached_snapshot`), so that the API server too builds the engine config without transformers on a later start.
+transformers loads only where a feature calls into it (a RoPE type tokenmill takes from transformers, a tokenizer).
 
-A snapshot holds every public value the config answers for (attributes, properties, `attribute_map` aliases), its
-sub-configs as snapshots, `get_text_config()` and `to_dict()`. Values that are neither plain data nor configs (class
-references, callables) are left out: reading one raises AttributeError, as for a config that lacks it.
+A snapshot holds every public value the config answers for (attributes, properties, `attribute_map` aliases, the
+instance's private values), its sub-configs as snapshots, `get_text_config()` and `to_dict()`. The config's methods
+and class-valued attributes are not copied: reading one unpickles the transformers config and answers from it.
 """
 from __future__ import annotations
 
