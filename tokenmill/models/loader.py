@@ -12,7 +12,6 @@ from tokenmill.layers.quantization import get_quant_config
 from tokenmill.logger import init_logger
 from tokenmill.models.registry import get_model_class
 from tokenmill.models.weight_mapping import process_weights_after_loading
-from tokenmill.transformers_utils.config_snapshot import snapshot
 
 logger = init_logger(__name__)
 
@@ -34,11 +33,8 @@ def load_model(config: TokenmillConfig, device: torch.device, backend_cls: type)
     quant_config = get_quant_config(mc)
     if quant_config is None and mc.is_gguf:
         quant_config = gguf_quant_config(mc, device)
-    # Built from the config's snapshot in every process, the engine core's own included, so that one code path reads
-    # the config whether or not it crossed a process boundary (ModelConfig pickles a snapshot).
-    hf_config = snapshot(mc.hf_config)
     with _default_dtype(dtype), torch.device(device):
-        model = cls(hf_config, mc.max_model_len, backend_cls, quant_config=quant_config)
+        model = cls(mc.hf_config, mc.max_model_len, backend_cls, quant_config=quant_config)
     model.eval()
     fmt = lc.load_format
     read_rate = ""

@@ -65,8 +65,7 @@ class EagleProposer(Proposer):
         from tokenmill.models.loader import _default_dtype, _load_dummy
         from tokenmill.models.weight_mapping import process_weights_after_loading
         from tokenmill.spec_decode.hidden_capture import HiddenCapture
-        from tokenmill.transformers_utils.config_snapshot import snapshot
-        hc, cfg = self.head_cfg, snapshot(self.head_cfg.hf_config)  # as models/loader.py builds models
+        hc, cfg = self.head_cfg, self.head_cfg.hf_config
         if target is None or not hasattr(target, "capture_hidden_states"):
             raise ValueError(f"--speculative-config: the target {type(target).__name__} cannot feed an EAGLE head "
                              "its hidden states.")

@@ -65,9 +65,6 @@ class ConfigSnapshot:
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _hf=None)  # what crosses a process boundary stays free of transformers
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.__dict__ and not name.startswith("_")
-
     @property
     def class_name(self) -> str:
         """The transformers class the snapshot was taken from (for messages)."""
