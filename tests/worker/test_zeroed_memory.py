@@ -1,3 +1,4 @@
+import os
 import re
 
 import pytest
@@ -27,7 +28,7 @@ def test_views_keep_the_mapping_alive():
     assert torch.all(view == 3.0)
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="needs Linux /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
 def test_cpu_pages_are_not_written_at_allocation():
     # torch.zeros writes every page (its resident size grows by the whole tensor); the mapping's pages come on
     # first write, so a 256 MiB cache costs nothing until it is used.
@@ -42,3 +43,11 @@ def test_empty_and_non_cpu_shapes():
     assert zeroed_memory.zeros((0, 4), torch.float32, "cpu").shape == (0, 4)
     if torch.cuda.is_available():
         assert zeroed_memory.zeros((2, 3), torch.bfloat16, "cuda").device.type == "cuda"
+
+
+def test_available_host_bytes_reads_meminfo():
+    got = zeroed_memory.available_host_bytes()
+    if os.path.exists("/proc/meminfo"):
+        assert got is not None and 0 < got <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        assert got is None

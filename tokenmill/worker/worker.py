@@ -9,11 +9,15 @@ from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
 from tokenmill.distributed import ParallelState, init_distributed, use_parallel_state, world_min
 from tokenmill.logger import init_logger
+from tokenmill.worker import zeroed_memory
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.pp_output import BroadcastOutput, ResultSender, output_rank
 
 logger = init_logger(__name__)
 GiB = 1 << 30
+# The CPU KV cache may take this share of the host memory available once the weights are loaded: the rest is
+# for a step's activations, the API server and the page cache.
+CPU_KV_AVAILABLE_SHARE = 0.9
 
 
 
@@ -169,7 +173,15 @@ class Worker:
             gib = getattr(envs, name)
             if gib <= 0:
                 raise ValueError(f"{name}={gib}: the CPU KV cache needs at least 1 GiB")
-            return int(min(gib * GiB, sc.max_num_seqs * per_request_bytes)), f"{name}={gib}"
+            budget = int(min(gib * GiB, sc.max_num_seqs * per_request_bytes))
+            available = zeroed_memory.available_host_bytes()
+            if available is not None and budget > CPU_KV_AVAILABLE_SHARE * available:
+                raise ValueError(
+                    f"{name}={gib}: a {budget / GiB:.1f} GiB CPU KV cache does not fit the "
+                    f"{available / GiB:.1f} GiB of host memory available (at most "
+                    f"{CPU_KV_AVAILABLE_SHARE:.0%} of it goes to the cache); lower {name}, max_num_seqs or "
+                    "max_model_len.")
+            return budget, f"{name}={gib}"
         # bytes: the profile's "blocks" of one byte
         return (self._profile_gpu_blocks(1, per_request_bytes),
                 f"gpu_memory_utilization={cc.gpu_memory_utilization}")

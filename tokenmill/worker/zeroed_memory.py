@@ -25,3 +25,17 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # frombuffer keeps a reference to the mapping; it is unmapped when the last tensor over it is freed.
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def available_host_bytes() -> int | None:
+    """The host memory the kernel reports as available for new allocations (MemAvailable), or None where there is
+    no /proc/meminfo. Because the CPU cache's pages are taken on first write, a cache larger than this would not
+    fail at start-up but later, mid-serving, when the kernel runs out of pages: the worker checks it first."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
