@@ -89,12 +89,12 @@ def test_vllm_cpu_kvcache_space_sizes_the_cpu_kv_cache(tiny_model_factory):
 def test_cpu_kv_cache_larger_than_available_memory_is_refused_at_start_up(tiny_model_factory, monkeypatch):
     # The cache's pages are committed on first write, so without this check an over-large cache would fail
     # mid-serving instead of at start-up.
-    from tokenmill.worker import zeroed_memory
+    from tokenmill.attention import kv_cache_memory
     path = tiny_model_factory("llama")
-    monkeypatch.setattr(zeroed_memory, "available_host_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(kv_cache_memory, "available_host_bytes", lambda: 1 << 30)
     with envs.override(VLLM_CPU_KVCACHE_SPACE=2, TOKENMILL_CPU_KVCACHE_SPACE_GIB=1):
         with pytest.raises(ValueError, match=r"VLLM_CPU_KVCACHE_SPACE=2: a 2\.0 GiB CPU KV cache does not fit"):
             _cpu_blocks(path)
-    monkeypatch.setattr(zeroed_memory, "available_host_bytes", lambda: 4 << 30)
+    monkeypatch.setattr(kv_cache_memory, "available_host_bytes", lambda: 4 << 30)
     with envs.override(VLLM_CPU_KVCACHE_SPACE=2, TOKENMILL_CPU_KVCACHE_SPACE_GIB=1):
         assert _cpu_blocks(path) > 0

@@ -22,12 +22,12 @@ import dataclasses
 import numpy as np
 import torch
 
+from tokenmill.attention import kv_cache_memory
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.forward_context import set_forward_context
 from tokenmill.logger import init_logger
 from tokenmill.spec_decode.proposer import DraftStep, Proposer
-from tokenmill.worker import zeroed_memory
 
 logger = init_logger(__name__)
 
@@ -97,7 +97,7 @@ class DraftModelProposer(Proposer):
         # (drafts past their allocation near max_model_len), never read back as valid.
         self.block_size, self.scratch = block_size, num_blocks
         shape = self.backend_cls.kv_cache_shape(num_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [zeroed_memory.zeros(shape, self.kv_dtype, self.device)
+        self.kv_caches = [kv_cache_memory.zeros(shape, self.kv_dtype, self.device)
                           for _ in range(self.num_layers)]
         self.valid = np.zeros(max_num_reqs, dtype=np.int64)
         self.ahead = np.zeros(max_num_reqs, dtype=np.int64)

@@ -23,11 +23,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenmill.attention import kv_cache_memory
 from tokenmill.forward_context import set_forward_context
 from tokenmill.logger import init_logger
 from tokenmill.spec_decode.draft_model import draft_metadata, kv_slots, to_device
 from tokenmill.spec_decode.proposer import DraftStep, Proposer
-from tokenmill.worker import zeroed_memory
 
 logger = init_logger(__name__)
 
@@ -119,7 +119,7 @@ class EagleProposer(Proposer):
         # One block more than the target's: the scratch block for positions without a block (see draft_model).
         self.block_size, self.scratch = block_size, num_blocks
         shape = self.backend_cls.kv_cache_shape(num_blocks + 1, block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [zeroed_memory.zeros(shape, self.kv_dtype, self.device)]
+        self.kv_caches = [kv_cache_memory.zeros(shape, self.kv_dtype, self.device)]
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int) -> None:

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from tokenmill import envs
+from tokenmill.attention import kv_cache_memory
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.registry import get_attention_backend
 from tokenmill.config import TokenmillConfig
@@ -17,7 +18,6 @@ from tokenmill.layers.pooler import Pooler
 from tokenmill.layers.sampler import LogprobsTensors, Sampler
 from tokenmill.metrics.step_timing import TIMER
 from tokenmill.models.loader import load_model
-from tokenmill.worker import zeroed_memory
 from tokenmill.worker.input_batch import InputBatch, PendingTokens
 from tokenmill.worker.runner_output import AsyncRunnerOutput, StepState
 from tokenmill.worker.sampling_state import SamplingState
@@ -151,7 +151,7 @@ class ModelRunner:
         def cache(i: int) -> torch.Tensor:
             n = counts[layer_group[i] if layer_group else 0]
             shape = self.backend_cls.kv_cache_shape(n, self.block_size, self.num_kv_heads, self.head_dim)
-            return zeroed_memory.zeros(shape, self.kv_dtype, self.device)
+            return kv_cache_memory.zeros(shape, self.kv_dtype, self.device)
         # Indexed by global layer; other stages' layers get an empty stand-in (they never run here).
         self.kv_caches = [cache(i) if i in self.kv_layers
                           else torch.empty(0, dtype=self.kv_dtype, device=self.device) for i in range(self.num_layers)]

@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 
 from tokenmill import envs
+from tokenmill.attention import kv_cache_memory
 from tokenmill.config import TokenmillConfig
 from tokenmill.core.kv_cache_manager import cdiv
 from tokenmill.core.sched_output import GrammarOutput, SchedulerOutput
 from tokenmill.distributed import ParallelState, init_distributed, use_parallel_state, world_min
 from tokenmill.logger import init_logger
-from tokenmill.worker import zeroed_memory
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.pp_output import BroadcastOutput, ResultSender, output_rank
 
@@ -174,7 +174,7 @@ class Worker:
             if gib <= 0:
                 raise ValueError(f"{name}={gib}: the CPU KV cache needs at least 1 GiB")
             budget = int(min(gib * GiB, sc.max_num_seqs * per_request_bytes))
-            available = zeroed_memory.available_host_bytes()
+            available = kv_cache_memory.available_host_bytes()
             if available is not None and budget > CPU_KV_AVAILABLE_SHARE * available:
                 raise ValueError(
                     f"{name}={gib}: a {budget / GiB:.1f} GiB CPU KV cache does not fit the "
