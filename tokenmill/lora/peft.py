@@ -32,7 +32,7 @@ _MLP = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 _GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # Qwen3.5's linear attention
 _PARENTS = {"self_attn": _ATTN, "mlp": _MLP, "linear_attn": _GDN}
 # Text configs whose q_proj gives a query and an output gate per head (models/qwen3_5.py).
-_GATED_QUERY = ("qwen3_5_text",)
+_GATED_QUERY = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 class LoRAAdapterError(ValueError):

@@ -5,7 +5,7 @@ One implementation with a few switches keeps the architectures from drifting apa
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -130,11 +130,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx: int, rotary_emb: RotaryEmbedding, backend_cls: type,
                  biases: tuple[bool, bool], qk_norm: bool, quant_config: QuantizationConfig | None,
-                 prefix: str, mlp_bias: bool | None = None) -> None:
+                 prefix: str, mlp_bias: bool | None = None, make_mlp: Callable | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary_emb, backend_cls, biases, qk_norm, quant_config,
                                         f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}.mlp", mlp_bias)
+        self.mlp = LlamaMLP(cfg, quant_config, f"{prefix}.mlp", mlp_bias) if make_mlp is None \
+            else make_mlp(cfg, layer_idx, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -151,7 +152,8 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg, max_model_len: int, backend_cls: type, biases: tuple[bool, bool],
                  qk_norm: bool, quant_config: QuantizationConfig | None = None, prefix: str = "model",
-                 partial_rotary: bool = False, mlp_bias: bool | None = None) -> None:
+                 partial_rotary: bool = False, mlp_bias: bool | None = None,
+                 make_mlp: Callable | None = None) -> None:
         super().__init__()
         pp = get_parallel_state()
         self.is_first, self.is_last = pp.pp_rank == 0, pp.pp_rank == pp.pp_size - 1
@@ -161,7 +163,7 @@ class LlamaModel(nn.Module):
         self.rotary = rotary = make_rotary(cfg, max_model_len, partial_rotary)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, rotary, backend_cls, biases, qk_norm, quant_config, f"{prefix}.layers.{i}",
-                              mlp_bias)
+                              mlp_bias, make_mlp)
             if self.start <= i < self.end
             else PPMissingLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else PPMissingLayer()
@@ -206,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.model = LlamaModel(hf_config, max_model_len, backend_cls, self.attention_biases(hf_config),
                                 self.qk_norm, quant_config, partial_rotary=self.partial_rotary,
-                                mlp_bias=self.mlp_bias(hf_config))
+                                mlp_bias=self.mlp_bias(hf_config), make_mlp=self.make_mlp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.rope_long_switch = rope_long_switch(self.model.rotary)
         if not self.model.is_last:
@@ -230,6 +232,10 @@ class LlamaForCausalLM(nn.Module):
         """Whether the MLP's projections have biases: Llama reads `mlp_bias`; Mistral, Qwen2, Qwen3 and Phi-3
         never have them (HF ignores the key there, so must we: the checkpoint holds no such tensors)."""
         return bool(getattr(cfg, "mlp_bias", False))
+
+    # The MLP seam: None builds LlamaMLP; a mixture-of-experts family (models/llama_moe.py) returns a callable
+    # (cfg, layer_idx, quant_config, prefix) -> module with LlamaMLP's forward(x, residual, norm).
+    make_mlp: Callable | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:

@@ -21,7 +21,8 @@ from tokenmill.attention.layer import Attention
 from tokenmill.core.kv_cache_spec import RecurrentStateSpec
 from tokenmill.distributed import get_parallel_state
 from tokenmill.layers.gated_deltanet import GatedDeltaNet, recurrent_state_bytes
-from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tokenmill.layers.fused_moe import FusedMoE, GatedMLP, SparseMoeBlock, expert_param_target
+from tokenmill.layers.linear import QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.logger import init_logger
@@ -76,18 +77,6 @@ class Qwen3_5Attention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 
 
-class Qwen3_5MLP(nn.Module):
-    def __init__(self, cfg, quant_config, prefix: str) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, quant_config=quant_config,
-                                           prefix=f"{prefix}.down_proj")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), act="silu_mul")
-
-
 class Qwen3_5DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx: int, kind: str, rotary, backend_cls: type, quant_config, prefix: str):
         super().__init__()
@@ -97,7 +86,12 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             self.self_attn = Qwen3_5Attention(cfg, layer_idx, rotary, backend_cls, quant_config,
                                               f"{prefix}.self_attn")
-        self.mlp = Qwen3_5MLP(cfg, quant_config, f"{prefix}.mlp")
+        if getattr(cfg, "num_experts", 0):  # Qwen3.5-MoE: routed experts plus a gated shared expert, every layer
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                      cfg.moe_intermediate_size, True, quant_config, f"{prefix}.mlp",
+                                      shared_intermediate_size=cfg.shared_expert_intermediate_size)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, quant_config, f"{prefix}.mlp")
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -122,7 +116,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     weight_mapping = WeightMapping(
         stacked={**LLAMA_STACKED, "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)},
         renamed=(("model.language_model.", "model."),),
-        skipped=(r"rotary_emb\.inv_freq$", _VISION, _MTP))
+        skipped=(r"rotary_emb\.inv_freq$", _VISION, _MTP), resolver=expert_param_target)
 
     def __init__(self, hf_config, max_model_len: int, backend_cls: type,
                  quant_config: QuantizationConfig | None = None) -> None:
@@ -178,6 +172,9 @@ class Qwen3_5ForCausalLM(nn.Module):
                 yield name, tensor
 
         loaded = load_weights(self, counted(), self.weight_mapping, self.tie_word_embeddings)
+        missing = [n for m in self.modules() if isinstance(m, FusedMoE) for n in m.missing_experts()]
+        if missing:
+            raise ValueError(f"The checkpoint lacks {len(missing)} expert tensors, e.g. {missing[:3]}.")
         if counts["vision"]:
             logger.info("Qwen3.5: skipped %d vision-tower tensors (text input only: multimodal input is not "
                         "supported yet).", counts["vision"])
@@ -189,3 +186,11 @@ class Qwen3_5ForCausalLM(nn.Module):
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """The text path of the multimodal checkpoint (text requests only)."""
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE text (e.g. Qwen3.5-35B-A3B): the same hybrid with a SparseMoeBlock as every layer's MLP."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The text path of the multimodal MoE checkpoint (text requests only)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -29,10 +29,13 @@ class WeightMapping:
         component (".q_proj." in "model.layers.0.self_attn.q_proj.weight").
     renamed: (checkpoint prefix, parameter prefix) pairs applied first, in order (the first match wins).
     skipped: regular expressions; a checkpoint name any of them matches (re.search) is not loaded.
+    resolver: consulted first for every renamed name: (parameter name, slot id) or None to fall through to
+        `stacked` (the MoE experts' per-expert names, layers/fused_moe.py `expert_param_target`).
     """
     stacked: dict[str, tuple[str, Any]] = field(default_factory=dict)
     renamed: tuple[tuple[str, str], ...] = ()
     skipped: tuple[str, ...] = ()
+    resolver: Callable[[str], tuple[str, Any] | None] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_skip", re.compile("|".join(f"(?:{p})" for p in self.skipped))
@@ -49,6 +52,10 @@ class WeightMapping:
 
     def target(self, name: str) -> tuple[str, Any]:
         """(parameter name, slot id or None) for a renamed checkpoint name."""
+        if self.resolver is not None:
+            hit = self.resolver(name)
+            if hit is not None:
+                return hit
         for ckpt, (stacked, shard_id) in self.stacked.items():
             frag = f".{ckpt}."
             if frag in name:

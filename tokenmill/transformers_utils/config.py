@@ -286,7 +286,7 @@ def longrope_switch(hf_config, max_model_len: int) -> int | None:
 # Model types whose HF attention never slides, whatever `sliding_window` their config carries (HF's Llama passes no
 # window to attention; Qwen3.5's full-attention layers neither): Llama-architecture checkpoints converted from
 # Mistral often keep the key.
-_NEVER_SLIDING = ("llama", "qwen3_5_text", "qwen3_5")
+_NEVER_SLIDING = ("llama", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 
 
 def config_sliding_window(config) -> int | None:
@@ -297,7 +297,7 @@ def config_sliding_window(config) -> int | None:
     model_type = getattr(cfg, "model_type", "") or ""
     if model_type in _NEVER_SLIDING:
         return None
-    if model_type in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not getattr(cfg, "use_sliding_window", False):
         return None
     return int(getattr(cfg, "sliding_window", None) or 0) or None
 
