@@ -45,5 +45,6 @@ def test_experts_in_cuda_graphs_match_cpu(arch, tmp_path, smollm2_tokenizer):
         del llm
     assert outs["graphs"] == outs["cpu"]
     assert replays.count(1) >= 20, replays
-    assert 0 in replays, replays
+    if arch != "qwen3_5_moe":  # the hybrid captures decode graphs only; prompt chunks run eagerly
+        assert 0 in replays, replays
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill import envs
+from tokenmill.kernels.triton_moe_routing import align_fits, align_small
 
 try:
     import triton
@@ -184,7 +185,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     topk_w = topk_weights.reshape(-1).contiguous()
 
     block_m, block_n, block_k = moe_tiles(n, e)
-    row_ids, block_expert = _align(topk_ids, e, block_m)
+    if align_fits(n, e):  # decode-sized batches: one launch instead of the sort's ~15 small kernels
+        row_ids, block_expert = align_small(topk_ids, e, block_m)
+    else:
+        row_ids, block_expert = _align(topk_ids, e, block_m)
     num_blocks = block_expert.numel()
     # the intermediate in x's dtype (what a bf16 model's MLP rounds to), indexed by padded row
     h = torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device)

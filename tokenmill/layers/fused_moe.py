@@ -193,11 +193,15 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights [T, K], topk_ids [T, K]) as HF's router computes them."""
         logits = F.linear(x, self.gate.weight)
+        out_dtype = torch.float32 if self.fp32_weights else logits.dtype
+        if x.is_cuda:
+            from tokenmill.kernels.triton_moe_routing import topk_softmax
+            return topk_softmax(logits, self.top_k, self.renormalize, out_dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return (weights if self.fp32_weights else weights.to(logits.dtype)), ids
+        return weights.to(out_dtype), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
