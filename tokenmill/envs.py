@@ -138,6 +138,9 @@ _VARIABLES: dict[str, _Var] = {
     "VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY": _Var(bool, False),
     "VLLM_TORCH_PROFILER_WITH_STACK": _Var(bool, True),
     "VLLM_TORCH_PROFILER_WITH_FLOPS": _Var(bool, False),
+    # MoE layers on CUDA: the router's softmax + top-k and the expert layout of decode-sized batches as one Triton
+    # launch each (kernels/triton_moe_routing.py) instead of ~20 torch ops a layer. Off until measured on a device.
+    "TOKENMILL_MOE_ROUTING_KERNELS": _Var(bool, False),
     # Triton's CPU interpreter, as Triton reads it: the kernels take their interpreter-only branches.
     "TRITON_INTERPRET": _Var(bool, False, lenient=True),
     # Where Triton keeps compiled kernels (None: its default, ~/.triton/cache); `tokenmill bench profile` counts the

@@ -12,9 +12,17 @@ from tokenmill import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_5_moe", "qwen3_moe+routing"])
 def test_experts_in_cuda_graphs_match_cpu(arch, tmp_path, smollm2_tokenizer):
+    """With "+routing" the routing kernels (TOKENMILL_MOE_ROUTING_KERNELS=1) run inside the graphs too."""
     import transformers as tf
+    from tokenmill import envs
+    arch, _, routing = arch.partition("+")
+    with envs.override(TOKENMILL_MOE_ROUTING_KERNELS=bool(routing)):
+        _run_against_cpu(arch, tmp_path, tf, smollm2_tokenizer)
+
+
+def _run_against_cpu(arch, tmp_path, tf, smollm2_tokenizer):
     tok = smollm2_tokenizer
     torch.manual_seed(1234)
     cfg = _config(arch, len(tok), tok.bos_token_id or 0, tok.eos_token_id)

@@ -49,3 +49,16 @@ def test_align_small_equals_the_sorted_layout(t, e, k, bm):
 def test_align_fits_bounds_the_one_program():
     assert align_fits(8, 128) and align_fits(512, 128) and align_fits(128, 512)
     assert not align_fits(513, 128) and not align_fits(0, 8)
+
+
+def test_fused_moe_and_the_router_take_them_when_switched_on():
+    from tokenmill import envs
+    from tokenmill.kernels.triton_fused_moe import fused_moe, fused_moe_reference
+    torch.manual_seed(5)
+    t, e, k, h, i = 5, 16, 4, 40, 24
+    x = torch.randn(t, h).to(DEV)
+    w13, w2 = (torch.randn(e, 2 * i, h) / h ** 0.5).to(DEV), (torch.randn(e, h, i) / i ** 0.5).to(DEV)
+    w, ids = topk_softmax(torch.randn(t, e).to(DEV), k, True, torch.float32)
+    with envs.override(TOKENMILL_MOE_ROUTING_KERNELS=True):
+        got = fused_moe(x, w13, w2, w, ids)
+    torch.testing.assert_close(got.cpu(), fused_moe_reference(x, w13, w2, w, ids).cpu(), rtol=1e-5, atol=1e-5)

@@ -185,7 +185,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     topk_w = topk_weights.reshape(-1).contiguous()
 
     block_m, block_n, block_k = moe_tiles(n, e)
-    if align_fits(n, e):  # decode-sized batches: one launch instead of the sort's ~15 small kernels
+    if envs.TOKENMILL_MOE_ROUTING_KERNELS and align_fits(n, e):  # one launch instead of the sort's ~15 kernels
         row_ids, block_expert = align_small(topk_ids, e, block_m)
     else:
         row_ids, block_expert = _align(topk_ids, e, block_m)

@@ -11,6 +11,9 @@ by their sum when `renormalize`. Matches torch.softmax(fp32) + torch.topk to fp3
 `align_small(topk_ids, num_experts, block_m)` -> (row_ids, block_expert): the same contract and sizes as
 triton_fused_moe._align (assignment a = t*K + k at each padded row, sentinel T*K; each block's expert or -1), for
 T*K * next_pow2(E) <= ALIGN_MAX_CELLS, in one program. Neither synchronises with the host.
+
+The MoE layers use them only with TOKENMILL_MOE_ROUTING_KERNELS=1: they are checked against the torch forms
+(interpreted on the CPU) but not yet compiled and timed on a device.
 """
 from __future__ import annotations
 

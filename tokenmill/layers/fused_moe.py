@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.distributed import divide, get_parallel_state, get_tp_size
 from tokenmill.distributed.communication_op import tensor_model_parallel_all_reduce
 from tokenmill.layers.linear import MergedColumnParallelLinear, RowParallelLinear, default_weight_loader
@@ -194,7 +195,7 @@ class SparseMoeBlock(nn.Module):
         """(topk_weights [T, K], topk_ids [T, K]) as HF's router computes them."""
         logits = F.linear(x, self.gate.weight)
         out_dtype = torch.float32 if self.fp32_weights else logits.dtype
-        if x.is_cuda:
+        if x.is_cuda and envs.TOKENMILL_MOE_ROUTING_KERNELS:
             from tokenmill.kernels.triton_moe_routing import topk_softmax
             return topk_softmax(logits, self.top_k, self.renormalize, out_dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
