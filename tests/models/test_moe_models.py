@@ -1,7 +1,7 @@
 """Mixture-of-experts families against HF transformers (tiny random fp32 configs, CPU): Qwen3-MoE (a dense layer
-among sparse ones, renormalised top-k), Qwen2-MoE (shared expert with its gate, q/k/v biases, plain top-k) and
+among sparse ones, renormalised top-k), Qwen2-MoE (shared expert with its gate, q/k/v biases, plain top-k),
 Mixtral (fp32 routing weights, per-expert w1 / w3 / w2 names) and Qwen3.5-MoE (the Gated DeltaNet hybrid with a
-shared expert in every layer).
+shared expert in every layer; the causal LM and the text path of the multimodal checkpoint).
 
 The oracle is teacher forcing: HF's forward over prompt + tokenmill's greedy output must pick each of those tokens
 with tokenmill's logprob within 1e-4. Then chunked prefill, prefix-cache hits, preemption, batch-of-one runs,
@@ -41,6 +41,12 @@ def _config(arch: str, vocab: int, bos: int, eos: int):
         return tf.Qwen2MoeConfig(**common, num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32,
                                  shared_expert_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
                                  norm_topk_prob=False)
+    if arch == "qwen3_5_moe_mm":  # the multimodal checkpoint (vision tower skipped), its text path served
+        text = _config("qwen3_5_moe", vocab, bos, eos)
+        vision = tf.Qwen3_5MoeVisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                           out_hidden_size=64, patch_size=4, temporal_patch_size=1,
+                                           num_position_embeddings=16)
+        return tf.Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision.to_dict())
     if arch == "qwen3_5_moe":  # the hybrid: Gated DeltaNet and gated full attention, every MLP sparse
         return tf.Qwen3_5MoeTextConfig(
             **common, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], head_dim=32,
@@ -63,14 +69,16 @@ def make_model(tmp_path_factory, smollm2_tokenizer):
         tok = smollm2_tokenizer
         cfg = _config(arch, len(tok), tok.bos_token_id or 0, tok.eos_token_id)
         torch.manual_seed(1234)
-        if arch == "qwen3_5_moe":
-            hf = tf.Qwen3_5MoeForCausalLM(cfg).to(torch.float32)
+        if arch.startswith("qwen3_5_moe"):
+            cls = tf.Qwen3_5MoeForCausalLM if arch == "qwen3_5_moe" else tf.Qwen3_5MoeForConditionalGeneration
+            hf = cls(cfg).to(torch.float32)
         else:
             hf = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
         with torch.no_grad():  # spread the router's logits so routing differs from token to token
             for name, p in hf.named_parameters():
-                if "norm" in name:  # Qwen3.5's norms scale by (1 + w): around 1 like the others'
-                    p.normal_(0.0 if arch == "qwen3_5_moe" else 1.0, 0.2)
+                if "norm" in name:  # around 1, as Qwen3.5's (1 + w) norms are with w near 0; a wider spread
+                    # there amplifies fp32 noise past 1e-4 wherever a router's top-k is a near-tie
+                    p.normal_(0.0, 0.1) if arch.startswith("qwen3_5_moe") else p.normal_(1.0, 0.2)
                 elif name.endswith("gate.weight"):
                     p.normal_(0.0, 0.5)
         d = str(tmp_path_factory.mktemp(f"moe-{arch}"))
@@ -87,7 +95,7 @@ def llm_for(d, **kw):
     return LLM(d, **kw)
 
 
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_5_moe"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_5_moe", "qwen3_5_moe_mm"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -121,7 +129,7 @@ def test_routing_varies_across_tokens(reference):
     def hook(module, args, out):
         seen.update(out[2].flatten().tolist())
 
-    layer = hf.model.layers[0].mlp
+    layer = getattr(hf.model, "language_model", hf.model).layers[0].mlp
     handle = layer.gate.register_forward_hook(hook)
     try:
         with torch.no_grad():
