@@ -228,3 +228,37 @@ def test_quantized_experts_are_refused(make_model, tmp_path):
     with pytest.raises(ValueError, match="MoE experts with quantization 'fp8'"):
         llm_for(d, quantization="fp8")
 
+
+
+def test_lora_on_attention_matches_peft_and_shared_expert_targets_are_refused(reference, tmp_path):
+    """An adapter on the attention projections of a MoE model gives peft's greedy tokens and logprobs; one that
+    targets the shared expert's projections is refused naming the module."""
+    import copy
+
+    import peft
+    from tests.models.oracle import hf_logprobs
+    from tokenmill.lora.peft import LoRAAdapterError
+    from tokenmill.lora.request import LoRARequest
+    arch, d, hf, _ = reference
+    if arch not in ("qwen3_moe", "qwen2_moe"):
+        pytest.skip("two families are enough here")
+    targets = ["q_proj", "v_proj", "o_proj"] + (["down_proj"] if arch == "qwen2_moe" else [])
+    torch.manual_seed(7)
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                                init_lora_weights=False))
+    ad = str(tmp_path / "adapter")
+    pm.save_pretrained(ad)
+    llm = llm_for(d, enable_lora=True, max_lora_rank=8)
+    lora = LoRARequest("a", 1, ad)
+    if arch == "qwen2_moe":
+        with pytest.raises(LoRAAdapterError, match="shared_expert"):
+            llm.generate(PROMPTS[:1], GREEDY, lora_request=lora, use_tqdm=False)
+        return
+    outs = llm.generate(PROMPTS[:2], GREEDY, lora_request=lora, use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        ref = hf_logprobs(pm.eval(), out.prompt_token_ids + c.token_ids)
+        n = len(out.prompt_token_ids)
+        for i, (tid, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert tid == int(ref[n - 1 + i].argmax()), i
+            assert abs(lp[tid].logprob - ref[n - 1 + i][tid].item()) < 1e-4, i
