@@ -57,29 +57,9 @@ class _MoeForCausalLM(LlamaForCausalLM):
         return weights
 
 
-class Qwen3MoeForCausalLM(_MoeForCausalLM):
-    qk_norm = True
-
-    @staticmethod
-    def mlp_bias(cfg) -> bool:
-        return False
-
-    @staticmethod
-    def make_mlp(cfg, layer_idx: int, quant_config, prefix: str) -> nn.Module:
-        if not _is_sparse(cfg, layer_idx):
-            return LlamaMLP(cfg, quant_config, prefix, bias=False)
-        return MoeMLP(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                      bool(getattr(cfg, "norm_topk_prob", False)), quant_config, prefix)
-
-
-class Qwen2MoeForCausalLM(_MoeForCausalLM):
-    @staticmethod
-    def attention_biases(cfg) -> tuple[bool, bool]:
-        return bool(getattr(cfg, "qkv_bias", True)), False
-
-    @staticmethod
-    def mlp_bias(cfg) -> bool:
-        return False
+class _QwenMoeForCausalLM(_MoeForCausalLM):
+    """Qwen2-MoE and Qwen3-MoE: dense layers where `_is_sparse` says so, a shared expert where the config sizes
+    one."""
 
     @staticmethod
     def make_mlp(cfg, layer_idx: int, quant_config, prefix: str) -> nn.Module:
@@ -87,17 +67,23 @@ class Qwen2MoeForCausalLM(_MoeForCausalLM):
             return LlamaMLP(cfg, quant_config, prefix, bias=False)
         return MoeMLP(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                       bool(getattr(cfg, "norm_topk_prob", False)), quant_config, prefix,
-                      shared_intermediate_size=getattr(cfg, "shared_expert_intermediate_size", 0))
+                      shared_intermediate_size=getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
+
+
+class Qwen3MoeForCausalLM(_QwenMoeForCausalLM):
+    qk_norm = True
+
+
+class Qwen2MoeForCausalLM(_QwenMoeForCausalLM):
+    @staticmethod
+    def attention_biases(cfg) -> tuple[bool, bool]:
+        return bool(getattr(cfg, "qkv_bias", True)), False
 
 
 class MixtralForCausalLM(_MoeForCausalLM):
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
         return False, False
-
-    @staticmethod
-    def mlp_bias(cfg) -> bool:
-        return False
 
     @staticmethod
     def make_mlp(cfg, layer_idx: int, quant_config, prefix: str) -> nn.Module:
