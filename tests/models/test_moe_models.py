@@ -232,7 +232,7 @@ def test_quantized_experts_are_refused(make_model, tmp_path):
 
 def test_lora_on_attention_matches_peft_and_shared_expert_targets_are_refused(reference, tmp_path):
     """An adapter on the attention projections of a MoE model gives peft's greedy tokens and logprobs; one that
-    targets the shared expert's projections is refused naming the module."""
+    targets the shared expert's (or the experts') projections is refused naming the module."""
     import copy
 
     import peft
@@ -251,7 +251,8 @@ def test_lora_on_attention_matches_peft_and_shared_expert_targets_are_refused(re
     llm = llm_for(d, enable_lora=True, max_lora_rank=8)
     lora = LoRARequest("a", 1, ad)
     if arch == "qwen2_moe":
-        with pytest.raises(LoRAAdapterError, match="shared_expert"):
+        # peft versions differ on whether "down_proj" also adapts the fused experts: either module is named
+        with pytest.raises(LoRAAdapterError, match=r"mlp\.(shared_expert|experts)"):
             llm.generate(PROMPTS[:1], GREEDY, lora_request=lora, use_tqdm=False)
         return
     outs = llm.generate(PROMPTS[:2], GREEDY, lora_request=lora, use_tqdm=False)

@@ -6,6 +6,9 @@ Full attention: q_proj gives per head a query and an output gate (head_dim each,
 (1 + w) q / k norms; RoPE on the first partial_rotary_factor of each head (the multimodal RoPE sections coincide
 for text positions, so plain RoPE is exact there); the attention output times sigmoid(gate) before o_proj.
 
+Qwen3.5-MoE (`Qwen3_5Moe*`, a config with `num_experts`) is the same hybrid with layers/fused_moe.py's
+SparseMoeBlock (routed experts plus a gated shared expert) as every layer's MLP.
+
 `Qwen3_5ForConditionalGeneration` checkpoints run their text path: the language model loads under the text
 model's names; the vision tower and the multi-token-prediction (MTP) head are skipped with one log line each.
 """
